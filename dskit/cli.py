@@ -1,0 +1,228 @@
+"""`dskit` command line. Small and stable: new knobs go into the spec (and `--set`), not new flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+
+TARGETS = ("slurm",)
+
+# Flags that map 1:1 onto spec fields (dest -> dotted spec key).
+SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
+    "job_name": ("name", str, "run/job name (spec: name)"),
+    "model": ("model.preset", str, "catalog model (spec: model.preset)"),
+    "gpu": ("hardware.gpu", str, "GPU profile (spec: hardware.gpu)"),
+    "gpus_per_node": ("hardware.gpus_per_node", int, "GPUs per node (spec: hardware.gpus_per_node)"),
+    "nodes": ("hardware.nodes", int, "node count (spec: hardware.nodes)"),
+    "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
+    "runtime": ("runtime.kind", str, "pyxis | apptainer | none (spec: runtime.kind)"),
+    "image": ("runtime.image", str, "container image (spec: runtime.image)"),
+}
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="?", help="run spec YAML (default: built-in defaults; see `dskit init`)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any spec field, e.g. --set training.steps=100 (repeatable)",
+    )
+    for dest, (_, typ, help_) in SPEC_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=help_)
+
+
+def _spec_from_args(a: argparse.Namespace):
+    from dskit.spec import load_spec
+
+    flags = {key: getattr(a, dest) for dest, (key, _, _) in SPEC_FLAGS.items()}
+    return load_spec(a.spec, a.set, flags)
+
+
+def cmd_init(a: argparse.Namespace) -> int:
+    from dskit.spec import starter_yaml
+
+    out = Path(a.output)
+    if out.exists() and not a.force:
+        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    out.write_text(starter_yaml())
+    print(f"wrote {out}: edit it, then `dskit plan {out}`")
+    return 0
+
+
+def cmd_schema(a: argparse.Namespace) -> int:
+    from dskit.spec import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from dskit.plan import build_plan, dump_plan
+
+    plan = build_plan(_spec_from_args(a))
+    if a.json:
+        print(json.dumps(plan.model_dump(mode="json"), indent=2))
+    else:
+        print(dump_plan(plan), end="")
+        _print_summary(plan)
+    return 0
+
+
+def _print_summary(plan: Any, out_dir: Path | None = None) -> None:
+    for w in plan.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if out_dir:
+        print(f"wrote {out_dir}")
+    print(plan.summary())
+
+
+def cmd_render(a: argparse.Namespace) -> int:
+    from dskit.plan import build_plan
+    from dskit.render import common
+
+    spec = _spec_from_args(a)
+    plan = build_plan(spec)
+    out = Path(a.output or f"runs/{plan.name}-{a.target}").resolve()
+    if out.exists() and not a.force:
+        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    if a.target == "slurm":
+        from dskit.render import slurm
+
+        files = slurm.render(plan, out)
+        executable: tuple[str, ...] = (slurm.SCRIPT,)
+        next_step = f"sbatch {out / slurm.SCRIPT}"
+    else:  # argparse restricts choices; kept for new targets
+        raise SpecError("target", f"unknown target {a.target!r}")
+    common.write_output(files, out, force=a.force, executable=executable)
+    _print_summary(plan, out)
+    print(f"next: {next_step}")
+    return 0
+
+
+def cmd_catalog(a: argparse.Namespace) -> int:
+    from dskit import catalog
+
+    table = {"gpus": catalog.gpus, "models": catalog.models, "fabrics": catalog.fabrics}[a.kind]()
+    for name, entry in table.items():
+        print(f"{name:24s} {entry.source}")
+    return 0
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from dskit.train.local import run_local
+
+    if not a.local:
+        # Inside a launcher (torchrun / Ray) the entry point is `python -m dskit.train`.
+        from dskit.train.entry import main as train_main
+
+        return train_main()
+    return run_local(a.run, nproc=a.nproc)
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from dskit.train.export import export
+
+    export(a.run, a.output, force=a.force, verify=not a.no_verify)
+    return 0
+
+
+def cmd_data(a: argparse.Namespace) -> int:
+    from dskit.train.data import prepare
+
+    prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dskit",
+        description="Train DeepSeek-style MoE models (AutoEP + ZeRO-3) from one run spec: plan it, render it "
+        "for Slurm, and run the in-container trainer.",
+        epilog="Bad input exits with code 2 and one line naming the field. Docs: README.md.",
+    )
+    from dskit import __version__
+
+    p.add_argument("--version", action="version", version=f"dskit {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("init", help="write a commented starter run spec")
+    s.add_argument("-o", "--output", default="dskit.yaml", help="file to write (default: dskit.yaml)")
+    s.add_argument("--force", action="store_true", help="replace an existing file")
+    s.set_defaults(func=cmd_init)
+
+    s = sub.add_parser("schema", help="print the run spec's JSON Schema")
+    s.set_defaults(func=cmd_schema)
+
+    s = sub.add_parser("plan", help="resolve a spec into the plan (run.yaml) and print it")
+    _add_spec_args(s)
+    s.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser(
+        "render",
+        help="write a run directory for a target",
+        description="Resolve the spec and write run.yaml, deepspeed.json and the target's files "
+        "into a new directory (atomically: all files or none).",
+    )
+    s.add_argument("target", choices=TARGETS, help="slurm: job.sbatch for `sbatch`")
+    _add_spec_args(s)
+    s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-TARGET)")
+    s.add_argument("--force", action="store_true", help="replace an existing run directory")
+    s.set_defaults(func=cmd_render)
+
+    s = sub.add_parser("catalog", help="list catalog entries with their sources")
+    s.add_argument("kind", choices=("gpus", "models", "fabrics"))
+    s.set_defaults(func=cmd_catalog)
+
+    s = sub.add_parser(
+        "train",
+        help="run the trainer (inside a launcher, or --local on this machine)",
+        description="Without --local this is `python -m dskit.train` (reads DSKIT_RUN_FILE). "
+        "With --local it starts torchrun on this machine for a rendered run directory.",
+    )
+    s.add_argument("run", nargs="?", help="run directory or run.yaml (with --local)")
+    s.add_argument("--local", action="store_true", help="launch torchrun here (CPU demo, debugging)")
+    s.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's per-node count)")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser(
+        "export", help="write a Hugging Face model (config.json + safetensors) from a checkpoint"
+    )
+    s.add_argument("run", help="run directory (with run.yaml) or run.yaml")
+    s.add_argument("-o", "--output", required=True, help="directory for the Hugging Face model")
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.add_argument("--no-verify", action="store_true", help="skip the logits check against the trained model")
+    s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("data", help="data tools")
+    dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")
+    d = dsub.add_parser("prepare", help="tokenize text/jsonl into token shards for training")
+    d.add_argument("inputs", nargs="+", help=".txt or .jsonl files (jsonl: the 'text' field)")
+    d.add_argument("-o", "--output", required=True, help="shard directory to create")
+    d.add_argument(
+        "--tokenizer", default="byte", help="'byte' (built in) or a local Hugging Face tokenizer dir"
+    )
+    d.add_argument("--force", action="store_true", help="replace an existing directory")
+    d.set_defaults(func=cmd_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return a.func(a)
+    except SpecError as e:
+        print(f"dskit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The launch contract: names shared by the renderers (writers) and the trainer (reader).
+
+Every target (Slurm, Helm, Ray) exports the same `Env` names with the same values for the same plan;
+only RUN_FILE's path differs, because each target mounts run.yaml its own way (the file's content is
+identical). tests/test_contract.py renders every target and diffs them.
+
+Process identity (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) comes from
+the launcher (torchrun, Ray Train), never from dskit.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Env(str, Enum):
+    RUN_FILE = "DSKIT_RUN_FILE"  # path of run.yaml: the trainer's only input
+    GPU_PROFILE = "DSKIT_GPU_PROFILE"  # catalog name; the trainer checks it against run.yaml
+    CHECKPOINT_DIR = "DSKIT_CHECKPOINT_DIR"
+    OUTPUT_DIR = "DSKIT_OUTPUT_DIR"
+    SHM_BYTES = "DSKIT_SHM_BYTES"  # /dev/shm size the target provisioned; `dskit doctor` compares
+    CUDA_DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+    PYTORCH_CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+    OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+
+#: Names every target must export (fabric NCCL_* names come on top, from the catalog).
+REQUIRED = tuple(e.value for e in Env)
+
+#: Process env set by the launcher, read by the trainer.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+#: The trainer exits with this code after a signal-triggered checkpoint: "requeue me".
+#: 75 is EX_TEMPFAIL (sysexits.h): a temporary failure, retry later. Slurm's batch script requeues on
+#: it, the Helm chart's podFailurePolicy restarts on it, Ray counts it as a retryable worker failure.
+EXIT_REQUEUE = 75
+
+#: File names inside a rendered run directory.
+RUN_YAML = "run.yaml"
+DEEPSPEED_JSON = "deepspeed.json"
+
+#: Stop request: a launcher that cannot signal the ranks directly (torchrun does not forward SIGUSR1,
+#: and containers hide PIDs) creates this file in the checkpoint dir; the trainer polls it each step,
+#: checkpoints and exits with EXIT_REQUEUE. Files older than the trainer's start are stale and ignored.
+STOP_FILE = "STOP"
+#: Written in the output dir when all steps are done, so launchers do not requeue a finished run.
+COMPLETE_FILE = "COMPLETE"

@@ -1,0 +1,417 @@
+"""The plan: every number the run needs, decided once from the spec and the catalogs.
+
+`build_plan(spec)` is the only place values are computed. Renderers map a `Plan` into templates; the
+trainer reads the same `Plan` back from run.yaml (`load_plan`). Nothing downstream recomputes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dskit import catalog
+from dskit.contract import Env
+from dskit.errors import SpecError
+from dskit.plan import memory
+from dskit.plan.deepspeed import deepspeed_config
+from dskit.plan.model_math import counts, flops_per_token
+from dskit.spec import Spec
+
+DEFAULT_MODEL = "deepseek-v2-lite"
+PLAN_VERSION = 1
+AUTOEP_PRESETS = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelPlan(_Frozen):
+    name: str
+    source: str
+    trainable: bool
+    untrainable_reason: str | None
+    path: str | None  # local HF directory to load weights from (None: random init)
+    config: dict[str, Any]  # HF config.json keys, layers already truncated
+    aux_loss_coeff: float
+    seq_aux: bool
+    params_total: int
+    params_active: int
+    flops_per_token: float
+
+
+class HardwarePlan(_Frozen):
+    gpu: str
+    on_gpu: bool
+    nodes: int
+    procs_per_node: int
+    world_size: int
+    memory_gib: float | None
+    peak_tflops: float | None  # at the chosen precision; None: no MFU is reported
+
+
+class ParallelPlan(_Frozen):
+    ep_size: int
+    expert_dp_size: int  # ranks holding replicas of the same experts (ZeRO-3 shards experts over these)
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    activation_checkpointing: int  # 0 off, N every N-th layer
+    precision: Literal["bf16", "fp16"]
+    attention: str
+    offload_optimizer: bool
+
+
+class OptimPlan(_Frozen):
+    steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+
+
+class RunPlan(_Frozen):
+    seed: int
+    log_every: int
+    data_path: str | None
+    checkpoint_dir: str
+    output_dir: str
+    checkpoint_every: int
+    checkpoint_keep: int
+
+
+class LaunchPlan(_Frozen):
+    runtime: Literal["pyxis", "apptainer", "none"]
+    image: str
+    python: str
+    mounts: list[str]
+    storage_root: str
+    rdzv_port: int
+    shm_bytes: int
+    fabric: str
+    fabric_rdma: bool
+
+
+class Plan(_Frozen):
+    version: int
+    name: str
+    model: ModelPlan
+    hardware: HardwarePlan
+    parallel: ParallelPlan
+    optim: OptimPlan
+    run: RunPlan
+    launch: LaunchPlan
+    memory: dict[str, Any]
+    env: dict[str, str]  # the launch contract, minus RUN_FILE (each target adds its own path)
+    deepspeed: dict[str, Any]
+    warnings: list[str]
+    spec: dict[str, Any]  # the validated spec, for the record
+
+    def summary(self) -> str:
+        p, h = self.parallel, self.hardware
+        return (
+            f"{self.model.name} on {h.nodes}x{h.procs_per_node} {h.gpu}: world {h.world_size}, EP {p.ep_size}, "
+            f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, {p.precision}, "
+            f"~{self.memory['total_gib']} GiB/GPU"
+        )
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+def _resolve_model(spec: Spec) -> tuple[catalog.ModelPreset, str | None]:
+    if spec.model.path:
+        preset = catalog.model_from_path(spec.model.path)
+        p = Path(spec.model.path)
+        has_weights = p.is_dir() and any(p.glob("*.safetensors"))
+        return preset, str(p.resolve()) if has_weights else None
+    return catalog.model(spec.model.preset or DEFAULT_MODEL), None
+
+
+def _pick_ep(n_experts: int, world: int, per_node: int, forced: int | None) -> int:
+    if forced is not None:
+        if n_experts % forced or world % forced:
+            raise SpecError(
+                "overrides.ep_size",
+                f"{forced} must divide both the expert count ({n_experts}) and the world size ({world}); "
+                f"valid: {', '.join(str(d) for d in _divisors(math.gcd(n_experts, world)))}",
+            )
+        return forced
+    # Largest size that divides both and stays inside a node, so the all-to-all runs on NVLink.
+    return max(d for d in _divisors(math.gcd(n_experts, world)) if d <= per_node)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _precision(spec: Spec, gpu: catalog.GPU) -> str:
+    want = spec.overrides.precision
+    if want == "bf16" and not gpu.bf16:
+        raise SpecError("overrides.precision", f"{gpu.name} has no bf16; one of: auto, fp16")
+    if want == "auto":
+        return "bf16" if gpu.bf16 else "fp16"
+    return want
+
+
+def _attention(spec: Spec, gpu: catalog.GPU) -> str:
+    want = spec.overrides.attention
+    if want == "auto":
+        return gpu.attention
+    if want == "flash_attention_3" and gpu.flash_attn != "fa3":
+        raise SpecError(
+            "overrides.attention", f"FlashAttention-3 needs a Hopper GPU; {gpu.name} takes {gpu.flash_attn}"
+        )
+    if want == "flash_attention_2" and gpu.flash_attn == "none":
+        raise SpecError(
+            "overrides.attention",
+            f"{gpu.name} cannot run FlashAttention-2 (sm80+ only); one of: auto, sdpa, eager",
+        )
+    return want
+
+
+def _micro_batch_candidates(per_rank: int) -> list[int]:
+    return [m for m in (64, 32, 16, 8, 4, 2, 1) if per_rank % m == 0]
+
+
+def build_plan(spec: Spec) -> Plan:
+    gpu = catalog.gpu(spec.hardware.gpu)
+    fabric = catalog.fabric(spec.network.fabric)
+    preset, weights_path = _resolve_model(spec)
+    cfg = dict(preset.config)
+    if spec.model.num_layers is not None:
+        if spec.model.num_layers > cfg["num_hidden_layers"]:
+            raise SpecError("model.num_layers", f"{preset.name} has only {cfg['num_hidden_layers']} layers")
+        cfg["num_hidden_layers"] = spec.model.num_layers
+    warnings: list[str] = []
+    if spec.training.seq_len > cfg.get("max_position_embeddings", spec.training.seq_len):
+        raise SpecError(
+            "training.seq_len",
+            f"{spec.training.seq_len} exceeds the model's max_position_embeddings ({cfg['max_position_embeddings']})",
+        )
+
+    nodes, per_node = spec.hardware.nodes, spec.hardware.gpus_per_node
+    world = nodes * per_node
+    ep = _pick_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
+    gb = spec.training.global_batch
+    if gb % world:
+        lo, hi = (gb // world) * world, (gb // world + 1) * world
+        raise SpecError(
+            "training.global_batch",
+            f"{gb} is not divisible by the world size {world}; nearest: {lo or hi}, {hi}",
+        )
+    per_rank = gb // world
+    precision = _precision(spec, gpu)
+    ckpt = 1 if spec.overrides.activation_checkpointing is None else spec.overrides.activation_checkpointing
+    mc = counts(cfg, spec.training.seq_len)
+    capacity = gpu.memory_gib
+
+    def est(mb: int, offload: bool) -> memory.MemoryEstimate:
+        return memory.estimate(
+            cfg,
+            mc,
+            world=world,
+            micro_batch=mb,
+            seq_len=spec.training.seq_len,
+            ckpt_every=ckpt,
+            offload_optimizer=offload,
+            capacity_gib=capacity,
+        )
+
+    forced_mb = spec.overrides.micro_batch
+    if forced_mb is not None and per_rank % forced_mb:
+        raise SpecError(
+            "overrides.micro_batch",
+            f"{forced_mb} does not divide the per-rank batch {per_rank} "
+            f"(global_batch {gb} / world {world}); valid: {', '.join(map(str, _micro_batch_candidates(per_rank)))}",
+        )
+    offload_choices = {"none": [False], "cpu": [True], "auto": [False, True]}[
+        spec.overrides.offload_optimizer
+    ]
+    chosen: tuple[int, bool, memory.MemoryEstimate] | None = None
+    cpu_cap = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
+    for offload in offload_choices:
+        mbs = (
+            [forced_mb]
+            if forced_mb
+            else [m for m in _micro_batch_candidates(per_rank) if not gpu.is_cpu or m <= cpu_cap]
+        )
+        for mb in mbs:
+            e = est(mb, offload)
+            if e.fits:
+                chosen = (mb, offload, e)
+                break
+        if chosen:
+            break
+    if chosen is None:
+        mb = forced_mb or 1
+        offload = offload_choices[-1]
+        e = est(mb, offload)
+        chosen = (mb, offload, e)
+        warnings.append(
+            f"memory estimate {e.total_gib:.1f} GiB/GPU exceeds 90% of {capacity} GiB even at micro-batch {mb}"
+            f"{' with optimizer offload' if offload else ''}: add nodes (hardware.nodes) or GPUs, or shorten training.seq_len"
+        )
+    mb, offload, est_mem = chosen
+    if offload:
+        warnings.append("optimizer states offloaded to CPU (memory estimate needs it): expect slower steps")
+
+    peak = gpu.peak_tflops_bf16 if precision == "bf16" else gpu.peak_tflops_fp16
+    storage = spec.storage
+    run_root = f"{storage.root.rstrip('/')}/{spec.name}"
+    ckpt_dir = storage.checkpoint_dir or f"{run_root}/checkpoints"
+    out_dir = storage.output_dir or f"{run_root}/outputs"
+    balance = preset.balance or {}
+    aux = (
+        spec.training.aux_loss_coeff
+        if spec.training.aux_loss_coeff is not None
+        else float(balance.get("aux_loss_alpha", 0.0))
+    )
+    steps = spec.training.steps
+    # /dev/shm: NCCL's intra-node transport and DataLoader workers use it; Docker's default is 64 MB.
+    shm = (1 if gpu.is_cpu else max(16, 2 * per_node)) * 2**30
+    omp = spec.hardware.cpus_per_node // per_node if spec.hardware.cpus_per_node else (1 if gpu.is_cpu else 8)
+    env = {
+        Env.GPU_PROFILE.value: gpu.name,
+        Env.CHECKPOINT_DIR.value: ckpt_dir,
+        Env.OUTPUT_DIR.value: out_dir,
+        Env.SHM_BYTES.value: str(shm),
+        # ZeRO-3 overlaps its all-gathers and reduce-scatters with compute on separate streams: keep
+        # CUDA's 8 hardware queues (Megatron-style images set 1, which serialises them).
+        Env.CUDA_DEVICE_MAX_CONNECTIONS.value: "8",
+        # MoE token counts change the shapes every step: expandable segments stop the fragmentation
+        # that shows up as reserved >> allocated (58.5 vs 51.7 GiB in the baseline).
+        Env.PYTORCH_CUDA_ALLOC_CONF.value: "expandable_segments:True",
+        Env.OMP_NUM_THREADS.value: str(max(1, omp)),
+        **fabric.env,
+    }
+    if spec.network.interface:
+        env["NCCL_SOCKET_IFNAME"] = spec.network.interface
+        env["GLOO_SOCKET_IFNAME"] = spec.network.interface
+    if spec.network.ib_hca:
+        if not fabric.rdma:
+            raise SpecError("network.ib_hca", f"only applies to RDMA fabrics; {fabric.name} is not one")
+        env["NCCL_IB_HCA"] = spec.network.ib_hca
+    if gpu.is_cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    model_type = cfg.get("model_type")
+    return Plan(
+        version=PLAN_VERSION,
+        name=spec.name,
+        model=ModelPlan(
+            name=preset.name,
+            source=preset.source,
+            trainable=preset.trainable,
+            untrainable_reason=preset.untrainable_reason,
+            path=weights_path,
+            config=cfg,
+            aux_loss_coeff=aux,
+            seq_aux=bool(balance.get("seq_aux", True)),
+            params_total=mc.total,
+            params_active=mc.active,
+            flops_per_token=flops_per_token(mc),
+        ),
+        hardware=HardwarePlan(
+            gpu=gpu.name,
+            on_gpu=not gpu.is_cpu,
+            nodes=nodes,
+            procs_per_node=per_node,
+            world_size=world,
+            memory_gib=gpu.memory_gib,
+            peak_tflops=peak,
+        ),
+        parallel=ParallelPlan(
+            ep_size=ep,
+            expert_dp_size=world // ep,
+            micro_batch=mb,
+            grad_accum=per_rank // mb,
+            global_batch=gb,
+            seq_len=spec.training.seq_len,
+            activation_checkpointing=ckpt,
+            precision=precision,
+            attention=_attention(spec, gpu),
+            offload_optimizer=offload,
+        ),
+        optim=OptimPlan(
+            steps=steps,
+            lr=spec.training.lr,
+            min_lr=spec.training.lr * spec.training.min_lr_ratio,
+            warmup_steps=round(steps * spec.training.warmup_ratio),
+            weight_decay=spec.training.weight_decay,
+            grad_clip=spec.training.grad_clip,
+        ),
+        run=RunPlan(
+            seed=spec.training.seed,
+            log_every=spec.training.log_every,
+            data_path=spec.data.path,
+            checkpoint_dir=ckpt_dir,
+            output_dir=out_dir,
+            checkpoint_every=spec.checkpoint.every,
+            checkpoint_keep=spec.checkpoint.keep,
+        ),
+        launch=LaunchPlan(
+            runtime=spec.runtime.kind,
+            image=spec.runtime.image,
+            python=spec.runtime.python,
+            mounts=list(spec.runtime.mounts),
+            storage_root=storage.root,
+            rdzv_port=29500,
+            shm_bytes=shm,
+            fabric=fabric.name,
+            fabric_rdma=fabric.rdma,
+        ),
+        memory=est_mem.as_dict(),
+        env=env,
+        deepspeed=deepspeed_config(
+            micro_batch=mb,
+            grad_accum=per_rank // mb,
+            world=world,
+            precision=precision,
+            lr=spec.training.lr,
+            weight_decay=spec.training.weight_decay,
+            grad_clip=spec.training.grad_clip,
+            ep_size=ep,
+            autoep_preset=AUTOEP_PRESETS.get(model_type, "deepseek_v2"),
+            offload_optimizer=offload,
+            hidden_size=cfg["hidden_size"],
+            on_gpu=not gpu.is_cpu,
+        ),
+        warnings=warnings,
+        spec=spec.model_dump(mode="json"),
+    )
+
+
+# --------------------------------------------------------------------------- run.yaml
+
+
+def dump_plan(plan: Plan) -> str:
+    return yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=120)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read run.yaml back. Any problem is a SpecError naming the file and the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(str(p), "run.yaml not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SpecError(str(p), f"not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise SpecError(str(p), "run.yaml must be a mapping (render it with `dskit render`)")
+    if data.get("version") != PLAN_VERSION:
+        raise SpecError(
+            f"{p}: version",
+            f"expected {PLAN_VERSION}, got {data.get('version')!r}; re-render with this dskit",
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise SpecError(f"{p}: {'.'.join(str(x) for x in err['loc'])}", err["msg"]) from None

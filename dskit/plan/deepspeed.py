@@ -1,0 +1,75 @@
+"""The DeepSpeed config a plan implies. Pure data: written to deepspeed.json and embedded in run.yaml."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# DeepSeek-V2 paper (Sec. 3.1.2): AdamW with beta1 0.9, beta2 0.95.
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+
+
+def deepspeed_config(
+    *,
+    micro_batch: int,
+    grad_accum: int,
+    world: int,
+    precision: str,
+    lr: float,
+    weight_decay: float,
+    grad_clip: float,
+    ep_size: int,
+    autoep_preset: str,
+    offload_optimizer: bool,
+    hidden_size: int,
+    on_gpu: bool,
+) -> dict[str, Any]:
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "overlap_comm": on_gpu,
+        "contiguous_gradients": True,
+        # Bucket sizes in elements, scaled to the hidden size as DeepSpeed's HF integration does
+        # ("auto" there): h*h for reduce buckets, 0.9*h*h prefetch, 10*h persistence threshold.
+        "reduce_bucket_size": hidden_size * hidden_size,
+        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        # The default (1e9 live params = 2 GB in bf16) is a silent memory reservation; a few layers suffice.
+        "stage3_max_live_parameters": 3 * 10**8,
+        "stage3_max_reuse_distance": 3 * 10**8,
+        # dskit exports Hugging Face weights itself (`dskit export`): gathering 16-bit weights on save
+        # raises NotImplementedError under AutoEP, and costs a full all-gather per checkpoint anyway.
+        "stage3_gather_16bit_weights_on_model_save": False,
+    }
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": micro_batch * grad_accum * world,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": weight_decay},
+        },
+        "expert_parallel": {"enabled": True, "autoep_size": ep_size, "preset_model": autoep_preset},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if not on_gpu and not offload_optimizer:
+        # FusedAdam is a CUDA op; on the CPU accelerator use torch's AdamW.
+        cfg["optimizer"]["torch_adam"] = True
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    else:
+        # No bf16 (V100, T4): fp16 needs dynamic loss scaling. loss_scale 0 = dynamic; the window is the
+        # seed post's growth interval of 2000 steps.
+        cfg["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 2000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    return cfg

@@ -1,0 +1,115 @@
+"""Per-GPU memory estimate for ZeRO-3 + AutoEP training of a DeepSeek MoE.
+
+An estimate, not a promise: tests/test_plan.py checks it against the H200 baseline measurements in
+../shared/reference (peak allocated 51.2 GiB / 45.8 GiB with checkpointing / 35.0 GiB at EP=2) to within
+25%. What it counts:
+
+- model states: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight + bf16 grad + fp32
+  master, momentum, variance; ZeRO paper, Rajbhandari et al. 2020). ZeRO-3 shards non-expert states over
+  all ranks; AutoEP gives each rank 1/ep of the experts and ZeRO-3 shards those over the expert-data-
+  parallel group (world/ep), so both come to 16 * P / world per GPU. Optimizer offload moves the 12
+  fp32 bytes to host memory.
+- the gathered working set: ZeRO-3 materialises about two layers' bf16 weights at once (the current and
+  the prefetched one), plus gradient buckets.
+- activations: bytes saved per token per layer for backward, from the shapes of every tensor autograd
+  keeps (inputs of each linear, of the activation function and of the norms), in bf16; with activation
+  checkpointing only each checkpointed layer's input is kept, plus one layer being recomputed.
+- the loss: bf16 logits, their fp32 copy for the softmax and its gradient (batch x seq x vocab); at
+  V2's 102400 vocabulary this is the largest activation (see DESIGN.md's profile).
+- a fixed overhead for the CUDA context, NCCL buffers and allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dskit.plan.model_math import ModelCounts, head_dims
+
+GIB = 2**30
+OVERHEAD_GIB = 2.5
+# Measured peak / counted activation bytes on the H200 baseline (allocator slack, temporaries such
+# as the all-to-all dispatch buffers and attention workspaces). See tests/test_plan.py.
+ACTIVATION_SLACK = 1.5
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    states_gib: float
+    working_set_gib: float
+    activations_gib: float
+    logits_gib: float
+    overhead_gib: float
+    capacity_gib: float | None
+
+    @property
+    def total_gib(self) -> float:
+        return (
+            self.states_gib
+            + self.working_set_gib
+            + self.activations_gib
+            + self.logits_gib
+            + self.overhead_gib
+        )
+
+    @property
+    def fits(self) -> bool:
+        # 90%: leave room for what an estimate cannot see (fragmentation spikes, NCCL growth)
+        return self.capacity_gib is None or self.total_gib <= 0.9 * self.capacity_gib
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        d["total_gib"] = round(self.total_gib, 2)
+        d["fits"] = self.fits
+        return d
+
+
+def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    dqk, dv = head_dims(cfg)
+    kvl = cfg.get("kv_lora_rank") or 0
+    ql = cfg.get("q_lora_rank") or 0
+    # residual + 2 norms + attention input/output projections, q/k/v, attention output, lora latents
+    attn = 6 * h + 3 * nh * dqk + 2 * nh * dv + kvl + ql
+    if dense:
+        mlp = 2 * h + 3 * cfg["intermediate_size"]
+    else:
+        active = cfg["num_experts_per_tok"] + (cfg.get("n_shared_experts") or 0)
+        # each routed copy of the token (k of them) is dispatched, expanded to 3*mi, and combined
+        mlp = 2 * h + active * 3 * cfg["moe_intermediate_size"] + cfg["num_experts_per_tok"] * h
+    return 2 * (attn + mlp)  # bf16
+
+
+def estimate(
+    cfg: dict[str, Any],
+    c: ModelCounts,
+    *,
+    world: int,
+    micro_batch: int,
+    seq_len: int,
+    ckpt_every: int,
+    offload_optimizer: bool,
+    capacity_gib: float | None,
+) -> MemoryEstimate:
+    state_bytes = 4 if offload_optimizer else 16
+    states = state_bytes * c.total / world
+    working = 2 * 2 * c.largest_layer + 2 * 2 * c.largest_layer  # two gathered layers + grad buckets
+    tokens = micro_batch * seq_len
+    L = cfg["num_hidden_layers"]
+    dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
+    per_layer = [_activation_bytes_per_token_layer(cfg, dense=i < dense_layers) for i in range(L)]
+    if ckpt_every == 0:
+        act = sum(per_layer) * tokens
+    else:
+        kept = (L // ckpt_every + 1) * 2 * cfg["hidden_size"] * tokens
+        act = kept + max(per_layer) * ckpt_every * tokens
+    act *= ACTIVATION_SLACK
+    logits = tokens * cfg["vocab_size"] * (2 + 4 + 4)  # bf16 logits, fp32 upcast, fp32 grad
+    return MemoryEstimate(
+        states_gib=states / GIB,
+        working_set_gib=working / GIB,
+        activations_gib=act / GIB,
+        logits_gib=logits / GIB,
+        overhead_gib=OVERHEAD_GIB if capacity_gib is not None else 0.0,
+        capacity_gib=capacity_gib,
+    )

@@ -1,0 +1,77 @@
+"""Parameter and FLOP counts for DeepSeek MoE configs (config.json keys), without building the model.
+
+One place for this arithmetic: the planner's memory model and the trainer's MFU both use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    total: int  # all parameters
+    expert: int  # routed-expert parameters (sharded by AutoEP)
+    active: int  # parameters touched per token, excluding the embedding lookup (for 6*N FLOPs)
+    largest_layer: int  # largest decoder layer's non-expert parameters (ZeRO-3 gathers one at a time)
+    attn_flops_per_token: float  # causal attention score/value FLOPs per token, forward + backward
+
+    @property
+    def non_expert(self) -> int:
+        return self.total - self.expert
+
+
+def head_dims(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(q/k head dim, v head dim). MLA: nope + rope and v_head_dim; MHA: hidden / heads."""
+    if cfg.get("kv_lora_rank"):
+        return cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return d, d
+
+
+def attention_params(cfg: dict[str, Any]) -> int:
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    if not cfg.get("kv_lora_rank"):  # plain multi-head attention (deepseek-moe-16b)
+        return 4 * h * h
+    dqk, dv = head_dims(cfg)
+    rope, kvl, ql = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+    q = h * ql + ql + ql * nh * dqk if ql else h * nh * dqk
+    kv = h * (kvl + rope) + kvl + kvl * nh * (cfg["qk_nope_head_dim"] + dv)
+    return q + kv + nh * dv * h
+
+
+def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
+    h, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    E, mi, k = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    shared = cfg.get("n_shared_experts") or 0
+    dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
+    moe_layers = L - dense_layers
+    attn = attention_params(cfg) + 2 * h  # + the two RMSNorms
+    dense_mlp = 3 * h * cfg["intermediate_size"]
+    routed = E * 3 * h * mi
+    moe_non_expert = 3 * h * mi * shared + E * h  # shared experts + router
+    embed = V * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    total = L * attn + dense_layers * dense_mlp + moe_layers * (routed + moe_non_expert) + embed + h
+    active = (
+        L * attn
+        + dense_layers * dense_mlp
+        + moe_layers * (3 * h * mi * (k + shared) + E * h)
+        + V * h  # lm_head
+    )
+    dqk, dv = head_dims(cfg)
+    # causal: half the s x s scores; QK^T and PV are 2*(dqk+dv) FLOPs per (query, key); x3 for fwd+bwd
+    attn_flops = L * cfg["num_attention_heads"] * 2 * (dqk + dv) * seq_len / 2 * 3
+    largest = max(attn + (dense_mlp if dense_layers else moe_non_expert), embed // 2)
+    return ModelCounts(
+        total=total,
+        expert=moe_layers * routed,
+        active=active,
+        largest_layer=largest,
+        attn_flops_per_token=attn_flops,
+    )
+
+
+def flops_per_token(c: ModelCounts) -> float:
+    """Training FLOPs per token: 6 x active params (fwd 2, bwd 4; Kaplan et al. 2020) + attention."""
+    return 6 * c.active + c.attn_flops_per_token

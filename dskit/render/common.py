@@ -1,0 +1,101 @@
+"""Shared by every render target: the template environment, shell quoting, and atomic output."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from dskit.contract import DEEPSPEED_JSON, RUN_YAML
+from dskit.errors import SpecError
+from dskit.plan import Plan, dump_plan
+
+
+def templates_dir() -> Path:
+    """Installed wheels carry templates inside the package; a source checkout has them at the top."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if candidate.is_dir():
+            return candidate
+    raise RuntimeError("dskit templates not found: the installation is incomplete")
+
+
+def environment() -> jinja2.Environment:
+    # StrictUndefined: a missing variable is an error, never an empty string in a script.
+    # No autoescape: outputs are shell/Dockerfile, and every value arrives pre-quoted from Python.
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def render_template(name: str, **context) -> str:
+    return environment().get_template(name).render(**context)
+
+
+def q(value: object) -> str:
+    """Quote one shell word."""
+    return shlex.quote(str(value))
+
+
+def sq(value: object) -> str:
+    """Always single-quote, even when shlex would not (commas in pyxis mount lists trip shellcheck)."""
+    return "'" + str(value).replace("'", "'\"'\"'") + "'"
+
+
+def env_lines(env: dict[str, str]) -> list[str]:
+    """`export NAME=value` lines, values quoted, names checked (they come from catalogs and code)."""
+    out = []
+    for name, value in env.items():
+        if not name.replace("_", "").isalnum() or name[0].isdigit():
+            raise ValueError(f"invalid environment variable name {name!r}")
+        out.append(f"export {name}={q(value)}")
+    return out
+
+
+def run_files(plan: Plan) -> dict[str, str]:
+    """Files every target's run directory carries: the plan (trainer input) and its DeepSpeed config."""
+    return {
+        RUN_YAML: dump_plan(plan),
+        DEEPSPEED_JSON: json.dumps(plan.deepspeed, indent=2) + "\n",
+    }
+
+
+def write_output(
+    files: dict[str, str], out_dir: Path, *, force: bool = False, executable: tuple[str, ...] = ()
+) -> Path:
+    """Write all files or none: build a sibling temporary directory, then rename it into place."""
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and not force:
+        raise SpecError("--output", f"{out_dir} already exists; pass --force to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        for rel, text in files.items():
+            path = tmp / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            if rel in executable:
+                path.chmod(0o755)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

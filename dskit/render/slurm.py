@@ -1,0 +1,99 @@
+"""Slurm target: plan -> job.sbatch (one srun task per node, each running torchrun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dskit import __version__
+from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, RUN_YAML, STOP_FILE
+from dskit.plan import Plan
+from dskit.render.common import env_lines, q, render_template, run_files, sq
+
+SCRIPT = "job.sbatch"
+#: Marker lines around the environment block; tests execute exactly this block.
+ENV_BEGIN, ENV_END = "# >>> dskit launch contract", "# <<< dskit launch contract"
+
+
+def _container_words(plan: Plan, run_dir: Path) -> list[str]:
+    """srun options / wrapper that put the trainer inside the runtime, each already shell-quoted."""
+    la = plan.launch
+    mounts = [f"{la.storage_root}:{la.storage_root}", f"{run_dir}:{run_dir}", *la.mounts]
+    if la.runtime == "pyxis":
+        return [
+            q(f"--container-image={la.image}"),
+            sq("--container-mounts=" + ",".join(mounts)),
+            "--no-container-mount-home",
+            q(f"--container-workdir={run_dir}"),
+        ]
+    if la.runtime == "apptainer":
+        words = ["apptainer", "exec"]
+        if plan.hardware.on_gpu:
+            words.append("--nv")
+        for m in mounts:
+            words += ["--bind", q(m)]
+        return words + [q(la.image)]
+    return []
+
+
+def launch_words(plan: Plan, run_dir: Path) -> list[str]:
+    """The srun command line, one shell word per element. ${...} words expand at run time."""
+    la, hw = plan.launch, plan.hardware
+    srun = ["srun", "--ntasks-per-node=1", f"--nodes={hw.nodes}", "--kill-on-bad-exit=1"]
+    container = _container_words(plan, run_dir)
+    if la.runtime == "pyxis":
+        srun += container
+        container = []
+    torchrun = [
+        q(la.python),
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={hw.nodes}",
+        f"--nproc-per-node={hw.procs_per_node}",
+        "--rdzv-backend=c10d",
+        '--rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}"',
+        '--rdzv-id="${SLURM_JOB_ID}"',
+        "--max-restarts=0",
+        "-m",
+        "dskit.train",
+    ]
+    return srun + container + torchrun
+
+
+def render(plan: Plan, run_dir: Path) -> dict[str, str]:
+    """Files of a Slurm run directory. `run_dir` is where they will live (baked in as an absolute path)."""
+    run_dir = Path(run_dir).resolve()
+    s = plan.spec["slurm"]
+    directives = [f"--job-name={plan.name}", f"--nodes={plan.hardware.nodes}", "--ntasks-per-node=1"]
+    if plan.hardware.on_gpu:
+        directives.append(f"--gpus-per-node={plan.hardware.procs_per_node}")
+    directives += [
+        "--exclusive",
+        f"--time={s['time']}",
+        "--output=%x-%j.out",
+        "--open-mode=append",
+        f"--signal=B:USR1@{s['grace_seconds']}",
+        "--requeue",
+    ]
+    directives += [f"--{k}={s[k]}" for k in ("partition", "account", "qos") if s[k]]
+    directives += s["extra_args"]
+    env = env_lines({**plan.env})
+    script = render_template(
+        "slurm/job.sbatch.j2",
+        version=__version__,
+        summary=plan.summary(),
+        directives=directives,
+        env_begin=ENV_BEGIN,
+        env_end=ENV_END,
+        run_dir=q(str(run_dir)),
+        run_yaml=RUN_YAML,
+        env=env,
+        rdzv_port=plan.launch.rdzv_port,
+        checkpoint_dir=q(plan.run.checkpoint_dir),
+        stop_file=q(f"{plan.run.checkpoint_dir}/{STOP_FILE}"),
+        complete_file=q(f"{plan.run.output_dir}/{COMPLETE_FILE}"),
+        output_dir=q(plan.run.output_dir),
+        launch=launch_words(plan, run_dir),
+        exit_requeue=EXIT_REQUEUE,
+        warnings=plan.warnings,
+    )
+    return {**run_files(plan), SCRIPT: script}

@@ -1,0 +1,326 @@
+"""The run spec: what the user asks for. Loaded from YAML, overridden by --set and CLI flags, validated.
+
+The pydantic models below are the single source of truth for the spec: validation, the JSON Schema
+(`dskit schema`), and the commented starter file (`dskit init`) are all generated from them.
+Catalog names (GPU, model, fabric) are checked against the catalogs in `dskit.catalog`, not here,
+so the allowed values in errors always match the data files.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from dskit.errors import SpecError
+
+# Identifiers land in #SBATCH lines, Kubernetes names and file names: keep them to a safe alphabet.
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?$")
+SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.,-]+$")
+SLURM_TIME_RE = re.compile(r"^(\d+-)?\d{1,3}:\d{2}(:\d{2})?$")
+SBATCH_ARG_RE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_control_chars(cls, v: Any) -> Any:
+        # Any string may reach a shell or a YAML file; quoting handles the rest, but a newline or NUL
+        # in a path is always a mistake and breaks line-oriented formats (#SBATCH, env files).
+        for s in v if isinstance(v, list) else [v]:
+            if isinstance(s, str) and _CONTROL.search(s):
+                raise ValueError("must not contain control characters (newline, tab, NUL)")
+        return v
+
+
+class ModelSpec(_Section):
+    preset: str | None = Field(
+        None, description="Catalog model name (see `dskit catalog models`). Default: deepseek-v2-lite."
+    )
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face model directory (config.json, optionally *.safetensors to start from) "
+        "or a config.json file. Exclusive with preset. Nothing is ever downloaded.",
+    )
+    num_layers: int | None = Field(
+        None, ge=1, description="Keep only the first N decoder layers (smoke tests, benchmarks)."
+    )
+
+
+class HardwareSpec(_Section):
+    gpu: str = Field("h100-80gb", description="GPU profile from the catalog (`cpu` for tests and demos).")
+    gpus_per_node: int = Field(8, ge=1, description="GPUs (or, for the cpu profile, processes) per node.")
+    nodes: int = Field(1, ge=1, description="Number of nodes.")
+    cpus_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="Host CPU cores per node; sets OMP_NUM_THREADS. Default: 8 per GPU, 1 for cpu.",
+    )
+
+
+class NetworkSpec(_Section):
+    fabric: str = Field("infiniband", description="Network fabric from the catalog.")
+    interface: str | None = Field(
+        None, description="Socket interface for NCCL/Gloo bootstrap (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)."
+    )
+    ib_hca: str | None = Field(None, description="NCCL_IB_HCA filter, e.g. 'mlx5_0,mlx5_1' (RDMA fabrics).")
+
+
+class RuntimeSpec(_Section):
+    kind: Literal["pyxis", "apptainer", "none"] = Field(
+        "pyxis", description="How Slurm starts the container: pyxis/enroot, apptainer, or none (a bare venv)."
+    )
+    image: str = Field(
+        "dskit:latest",
+        description="Container image (pyxis: registry ref or .sqsh; apptainer: .sif path). Build it with "
+        "`dskit render image`.",
+    )
+    mounts: list[str] = Field(
+        default_factory=list, description="Extra bind mounts 'SRC:DST' (the storage root is always mounted)."
+    )
+    python: str = Field(
+        "python3", description="Python interpreter inside the runtime (an absolute venv path for none)."
+    )
+
+
+class TrainingSpec(_Section):
+    seq_len: int = Field(4096, ge=8, description="Tokens per sequence.")
+    global_batch: int = Field(256, ge=1, description="Sequences per optimizer step, over all ranks.")
+    steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    lr: float = Field(1.5e-4, gt=0, description="Peak learning rate (the seed post's tuned 1.5e-4).")
+    warmup_ratio: float = Field(
+        0.03, ge=0, lt=1, description="Linear warmup as a fraction of steps (seed: 3%)."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    seed: int = Field(1234, description="Seed for init and data order.")
+    log_every: int = Field(10, ge=1, description="Steps between log lines / metrics records.")
+    aux_loss_coeff: float | None = Field(
+        None, ge=0, description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha."
+    )
+
+
+class DataSpec(_Section):
+    path: str | None = Field(
+        None,
+        description="Token shard directory from `dskit data prepare`. Default: the embedded corpus, "
+        "byte-tokenized at start (demo and tests).",
+    )
+
+
+class StorageSpec(_Section):
+    root: str = Field("/shared/dskit", description="Shared filesystem root; run dirs go under ROOT/NAME.")
+    checkpoint_dir: str | None = Field(None, description="Default: ROOT/NAME/checkpoints.")
+    output_dir: str | None = Field(None, description="Default: ROOT/NAME/outputs (metrics, exports).")
+
+
+class CheckpointSpec(_Section):
+    every: int = Field(200, ge=1, description="Steps between checkpoints (also saved on SIGUSR1/SIGTERM).")
+    keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted after a good save.")
+
+
+class SlurmSpec(_Section):
+    partition: str | None = Field(None, description="Slurm partition.")
+    account: str | None = Field(None, description="Slurm account.")
+    qos: str | None = Field(None, description="Slurm QOS.")
+    time: str = Field("24:00:00", description="Time limit, [D-]HH:MM[:SS].")
+    grace_seconds: int = Field(
+        180,
+        ge=10,
+        description="Seconds before the time limit at which Slurm sends USR1 (checkpoint + requeue).",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra #SBATCH flags, each '--flag' or '--flag=value'."
+    )
+
+    @field_validator("partition", "account", "qos")
+    @classmethod
+    def _word(cls, v: str | None) -> str | None:
+        if v is not None and not SLURM_WORD_RE.match(v):
+            raise ValueError("must contain only letters, digits and _ . , -")
+        return v
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        if not SLURM_TIME_RE.match(v):
+            raise ValueError("must look like HH:MM:SS or D-HH:MM:SS")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _args(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not SBATCH_ARG_RE.match(a):
+                raise ValueError(f"{a!r} is not a plain '--flag' or '--flag=value' (no spaces, quotes or $)")
+        return v
+
+
+class PlanOverrides(_Section):
+    """Anything the planner decides can be pinned here; `auto`/null lets the planner choose."""
+
+    ep_size: int | None = Field(None, ge=1, description="Expert-parallel group size (AutoEP autoep_size).")
+    micro_batch: int | None = Field(None, ge=1, description="Sequences per GPU per forward.")
+    activation_checkpointing: int | None = Field(
+        None, ge=0, description="0: off; 1: every layer; N: every N-th layer. Default: 1."
+    )
+    precision: Literal["auto", "bf16", "fp16"] = Field(
+        "auto", description="bf16 where the GPU has it, else fp16 with dynamic loss scaling."
+    )
+    attention: Literal["auto", "sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "eager"] = (
+        Field("auto", description="Attention backend. auto: the GPU profile's measured-fastest.")
+    )
+    offload_optimizer: Literal["auto", "none", "cpu"] = Field(
+        "auto", description="ZeRO optimizer-state offload. auto: cpu only when the memory estimate needs it."
+    )
+
+
+class Spec(_Section):
+    name: str = Field(
+        "dskit-run", description="Run name: lowercase letters, digits and '-' (job and dir names)."
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    hardware: HardwareSpec = Field(default_factory=HardwareSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    overrides: PlanOverrides = Field(default_factory=PlanOverrides)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(
+                "must be 1-52 lowercase letters, digits or '-', starting and ending alphanumeric"
+            )
+        return v
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def parse_set(expr: str) -> tuple[str, Any]:
+    """'a.b=v' -> ('a.b', v), v parsed as a YAML scalar/flow value so numbers and lists keep their type."""
+    key, sep, raw = expr.partition("=")
+    if not sep or not key.strip():
+        raise SpecError("--set", f"{expr!r} is not KEY=VALUE (e.g. training.steps=100)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def apply_override(data: dict, dotted: str, value: Any) -> None:
+    """Set data[a][b] = value for 'a.b', refusing keys the spec does not have."""
+    parts = dotted.split(".")
+    model: type[BaseModel] | None = Spec
+    node = data
+    for i, part in enumerate(parts):
+        fields = model.model_fields if model else {}
+        if part not in fields:
+            where = ".".join(parts[:i]) or "spec"
+            raise SpecError(dotted, f"unknown key {part!r} in {where}; valid keys: {', '.join(fields)}")
+        ann = fields[part].annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if i == len(parts) - 1:
+            node[part] = value
+        else:
+            if model is None:
+                raise SpecError(dotted, f"{'.'.join(parts[: i + 1])} is a value, not a section")
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(dotted, f"{'.'.join(parts[: i + 1])} must be a mapping")
+
+
+def load_spec(
+    path: str | Path | None = None, sets: list[str] | None = None, flags: dict[str, Any] | None = None
+) -> Spec:
+    """Spec from an optional YAML file, then --set expressions, then CLI flags (highest priority)."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError(str(path), "spec file not found")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise SpecError(str(path), f"not valid YAML: {str(e).splitlines()[0]}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise SpecError(str(path), "the spec must be a YAML mapping")
+        data = loaded
+    for expr in sets or []:
+        apply_override(data, *parse_set(expr))
+    for dotted, value in (flags or {}).items():
+        if value is not None:
+            apply_override(data, dotted, value)
+    return validate_spec(data)
+
+
+def validate_spec(data: dict) -> Spec:
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "spec"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key" + _valid_keys_hint(err["loc"])
+        raise SpecError(field, msg) from None
+    if spec.model.preset and spec.model.path:
+        raise SpecError("model", "set either model.preset or model.path, not both")
+    return spec
+
+
+def _valid_keys_hint(loc: tuple) -> str:
+    model: type[BaseModel] = Spec
+    for part in loc[:-1]:
+        ann = model.model_fields[str(part)].annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return ""
+        model = ann
+    return "; valid keys: " + ", ".join(model.model_fields)
+
+
+def json_schema() -> dict:
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "dskit run spec"
+    return schema
+
+
+def starter_yaml() -> str:
+    """A commented spec with every field at its default, generated from the models above."""
+    lines = [
+        "# dskit run spec. Every key is optional; the values shown are the defaults.",
+        "# Validate and preview: dskit plan SPEC.yaml   Schema: dskit schema",
+    ]
+
+    def emit(model: type[BaseModel], instance: BaseModel, indent: int) -> None:
+        pad = "  " * indent
+        for name, field in model.model_fields.items():
+            value = getattr(instance, name)
+            if field.description:
+                lines.append(f"{pad}# {field.description}")
+            if isinstance(value, BaseModel):
+                lines.append(f"{pad}{name}:")
+                emit(type(value), value, indent + 1)
+            else:
+                dumped = yaml.safe_dump({name: value}, default_flow_style=True, width=1000).strip()
+                lines.append(f"{pad}{dumped.strip('{}')}")
+
+    emit(Spec, Spec(), 0)
+    return "\n".join(lines) + "\n"
