@@ -7,6 +7,7 @@ trainer reads the same `Plan` back from run.yaml (`load_plan`). Nothing downstre
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -264,9 +265,15 @@ def build_plan(spec: Spec) -> Plan:
 
     peak = gpu.peak_tflops_bf16 if precision == "bf16" else gpu.peak_tflops_fp16
     storage = spec.storage
-    run_root = f"{storage.root.rstrip('/')}/{spec.name}"
-    ckpt_dir = storage.checkpoint_dir or f"{run_root}/checkpoints"
-    out_dir = storage.output_dir or f"{run_root}/outputs"
+    # Relative paths mean "relative to where you rendered": make them absolute now, since jobs start
+    # elsewhere (the Slurm spool, a container's workdir).
+    root = os.path.abspath(storage.root)
+    run_root = f"{root.rstrip('/')}/{spec.name}"
+    ckpt_dir = (
+        os.path.abspath(storage.checkpoint_dir) if storage.checkpoint_dir else f"{run_root}/checkpoints"
+    )
+    out_dir = os.path.abspath(storage.output_dir) if storage.output_dir else f"{run_root}/outputs"
+    data_path = os.path.abspath(spec.data.path) if spec.data.path else None
     balance = preset.balance or {}
     aux = (
         spec.training.aux_loss_coeff
@@ -349,7 +356,7 @@ def build_plan(spec: Spec) -> Plan:
         run=RunPlan(
             seed=spec.training.seed,
             log_every=spec.training.log_every,
-            data_path=spec.data.path,
+            data_path=data_path,
             checkpoint_dir=ckpt_dir,
             output_dir=out_dir,
             checkpoint_every=spec.checkpoint.every,

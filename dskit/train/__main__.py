@@ -1,0 +1,5 @@
+import sys
+
+from dskit.train.entry import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+"""MoE load balance: the auxiliary balance loss and per-expert token load, from router hooks.
+
+DeepSeek-V2 (arXiv:2405.04434, Sec. 2.2.3) expert-level balance loss, per MoE layer:
+    L = alpha * sum_i f_i * P_i,   f_i = N / (K * T) * #tokens routed to expert i,   P_i = mean_t s_{i,t}
+with N routed experts, K experts per token, T tokens. With seq_aux (the configs' default) T is one
+sequence and the loss is averaged over the batch. DeepSeek-V3 (arXiv:2412.19437, Eq. 17-20) uses the
+same form on sigmoid scores normalised over experts. Layers' losses are summed, as DeepSeek's reference
+code adds one per gate.
+
+The hooks sit on AutoEP's router (`TokenChoiceTopKRouter`: its `gate` Linear gives the logits, its
+output the chosen experts and per-expert counts). They collect only while `collecting` is set, so the
+recomputation of checkpointed layers during backward adds nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class RouterTap:
+    def __init__(self, model: nn.Module, *, score_func: str, top_k: int):
+        self.score_func, self.top_k = score_func, top_k
+        self.collecting = False
+        self.logits: list[torch.Tensor] = []
+        self.selected: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []
+        self.layers = 0
+        for mod in model.modules():
+            if type(mod).__name__ == "TokenChoiceTopKRouter":
+                mod.gate.register_forward_hook(self._on_gate)
+                mod.register_forward_hook(self._on_router)
+                self.layers += 1
+        if self.layers == 0:
+            raise RuntimeError(
+                "no AutoEP router found: was the model wrapped by deepspeed.initialize with expert_parallel?"
+            )
+
+    def _on_gate(self, _mod, _inp, out: torch.Tensor) -> None:
+        if self.collecting:
+            self.logits.append(out)
+
+    def _on_router(self, _mod, _inp, out) -> None:
+        if self.collecting:
+            _scores, selected, counts = out
+            self.selected.append(selected)
+            self.counts.append(counts.detach())
+
+    def start(self) -> None:
+        self.logits.clear()
+        self.selected.clear()
+        self.collecting = True
+
+    def stop(self) -> None:
+        self.collecting = False
+
+    def aux_loss(self, batch: int, alpha: float, seq_aux: bool) -> torch.Tensor:
+        """Sum over layers of the balance loss for the forward just run (tokens ordered [batch, seq])."""
+        total = None
+        for logits, selected in zip(self.logits, self.selected, strict=True):
+            n_exp = logits.shape[-1]
+            if self.score_func == "sigmoid":
+                s = torch.sigmoid(logits.float())
+                s = s / s.sum(-1, keepdim=True)
+            else:
+                s = torch.softmax(logits.float(), dim=-1)
+            groups = batch if seq_aux else 1
+            s = s.view(groups, -1, n_exp)  # [G, T, N]
+            tokens = s.shape[1]
+            hits = torch.zeros(groups, n_exp, device=s.device, dtype=torch.float32)
+            hits.scatter_add_(
+                1, selected.view(groups, -1), torch.ones_like(selected.view(groups, -1), dtype=torch.float32)
+            )
+            f = hits * n_exp / (self.top_k * tokens)
+            layer = (f * s.mean(1)).sum(-1).mean()
+            total = layer if total is None else total + layer
+        self.logits.clear()
+        self.selected.clear()
+        if total is None:
+            return torch.zeros(())
+        return alpha * total
+
+    def take_load(self) -> torch.Tensor | None:
+        """[layers, experts] token counts accumulated since the last call (this rank only)."""
+        if not self.counts:
+            return None
+        per_forward = len(self.counts) // self.layers
+        stacked = torch.stack([c.float() for c in self.counts]).view(per_forward, self.layers, -1).sum(0)
+        self.counts.clear()
+        return stacked
+
+
+def load_stats(load: torch.Tensor) -> dict[str, object]:
+    """max/mean tokens per expert, per layer and worst layer (1.0 = perfectly balanced)."""
+    per_layer = (load.max(-1).values / load.mean(-1).clamp_min(1e-9)).tolist()
+    return {
+        "expert_load_max_over_mean": round(max(per_layer), 3),
+        "expert_load_per_layer": [round(x, 3) for x in per_layer],
+    }

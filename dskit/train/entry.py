@@ -1,0 +1,109 @@
+"""`python -m dskit.train`: read the launch contract, build model + engine, train. Nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from dskit.contract import LAUNCHER_ENV, Env
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+
+log = logging.getLogger("dskit.train")
+
+
+def _read_contract():
+    from dskit.plan import load_plan
+    from dskit.train.data import Sampler, TokenData
+
+    run_file = os.environ.get(Env.RUN_FILE.value)
+    if not run_file:
+        raise SpecError(
+            Env.RUN_FILE.value, "not set; launch through a rendered job or `dskit train --local RUN_DIR`"
+        )
+    plan = load_plan(run_file)
+    profile = os.environ.get(Env.GPU_PROFILE.value)
+    if profile != plan.hardware.gpu:
+        raise SpecError(
+            Env.GPU_PROFILE.value, f"{profile!r} does not match run.yaml's hardware.gpu {plan.hardware.gpu!r}"
+        )
+    missing = [n for n in LAUNCHER_ENV if n not in os.environ]
+    if missing:
+        raise SpecError("environment", f"{', '.join(missing)} not set: start under torchrun or Ray Train")
+    world = int(os.environ["WORLD_SIZE"])
+    if world != plan.hardware.world_size:
+        raise SpecError(
+            "WORLD_SIZE",
+            f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
+            f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
+        )
+    data = TokenData.open(plan.run.data_path)
+    vocab = plan.model.config["vocab_size"]
+    if data.vocab_size > vocab:
+        raise SpecError(
+            "data.path", f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}"
+        )
+    sampler = Sampler(data, plan.parallel.seq_len, plan.run.seed)
+    return plan, data, sampler
+
+
+def main() -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s dskit[rank {rank}] %(levelname)s %(message)s",
+        stream=sys.stdout,
+    )
+    try:
+        plan, data, sampler = _read_contract()
+    except SpecError as e:
+        print(f"dskit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+    import warnings
+
+    # DeepSpeed calls torch's deprecated collective names on every step; one line each, per rank.
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from dskit.train.balance import RouterTap
+    from dskit.train.loop import train
+    from dskit.train.model import apply_sdpa_policy, build_model, resolve_attention
+
+    on_gpu = plan.hardware.on_gpu
+    if on_gpu:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    world = dist.get_world_size()
+    try:
+        attention, why = resolve_attention(plan.parallel.attention, device)
+        apply_sdpa_policy(attention)
+        log.info("plan: %s", plan.summary())
+        log.info("attention: %s (%s); data: %s, %d tokens", attention, why, data.source, len(data.tokens))
+        dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
+        model = build_model(
+            plan.model,
+            attention=attention,
+            dtype=dtype,
+            device=device,
+            seed=plan.run.seed,
+            ckpt_every=plan.parallel.activation_checkpointing,
+        )
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=plan.deepspeed
+        )
+        score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
+        tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
+        return train(plan, engine, tap, sampler, rank=dist.get_rank(), world=world, device=device)
+    except SpecError as e:
+        print(f"dskit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        # Without this a rank may abort at exit (DESIGN.md).
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,196 @@
+"""The training loop: reads top to bottom; every number comes from the plan."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.plan import Plan
+from dskit.train.balance import RouterTap, load_stats
+from dskit.train.checkpoint import Checkpointer
+from dskit.train.data import Sampler, sample_index
+from dskit.train.metrics import MemoryWatch, MetricsLog, memory_gib, mfu
+from dskit.train.schedule import lr_at
+
+log = logging.getLogger("dskit.train")
+PROBE_TOKENS = 64
+
+
+class StopRequest:
+    """SIGTERM/SIGUSR1 on any rank, or the launcher's STOP file, asks every rank to checkpoint and exit."""
+
+    def __init__(self, checkpoint_dir: str, rank: int, device: torch.device):
+        self.flag = False
+        self.rank, self.device = rank, device
+        self.file = Path(checkpoint_dir) / STOP_FILE
+        self.started = time.time()
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.flag = True
+        log.warning(
+            "rank %d: %s received; checkpointing after this step", self.rank, signal.Signals(signum).name
+        )
+
+    def _file_requested(self) -> bool:
+        try:
+            return self.file.stat().st_mtime >= self.started
+        except FileNotFoundError:
+            return False
+
+    def requested(self) -> bool:
+        """Collective: every rank must call it at the same step. (`.item()` syncs the GPU once a step.)"""
+        local = self.flag or (self.rank == 0 and self._file_requested())
+        t = torch.tensor([1 if local else 0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def clear_file(self) -> None:
+        if self.rank == 0:
+            self.file.unlink(missing_ok=True)
+
+
+def train(
+    plan: Plan, engine, tap: RouterTap, sampler: Sampler, *, rank: int, world: int, device: torch.device
+) -> int:
+    par, opt, run = plan.parallel, plan.optim, plan.run
+    ckpt = Checkpointer(run.checkpoint_dir, keep=run.checkpoint_keep, rank=rank, world=world, device=device)
+    metrics = MetricsLog(run.output_dir, enabled=rank == 0)
+    stop = StopRequest(run.checkpoint_dir, rank, device)
+    watch = MemoryWatch()
+
+    # ---------------------------------------------------------------- resume
+    meta = ckpt.load_latest(engine)
+    start = meta["step"] if meta else 0
+    if start >= opt.steps:
+        log.info("all %d steps already done", opt.steps)
+        _mark_complete(run.output_dir, rank)
+        return 0
+    log.info("training steps %d..%d", start + 1, opt.steps)
+
+    tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
+    loss_sum = torch.zeros((), device=device)
+    aux_sum = torch.zeros((), device=device)
+    window_steps, window_t0 = 0, time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # ---------------------------------------------------------------- loop
+    for step in range(start, opt.steps):
+        lr = lr_at(step, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps, total_steps=opt.steps)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = lr
+        for micro in range(par.grad_accum):
+            first = sample_index(
+                step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
+            )
+            batch = torch.from_numpy(sampler.batch(first, par.micro_batch)).to(device, non_blocking=True)
+            inputs, labels = batch[:, :-1], batch[:, 1:]
+            tap.start()
+            logits = engine(input_ids=inputs).logits
+            tap.stop()
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
+            engine.backward(ce + aux)
+            engine.step()
+            loss_sum += ce.detach() / par.grad_accum
+            aux_sum += aux.detach() / par.grad_accum
+        done = step + 1
+        window_steps += 1
+
+        # ------------------------------------------------------------ log
+        if done % run.log_every == 0 or done == opt.steps:
+            stats = torch.stack([loss_sum, aux_sum]) / window_steps
+            dist.all_reduce(stats)
+            stats /= world
+            load = tap.take_load()
+            if load is not None:
+                dist.all_reduce(load)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - window_t0
+            tok_s = tokens_per_step_rank * window_steps / elapsed
+            alloc, reserved = memory_gib(device)
+            rec = {
+                "step": done,
+                "loss": round(stats[0].item(), 5),
+                "aux_loss": round(stats[1].item(), 6),
+                "lr": lr,
+                "tokens_per_s_per_gpu": round(tok_s, 1),
+                "mfu": _round(mfu(tok_s, plan.model.flops_per_token, plan.hardware.peak_tflops)),
+                "peak_alloc_gib": round(alloc, 3),
+                "peak_reserved_gib": round(reserved, 3),
+                "step_time_s": round(elapsed / window_steps, 4),
+                "time": time.time(),
+            }
+            if load is not None:
+                rec.update(load_stats(load))
+            metrics.write(rec)
+            if rank == 0:
+                log.info(
+                    "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",
+                    done,
+                    opt.steps,
+                    rec["loss"],
+                    rec["aux_loss"],
+                    lr,
+                    tok_s,
+                    rec["mfu"],
+                    alloc,
+                    reserved,
+                    rec.get("expert_load_max_over_mean"),
+                )
+            loss_sum.zero_()
+            aux_sum.zero_()
+            window_steps, window_t0 = 0, time.perf_counter()
+        warning = watch.observe(done, memory_gib(device)[0])
+        if warning and rank == 0:
+            log.warning(warning)
+
+        # ------------------------------------------------------------ checkpoint / stop
+        meta = {"step": done, "samples": done * par.grad_accum * par.micro_batch * world, "plan": plan.name}
+        if done == opt.steps:
+            _finish(plan, engine, ckpt, sampler, rank, device, meta)
+            stop.clear_file()
+            return 0
+        if stop.requested():
+            ckpt.save(engine, done, meta)
+            stop.clear_file()
+            log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
+            return EXIT_REQUEUE
+        if done % run.checkpoint_every == 0:
+            ckpt.save(engine, done, meta)
+    return 0
+
+
+def _finish(
+    plan: Plan, engine, ckpt: Checkpointer, sampler: Sampler, rank: int, device: torch.device, meta: dict
+) -> None:
+    """Final checkpoint carrying probe logits, which `dskit export` uses to verify its output."""
+    n = min(PROBE_TOKENS, plan.parallel.seq_len)
+    probe = torch.from_numpy(sampler.batch(0, 1)[:, :n]).to(device)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits.float().cpu()
+    engine.train()
+    ckpt.save(engine, meta["step"], meta, extra={"probe.pt": {"input_ids": probe.cpu(), "logits": logits}})
+    _mark_complete(plan.run.output_dir, rank)
+
+
+def _mark_complete(output_dir: str, rank: int) -> None:
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        Path(output_dir, COMPLETE_FILE).write_text("complete\n")
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)

@@ -1,0 +1,85 @@
+"""Build the Hugging Face DeepSeek model the plan describes, with the attention backend resolved here.
+
+Attention: MLA has q/k head dim 192 and v head dim 128 (DESIGN.md). Measured on one H200 (forward +
+backward, seq 4096): cuDNN SDPA with native 192/128 dims 1.50 ms, flash SDPA with V padded 3.34 ms,
+memory-efficient SDPA 13.3 ms. So on sm90 the plan picks `sdpa_cudnn`; on sm80/86/89 FlashAttention-2
+(transformers pads V to 192 and crops the output); elsewhere plain SDPA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Any
+
+import torch
+
+from dskit.errors import SpecError
+
+log = logging.getLogger("dskit.train")
+
+
+def hf_config(cfg: dict[str, Any], attention: str):
+    from transformers import AutoConfig
+
+    c = dict(cfg)
+    model_type = c.pop("model_type")
+    config = AutoConfig.for_model(model_type, **c)
+    config._attn_implementation = "sdpa" if attention == "sdpa_cudnn" else attention
+    return config
+
+
+def resolve_attention(planned: str, device: torch.device) -> tuple[str, str]:
+    """(backend to use, reason). Falls back only where the planned kernel is missing, and says so."""
+    if device.type != "cuda":
+        if planned not in ("sdpa", "eager"):
+            return "sdpa", f"planned {planned} needs a CUDA device; using sdpa on {device.type}"
+        return planned, f"{planned} as planned"
+    if planned in ("flash_attention_2", "flash_attention_3"):
+        mod = "flash_attn" if planned == "flash_attention_2" else "flash_attn_interface"
+        if importlib.util.find_spec(mod) is None:
+            return "sdpa_cudnn" if torch.cuda.get_device_capability(device)[0] >= 9 else "sdpa", (
+                f"WARNING: planned {planned} but `{mod}` is not importable in this image; rebuild with "
+                "`dskit render image` for this GPU"
+            )
+    return planned, f"{planned} as planned"
+
+
+def apply_sdpa_policy(backend: str) -> None:
+    """sdpa_cudnn: allow only cuDNN attention, so a shape it refuses fails loudly instead of silently
+    running the 9x slower memory-efficient kernel."""
+    if backend == "sdpa_cudnn":
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_math_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
+def build_model(
+    model_plan, *, attention: str, dtype: torch.dtype, device: torch.device, seed: int, ckpt_every: int
+):
+    """Random init from the config (seeded identically on all ranks) or local weights; never downloads."""
+    from transformers import AutoModelForCausalLM
+
+    if not model_plan.trainable:
+        raise SpecError("model", model_plan.untrainable_reason or f"{model_plan.name} cannot be trained")
+    config = hf_config(model_plan.config, attention)
+    torch.manual_seed(seed)
+    if model_plan.path:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_plan.path, config=config, dtype=dtype, local_files_only=True
+            )
+        except OSError as e:
+            raise SpecError("model.path", f"cannot load weights from {model_plan.path}: {e}") from None
+        model.to(device)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if ckpt_every:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(model.model.layers):
+            # every N-th layer keeps checkpointing; the others store their activations
+            layer.gradient_checkpointing = i % ckpt_every == 0
+    model.config.use_cache = False
+    return model
