@@ -1,0 +1,191 @@
+"""`dskit export`: AutoEP + ZeRO-3 checkpoint -> Hugging Face model directory (config.json + safetensors).
+
+DeepSpeed's `save_16bit_model` refuses this case (expert shards live in expert-replica groups), so:
+1. `deepspeed.checkpoint.ds_to_universal` consolidates the newest complete checkpoint into one fp32
+   tensor per parameter, under AutoEP's module names;
+2. `HF_FROM_AUTOEP` maps those names back to transformers' (router, fused expert weights);
+3. the result is saved as safetensors in the plan's precision, and verified: the exported model's
+   logits on the probe batch must match the logits the trainer recorded at its final checkpoint.
+Everything is written to a temporary sibling directory and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from dskit.errors import SpecError
+
+SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+VERIFY_MAX_PARAMS = 3 * 10**9  # the logits check runs the model on this machine's CPU
+VERIFY_RTOL = 2e-2  # relative L2 error; bf16 kernels differ in summation order (METHOD.md: 1e-3..1e-2)
+
+# transformers name -> (AutoEP names, how to combine them). AutoEP stores experts as w1 (gate),
+# w3 (up) [E, I, H] and w2 (down) [E, H, I]; transformers fuses gate and up as gate_up_proj [E, 2I, H].
+_LAYER = r"(model\.layers\.\d+\.mlp)"
+HF_FROM_AUTOEP: list[tuple[re.Pattern, list[str], Callable | None]] = [
+    (re.compile(_LAYER + r"\.gate\.weight$"), [r"\1.router.gate.weight"], None),
+    (re.compile(_LAYER + r"\.gate\.e_score_correction_bias$"), [r"\1.router.e_score_correction_bias"], None),
+    (re.compile(_LAYER + r"\.experts\.gate_up_proj$"), [r"\1.experts.w1", r"\1.experts.w3"], "cat1"),
+    (re.compile(_LAYER + r"\.experts\.down_proj$"), [r"\1.experts.w2"], None),
+]
+
+
+def autoep_sources(hf_name: str) -> tuple[list[str], str | None]:
+    for pattern, templates, how in HF_FROM_AUTOEP:
+        if pattern.search(hf_name):
+            return [pattern.sub(t, hf_name) for t in templates], how
+    return [hf_name], None
+
+
+def newest_verified_tag(root: Path) -> Path:
+    """Newest complete checkpoint whose every rank manifest checks out (single process)."""
+    from dskit.train.checkpoint import DONE, TAG_RE, _crc
+
+    if not root.is_dir():
+        raise SpecError("checkpoint", f"{root} does not exist: has the run saved a checkpoint?")
+    tags = sorted((p for p in root.iterdir() if TAG_RE.match(p.name) and (p / DONE).is_file()), reverse=True)
+    for d in tags:
+        bad = None
+        for mf in d.glob("dskit-manifest-rank*.json"):
+            for name, (size, crc) in json.loads(mf.read_text()).items():
+                f = d / name
+                if not f.is_file() or f.stat().st_size != size or _crc(f) != crc:
+                    bad = name
+                    break
+        if bad is None:
+            return d
+        print(f"dskit: skipping {d}: {bad} is missing or corrupt", file=sys.stderr)
+    raise SpecError("checkpoint", f"no complete checkpoint under {root}")
+
+
+def _load_universal(udir: Path, name: str):
+    import torch
+
+    f = udir / "zero" / name / "fp32.pt"
+    if not f.is_file():
+        return None
+    obj = torch.load(f, weights_only=False, map_location="cpu")
+    return obj["param"] if isinstance(obj, dict) else obj
+
+
+def export(run: str, output: str, *, force: bool = False, verify: bool = True) -> Path:
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from dskit.plan import load_plan
+    from dskit.train.local import run_file_of
+    from dskit.train.model import hf_config
+
+    plan = load_plan(run_file_of(run))
+    out = Path(output).resolve()
+    if out.exists() and not force:
+        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    src = newest_verified_tag(Path(plan.run.checkpoint_dir))
+    dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        udir = work / "universal"
+        print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+             "--output_folder", str(udir), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"ds_to_universal failed on {src}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+        config = hf_config(plan.model.config, "sdpa")
+        config.dtype = dtype
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        target = skeleton.state_dict()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, ref in tqdm(target.items(), desc="exporting", unit="tensor", disable=None):
+            sources, how = autoep_sources(name)
+            parts = [_load_universal(udir, s) for s in sources]
+            if any(p is None for p in parts):
+                if name.endswith("e_score_correction_bias"):
+                    # a buffer, never trained by AutoEP: keep the model's initial value (zeros)
+                    tensors[name] = torch.zeros(ref.shape, dtype=torch.float32)
+                    continue
+                raise RuntimeError(f"checkpoint {src} has no tensor for {name} (looked for {sources})")
+            t = torch.cat(parts, dim=1) if how == "cat1" else parts[0]
+            if t.numel() != ref.numel():
+                raise RuntimeError(f"{name}: checkpoint has {tuple(t.shape)}, model expects {tuple(ref.shape)}")
+            keep_fp32 = name.endswith("e_score_correction_bias")
+            tensors[name] = t.reshape(ref.shape).to(torch.float32 if keep_fp32 else dtype).contiguous()
+        shutil.rmtree(udir)
+        (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
+        _save_sharded(tensors, work, save_file)
+        config.save_pretrained(work)
+        meta = {"source_checkpoint": str(src), "step": json.loads((src / "dskit.json").read_text())["step"],
+                "plan": plan.name, "model": plan.model.name}
+        (work / "dskit-export.json").write_text(json.dumps(meta, indent=1) + "\n")
+        if verify:
+            _verify(work, src, plan, dtype)
+        work.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(work, out)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    print(f"wrote {out} (step {meta['step']} of {plan.name})")
+    return out
+
+
+def _save_sharded(tensors: dict, out: Path, save_file) -> None:
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+
+
+def _verify(model_dir: Path, src: Path, plan, dtype) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    probe_file = src / "probe.pt"
+    if not probe_file.is_file():
+        print(f"dskit: not verifying: {src} has no probe logits (only the final checkpoint does)")
+        return
+    if plan.model.params_total > VERIFY_MAX_PARAMS:
+        print(f"dskit: not verifying: {plan.model.params_total / 1e9:.1f}B parameters is too large for a CPU check")
+        return
+    probe = torch.load(probe_file, weights_only=False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    model.eval()
+    with torch.no_grad():
+        got = model(input_ids=probe["input_ids"]).logits.float()
+    want = probe["logits"]
+    err = ((got - want).norm() / want.norm()).item()
+    if not err < VERIFY_RTOL:
+        raise RuntimeError(f"exported model disagrees with the trained one: relative logits error {err:.3g} "
+                           f">= {VERIFY_RTOL} on the probe batch")
+    print(f"dskit: verified: exported logits match the trained model (relative error {err:.2e})")

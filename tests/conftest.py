@@ -1,0 +1,48 @@
+"""Shared test helpers: run the real `dskit` CLI, render plans, and launch the real trainer on CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The CPU training setup every trainer test uses: tiny model, 2 ranks, EP=2, ZeRO-3 on gloo.
+TINY_SETS = [
+    "training.seq_len=128",
+    "training.global_batch=8",
+    "training.lr=3e-3",
+    "training.log_every=1",
+]
+
+
+def dskit(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,
+          timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess (exit codes and stderr are part of the contract)."""
+    proc = subprocess.run([sys.executable, "-m", "dskit", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"dskit {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def render_tiny(tmp: Path, model: str = "tiny-v2", *, steps: int = 40, extra: list[str] | None = None,
+                name: str = "run") -> Path:
+    """Render a Slurm run dir for a tiny CPU plan with storage under `tmp`; returns the run dir."""
+    out = tmp / name
+    sets = [*TINY_SETS, f"training.steps={steps}", f"storage.root={tmp / 'storage'}", *(extra or [])]
+    args = ["render", "slurm", "--gpu", "cpu", "--gpus-per-node", "2", "--model", model, "--runtime", "none",
+            "--job-name", name, "-o", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    dskit(*args, check=True)
+    return out
+
+
+@pytest.fixture
+def repo() -> Path:
+    return REPO
