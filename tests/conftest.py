@@ -20,23 +20,45 @@ TINY_SETS = [
 ]
 
 
-def dskit(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,
-          timeout: float = 600) -> subprocess.CompletedProcess:
+def dskit(
+    *args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess (exit codes and stderr are part of the contract)."""
-    proc = subprocess.run([sys.executable, "-m", "dskit", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dskit", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"dskit {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
-def render_tiny(tmp: Path, model: str = "tiny-v2", *, steps: int = 40, extra: list[str] | None = None,
-                name: str = "run") -> Path:
+def render_tiny(
+    tmp: Path, model: str = "tiny-v2", *, steps: int = 40, extra: list[str] | None = None, name: str = "run"
+) -> Path:
     """Render a Slurm run dir for a tiny CPU plan with storage under `tmp`; returns the run dir."""
     out = tmp / name
     sets = [*TINY_SETS, f"training.steps={steps}", f"storage.root={tmp / 'storage'}", *(extra or [])]
-    args = ["render", "slurm", "--gpu", "cpu", "--gpus-per-node", "2", "--model", model, "--runtime", "none",
-            "--job-name", name, "-o", str(out)]
+    args = [
+        "render",
+        "slurm",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--model",
+        model,
+        "--runtime",
+        "none",
+        "--job-name",
+        name,
+        "-o",
+        str(out),
+    ]
     for s in sets:
         args += ["--set", s]
     dskit(*args, check=True)

@@ -12,15 +12,40 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 CASES: dict[str, tuple[list[str], dict[str, object]]] = {
     # the README's headline command: dskit render slurm --nodes 2
     "slurm-default-2node": ([], {"hardware.nodes": 2}),
-    "slurm-cpu-none": (["training.seq_len=128", "training.global_batch=8", "storage.root=/scratch/dskit"],
-                       {"hardware.gpu": "cpu", "hardware.gpus_per_node": 2, "model.preset": "tiny-v2",
-                        "runtime.kind": "none", "runtime.python": "/opt/venv/bin/python"}),
-    "slurm-apptainer-efa-v3": (["slurm.partition=gpu", "slurm.account=ml", "slurm.extra_args=[--mail-type=END]",
-                                "network.interface=ens5"],
-                               {"model.preset": "deepseek-v3", "hardware.nodes": 16, "network.fabric": "efa",
-                                "runtime.kind": "apptainer", "runtime.image": "/images/dskit-h100.sif"}),
-    "slurm-v100-roce-fp16": (["training.seq_len=2048"], {"hardware.gpu": "v100-32gb", "network.fabric": "roce",
-                                                         "hardware.nodes": 4, "model.preset": "deepseek-v2-lite"}),
+    "slurm-cpu-none": (
+        ["training.seq_len=128", "training.global_batch=8", "storage.root=/scratch/dskit"],
+        {
+            "hardware.gpu": "cpu",
+            "hardware.gpus_per_node": 2,
+            "model.preset": "tiny-v2",
+            "runtime.kind": "none",
+            "runtime.python": "/opt/venv/bin/python",
+        },
+    ),
+    "slurm-apptainer-efa-v3": (
+        [
+            "slurm.partition=gpu",
+            "slurm.account=ml",
+            "slurm.extra_args=[--mail-type=END]",
+            "network.interface=ens5",
+        ],
+        {
+            "model.preset": "deepseek-v3",
+            "hardware.nodes": 16,
+            "network.fabric": "efa",
+            "runtime.kind": "apptainer",
+            "runtime.image": "/images/dskit-h100.sif",
+        },
+    ),
+    "slurm-v100-roce-fp16": (
+        ["training.seq_len=2048"],
+        {
+            "hardware.gpu": "v100-32gb",
+            "network.fabric": "roce",
+            "hardware.nodes": 4,
+            "model.preset": "deepseek-v2-lite",
+        },
+    ),
 }
 
 

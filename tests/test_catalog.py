@@ -8,10 +8,26 @@ from dskit import catalog
 from dskit.errors import SpecError
 from dskit.plan.model_math import counts
 
-REQUIRED_GPUS = {"a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "rtx4090-24gb", "rtx6000ada-48gb",
-                 "l40s-48gb", "v100-32gb", "cpu"}
-REQUIRED_MODELS = {"deepseek-v2-lite", "deepseek-v2", "deepseek-v3", "deepseek-moe-16b",
-                   "deepseek-coder-v2-lite", "tiny-v2", "tiny-v3"}
+REQUIRED_GPUS = {
+    "a100-40gb",
+    "a100-80gb",
+    "h100-80gb",
+    "h200-141gb",
+    "rtx4090-24gb",
+    "rtx6000ada-48gb",
+    "l40s-48gb",
+    "v100-32gb",
+    "cpu",
+}
+REQUIRED_MODELS = {
+    "deepseek-v2-lite",
+    "deepseek-v2",
+    "deepseek-v3",
+    "deepseek-moe-16b",
+    "deepseek-coder-v2-lite",
+    "tiny-v2",
+    "tiny-v3",
+}
 
 
 def test_catalogs_cover_the_required_entries():
@@ -42,8 +58,13 @@ def test_fabric_env_values_are_strings():
 
 
 # Published totals / active parameters (papers and model cards), in billions.
-PUBLISHED = {"deepseek-v2-lite": (15.7, 2.4), "deepseek-v2": (236, 21), "deepseek-v3": (671, 37),
-             "deepseek-moe-16b": (16.4, 2.8), "deepseek-coder-v2-lite": (15.7, 2.4)}
+PUBLISHED = {
+    "deepseek-v2-lite": (15.7, 2.4),
+    "deepseek-v2": (236, 21),
+    "deepseek-v3": (671, 37),
+    "deepseek-moe-16b": (16.4, 2.8),
+    "deepseek-coder-v2-lite": (15.7, 2.4),
+}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
@@ -56,9 +77,19 @@ def test_model_presets_have_their_published_size(name):
 
 def test_design_facts_for_v2_lite_and_v3():
     lite, v3 = catalog.model("deepseek-v2-lite").config, catalog.model("deepseek-v3").config
-    assert (lite["hidden_size"], lite["num_hidden_layers"], lite["n_routed_experts"], lite["num_experts_per_tok"]) == (2048, 27, 64, 6)
+    assert (
+        lite["hidden_size"],
+        lite["num_hidden_layers"],
+        lite["n_routed_experts"],
+        lite["num_experts_per_tok"],
+    ) == (2048, 27, 64, 6)
     assert lite["rope_scaling"]["factor"] == 40 and lite["q_lora_rank"] is None
-    assert (v3["hidden_size"], v3["num_hidden_layers"], v3["n_routed_experts"], v3["num_experts_per_tok"]) == (7168, 61, 256, 8)
+    assert (
+        v3["hidden_size"],
+        v3["num_hidden_layers"],
+        v3["n_routed_experts"],
+        v3["num_experts_per_tok"],
+    ) == (7168, 61, 256, 8)
     assert (v3["n_group"], v3["topk_group"], v3["routed_scaling_factor"]) == (8, 4, 2.5)
 
 
@@ -72,11 +103,16 @@ def test_unknown_names_list_the_valid_ones():
 def test_tiny_presets_build_in_transformers(name):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from dskit.train.model import hf_config
     from transformers import AutoModelForCausalLM
+
+    from dskit.train.model import hf_config
 
     preset = catalog.model(name)
     model = AutoModelForCausalLM.from_config(hf_config(preset.config, "sdpa"))
     n = sum(p.numel() for p in model.parameters())
     assert n == counts(preset.config, 128).total
-    assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (1, 8, preset.config["vocab_size"])
+    assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (
+        1,
+        8,
+        preset.config["vocab_size"],
+    )

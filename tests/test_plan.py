@@ -67,15 +67,21 @@ def test_too_big_for_the_cluster_warns_and_offloads():
 
 
 def test_run_yaml_round_trips(tmp_path):
-    p = plan_for("training.seq_len=128", model__preset="tiny-v3", hardware__gpu="cpu", hardware__gpus_per_node=2)
+    p = plan_for(
+        "training.seq_len=128", model__preset="tiny-v3", hardware__gpu="cpu", hardware__gpus_per_node=2
+    )
     (tmp_path / "run.yaml").write_text(dump_plan(p))
     assert load_plan(tmp_path / "run.yaml") == p
 
 
 @pytest.mark.parametrize(
     ("content", "words"),
-    [("[1, 2]", "must be a mapping"), ("version: 1\nname: x\n", "Field required"), ("a: [", "not valid YAML"),
-     ("version: 99\n", "expected 1")],
+    [
+        ("[1, 2]", "must be a mapping"),
+        ("version: 1\nname: x\n", "Field required"),
+        ("a: [", "not valid YAML"),
+        ("version: 99\n", "expected 1"),
+    ],
 )
 def test_bad_run_yaml_is_one_clear_error(tmp_path, content, words):
     f = tmp_path / "run.yaml"
@@ -95,8 +101,16 @@ def test_memory_estimate_matches_the_h200_baseline():
         r = json.loads(line)
         if r["variant"] not in ("autoep", "autoep_ckpt", "z3leaf"):
             continue
-        e = estimate(cfg, c, world=r["world"], micro_batch=r["mbs"], seq_len=r["seq"],
-                     ckpt_every=1 if "ckpt" in r["variant"] else 0, offload_optimizer=False, capacity_gib=141)
+        e = estimate(
+            cfg,
+            c,
+            world=r["world"],
+            micro_batch=r["mbs"],
+            seq_len=r["seq"],
+            ckpt_every=1 if "ckpt" in r["variant"] else 0,
+            offload_optimizer=False,
+            capacity_gib=141,
+        )
         assert e.total_gib == pytest.approx(r["peak_alloc_gb"], rel=0.25), r
         seen += 1
     assert seen >= 3

@@ -29,14 +29,22 @@ SHELLCHECK = shutil.which("shellcheck") or str(Path(sys.executable).parent / "sh
 def test_golden(case):
     got = render_case(case)
     want_dir = GOLDEN / case
-    assert sorted(got) == sorted(p.name for p in want_dir.iterdir()), "file set changed: python -m tests.regen_golden"
+    assert sorted(got) == sorted(p.name for p in want_dir.iterdir()), (
+        "file set changed: python -m tests.regen_golden"
+    )
     for rel, text in got.items():
-        assert text == (want_dir / rel).read_text(), f"{case}/{rel} differs: review, then python -m tests.regen_golden"
+        assert text == (want_dir / rel).read_text(), (
+            f"{case}/{rel} differs: review, then python -m tests.regen_golden"
+        )
 
 
-@pytest.mark.parametrize(("runtime", "fabric"), list(itertools.product(("pyxis", "apptainer", "none"), sorted(catalog.fabrics()))))
+@pytest.mark.parametrize(
+    ("runtime", "fabric"), list(itertools.product(("pyxis", "apptainer", "none"), sorted(catalog.fabrics())))
+)
 def test_every_variant_is_shellcheck_clean(tmp_path, runtime, fabric):
-    plan = build_plan(load_spec(flags={"runtime.kind": runtime, "network.fabric": fabric, "hardware.nodes": 2}))
+    plan = build_plan(
+        load_spec(flags={"runtime.kind": runtime, "network.fabric": fabric, "hardware.nodes": 2})
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(slurm.render(plan, tmp_path)["job.sbatch"])
     r = subprocess.run([SHELLCHECK, "--severity=info", str(script)], capture_output=True, text=True)
@@ -52,7 +60,7 @@ def test_cli_render_two_nodes_writes_a_consistent_run_dir(tmp_path):
     script = (out / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
     assert "--signal=B:USR1@180" in script and 'scontrol requeue "${SLURM_JOB_ID}"' in script
-    assert f"--micro-batch" not in script  # numbers live in run.yaml, not on the command line
+    assert "--micro-batch" not in script  # numbers live in run.yaml, not on the command line
     assert os.access(out / "job.sbatch", os.X_OK)
 
 
@@ -106,14 +114,23 @@ def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-HOSTILE = ["$(touch {m}1)", "`touch {m}2`", "x'; touch {m}3; echo '", 'y"; touch {m}4; "', "a;touch {m}5", "$HOME"]
+HOSTILE = [
+    "$(touch {m}1)",
+    "`touch {m}2`",
+    "x'; touch {m}3; echo '",
+    'y"; touch {m}4; "',
+    "a;touch {m}5",
+    "$HOME",
+]
 
 
 def _stub_bin(d: Path) -> Path:
     """srun/scontrol stand-ins: srun records its argv as JSON, scontrol answers `show hostnames`."""
     d.mkdir()
-    (d / "srun").write_text('#!/usr/bin/env python3\nimport json, sys, os\n'
-                            'open(os.environ["SRUN_LOG"], "w").write(json.dumps(sys.argv[1:]))\n')
+    (d / "srun").write_text(
+        "#!/usr/bin/env python3\nimport json, sys, os\n"
+        'open(os.environ["SRUN_LOG"], "w").write(json.dumps(sys.argv[1:]))\n'
+    )
     (d / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && echo node1\n')
     for f in d.iterdir():
         f.chmod(0o755)
@@ -125,8 +142,13 @@ def test_hostile_spec_strings_are_quoted_not_executed(tmp_path):
     script with stub srun/scontrol, and check nothing ran and every value arrived byte for byte."""
     h = [s.format(m="pwned") for s in HOSTILE]  # relative: the script runs with cwd=tmp_path
     root = str(tmp_path / f"st {h[0]}")
-    flags = {"hardware.gpu": "cpu", "hardware.gpus_per_node": 2, "model.preset": "tiny-v2",
-             "runtime.kind": "pyxis", "runtime.image": h[1]}
+    flags = {
+        "hardware.gpu": "cpu",
+        "hardware.gpus_per_node": 2,
+        "model.preset": "tiny-v2",
+        "runtime.kind": "pyxis",
+        "runtime.image": h[1],
+    }
     sets = ["training.seq_len=128", "training.global_batch=8"]
     spec = load_spec(sets=sets, flags=flags)
     spec.storage.root = root
@@ -146,8 +168,10 @@ def test_hostile_spec_strings_are_quoted_not_executed(tmp_path):
 
     # 1. the contract block alone, then print what it exported
     block = files["job.sbatch"].split(slurm.ENV_BEGIN)[1].split(slurm.ENV_END)[0]
-    probe = block + '\nenv -0\n'
-    out = subprocess.run(["bash", "-euc", probe], capture_output=True, env={"PATH": os.environ["PATH"]}, cwd=tmp_path)
+    probe = block + "\nenv -0\n"
+    out = subprocess.run(
+        ["bash", "-euc", probe], capture_output=True, env={"PATH": os.environ["PATH"]}, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     exported = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
     for k, v in plan.env.items():
@@ -158,8 +182,12 @@ def test_hostile_spec_strings_are_quoted_not_executed(tmp_path):
     # 2. the whole script, with stub Slurm commands
     stub = _stub_bin(tmp_path / "bin")
     log = tmp_path / "srun.json"
-    env = {"PATH": f"{stub}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node1", "SLURM_JOB_ID": "7",
-           "SRUN_LOG": str(log)}
+    env = {
+        "PATH": f"{stub}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_ID": "7",
+        "SRUN_LOG": str(log),
+    }
     r = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     argv = json.loads(log.read_text())
@@ -172,8 +200,10 @@ def test_hostile_spec_strings_are_quoted_not_executed(tmp_path):
 
 
 def test_rendering_never_imports_torch():
-    code = ("import sys; from dskit.cli import main; main(['plan', '--nodes', '2']); "
-            "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'")
+    code = (
+        "import sys; from dskit.cli import main; main(['plan', '--nodes', '2']); "
+        "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'heavy import'"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

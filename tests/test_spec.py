@@ -16,7 +16,11 @@ from tests.conftest import dskit
 def test_defaults_are_the_documented_default_job():
     s = load_spec()
     assert (s.hardware.gpu, s.hardware.gpus_per_node, s.network.fabric, s.runtime.kind) == (
-        "h100-80gb", 8, "infiniband", "pyxis")
+        "h100-80gb",
+        8,
+        "infiniband",
+        "pyxis",
+    )
     assert s.training.lr == 1.5e-4 and s.training.warmup_ratio == 0.03
 
 
@@ -41,7 +45,7 @@ def test_cli_flags_win_over_set_and_file(tmp_path):
         (["name=Bad Name"], "name", "lowercase"),
         (["slurm.time=forever"], "slurm.time", "HH:MM:SS"),
         (["slurm.extra_args=['--comment=$(id)']"], "slurm.extra_args", "no spaces, quotes or $"),
-        (["storage.root=\"/a\\nb\""], "storage.root", "control characters"),
+        (['storage.root="/a\\nb"'], "storage.root", "control characters"),
         (["training.steps=many"], "training.steps", "integer"),
     ],
 )

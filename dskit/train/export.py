@@ -98,12 +98,27 @@ def export(run: str, output: str, *, force: bool = False, verify: bool = True) -
         udir = work / "universal"
         print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
         proc = subprocess.run(
-            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
-             "--output_folder", str(udir), "--num_extract_workers", "1", "--num_merge_workers", "1"],
-            env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.checkpoint.ds_to_universal",
+                "--input_folder",
+                str(src),
+                "--output_folder",
+                str(udir),
+                "--num_extract_workers",
+                "1",
+                "--num_merge_workers",
+                "1",
+            ],
+            env={**os.environ, "DS_ACCELERATOR": "cpu"},
+            capture_output=True,
+            text=True,
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"ds_to_universal failed on {src}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            raise RuntimeError(
+                f"ds_to_universal failed on {src}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            )
         config = hf_config(plan.model.config, "sdpa")
         config.dtype = dtype
         with torch.device("meta"):
@@ -121,15 +136,21 @@ def export(run: str, output: str, *, force: bool = False, verify: bool = True) -
                 raise RuntimeError(f"checkpoint {src} has no tensor for {name} (looked for {sources})")
             t = torch.cat(parts, dim=1) if how == "cat1" else parts[0]
             if t.numel() != ref.numel():
-                raise RuntimeError(f"{name}: checkpoint has {tuple(t.shape)}, model expects {tuple(ref.shape)}")
+                raise RuntimeError(
+                    f"{name}: checkpoint has {tuple(t.shape)}, model expects {tuple(ref.shape)}"
+                )
             keep_fp32 = name.endswith("e_score_correction_bias")
             tensors[name] = t.reshape(ref.shape).to(torch.float32 if keep_fp32 else dtype).contiguous()
         shutil.rmtree(udir)
         (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
         _save_sharded(tensors, work, save_file)
         config.save_pretrained(work)
-        meta = {"source_checkpoint": str(src), "step": json.loads((src / "dskit.json").read_text())["step"],
-                "plan": plan.name, "model": plan.model.name}
+        meta = {
+            "source_checkpoint": str(src),
+            "step": json.loads((src / "dskit.json").read_text())["step"],
+            "plan": plan.name,
+            "model": plan.model.name,
+        }
         (work / "dskit-export.json").write_text(json.dumps(meta, indent=1) + "\n")
         if verify:
             _verify(work, src, plan, dtype)
@@ -176,7 +197,9 @@ def _verify(model_dir: Path, src: Path, plan, dtype) -> None:
         print(f"dskit: not verifying: {src} has no probe logits (only the final checkpoint does)")
         return
     if plan.model.params_total > VERIFY_MAX_PARAMS:
-        print(f"dskit: not verifying: {plan.model.params_total / 1e9:.1f}B parameters is too large for a CPU check")
+        print(
+            f"dskit: not verifying: {plan.model.params_total / 1e9:.1f}B parameters is too large for a CPU check"
+        )
         return
     probe = torch.load(probe_file, weights_only=False)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
@@ -186,6 +209,8 @@ def _verify(model_dir: Path, src: Path, plan, dtype) -> None:
     want = probe["logits"]
     err = ((got - want).norm() / want.norm()).item()
     if not err < VERIFY_RTOL:
-        raise RuntimeError(f"exported model disagrees with the trained one: relative logits error {err:.3g} "
-                           f">= {VERIFY_RTOL} on the probe batch")
+        raise RuntimeError(
+            f"exported model disagrees with the trained one: relative logits error {err:.3g} "
+            f">= {VERIFY_RTOL} on the probe batch"
+        )
     print(f"dskit: verified: exported logits match the trained model (relative error {err:.2e})")

@@ -122,8 +122,8 @@ def train(
             alloc, reserved = memory_gib(device)
             rec = {
                 "step": done,
-                "loss": round(stats[0].item(), 5),
-                "aux_loss": round(stats[1].item(), 6),
+                "loss": stats[0].item(),
+                "aux_loss": stats[1].item(),
                 "lr": lr,
                 "tokens_per_s_per_gpu": round(tok_s, 1),
                 "mfu": _round(mfu(tok_s, plan.model.flops_per_token, plan.hardware.peak_tflops)),

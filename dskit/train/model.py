@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from dskit.errors import SpecError
@@ -64,6 +66,10 @@ def build_model(
     if not model_plan.trainable:
         raise SpecError("model", model_plan.untrainable_reason or f"{model_plan.name} cannot be trained")
     config = hf_config(model_plan.config, attention)
+    # Seed every global generator, not just torch's: libraries draw from Python's and NumPy's too,
+    # and an unseeded draw made resumed runs drift from uninterrupted ones (tests/test_train.py).
+    random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     if model_plan.path:
         try:
