@@ -1,18 +1,19 @@
 """Golden render cases: name -> (spec overrides, CLI-style flags). Shared by the test and the regenerator.
 
-Regenerate after an intended change:  python -m tests.regen_golden   (then review the diff)
+Regenerate after an intended change:  make examples   (python -m tests.regen_golden; review the diff)
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+# The rendered examples users read in slurm/ are the golden files: one copy, checked by the tests.
+GOLDEN = Path(__file__).resolve().parent.parent / "slurm"
 
 CASES: dict[str, tuple[list[str], dict[str, object]]] = {
     # the README's headline command: dskit render slurm --nodes 2
-    "slurm-default-2node": ([], {"hardware.nodes": 2}),
-    "slurm-cpu-none": (
+    "v2-lite-h100-2node-pyxis": ([], {"hardware.nodes": 2}),
+    "tiny-v2-cpu-venv": (
         ["training.seq_len=128", "training.global_batch=8", "storage.root=/scratch/dskit"],
         {
             "hardware.gpu": "cpu",
@@ -22,7 +23,7 @@ CASES: dict[str, tuple[list[str], dict[str, object]]] = {
             "runtime.python": "/opt/venv/bin/python",
         },
     ),
-    "slurm-apptainer-efa-v3": (
+    "v3-h100-16node-apptainer-efa": (
         [
             "slurm.partition=gpu",
             "slurm.account=ml",
@@ -37,7 +38,7 @@ CASES: dict[str, tuple[list[str], dict[str, object]]] = {
             "runtime.image": "/images/dskit-h100.sif",
         },
     ),
-    "slurm-v100-roce-fp16": (
+    "v2-lite-v100-4node-roce-fp16": (
         ["training.seq_len=2048"],
         {
             "hardware.gpu": "v100-32gb",

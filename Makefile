@@ -1,0 +1,42 @@
+# Two entry points for newcomers (README): `make demo` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+DEMO   := runs/demo
+
+.PHONY: setup demo test examples lint clean
+
+# torch first, pinned: 2.13.0 is a CPU build on the development/CI machines; an unpinned torch
+# pulled in by deepspeed would be a multi-GB CUDA download.
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[train,test]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+# The main job on the embedded default: tiny DeepSeek-V2 (MLA + MoE), 2 CPU ranks, EP=2, ZeRO-3,
+# rendered exactly like a cluster job, trained on real text, then exported to Hugging Face format.
+demo: setup
+	$(BIN)/dskit render slurm --force -o $(DEMO) --job-name demo --gpu cpu --gpus-per-node 2 \
+	  --model tiny-v2 --runtime none --set runtime.python=$(abspath $(BIN))/python \
+	  --set storage.root=$(abspath runs/storage) --set training.seq_len=256 --set training.global_batch=16 \
+	  --set training.steps=150 --set training.lr=3e-3 --set training.log_every=10 --set checkpoint.every=50
+	rm -rf runs/storage/demo
+	$(BIN)/dskit train --local $(DEMO)
+	$(BIN)/dskit export $(DEMO) -o runs/demo-hf --force
+
+test: setup
+	$(BIN)/python -m pytest
+
+# Regenerate the rendered examples in slurm/ (they double as the golden files of the tests).
+examples: setup
+	$(BIN)/python -m tests.regen_golden
+
+lint: setup
+	$(BIN)/ruff check dskit tests && $(BIN)/ruff format --check dskit tests
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,38 @@
+"""The wheel ships the templates and renders without torch, from a clean virtual environment."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+from dskit.plan import build_plan
+from dskit.render import slurm
+from dskit.spec import load_spec
+from tests.conftest import REPO
+
+
+def test_wheel_installs_and_renders_in_a_fresh_venv(tmp_path):
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)], check=True,
+                   capture_output=True)
+    wheel = next(dist.glob("dskit-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "dskit/templates/slurm/job.sbatch.j2" in names
+    assert "dskit/catalog/models.yaml" in names
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    out = tmp_path / "job"
+    r = subprocess.run([str(env_dir / "bin" / "dskit"), "render", "slurm", "--nodes", "2", "-o", str(out)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    want = slurm.render(build_plan(load_spec(flags={"hardware.nodes": 2})), out)
+    assert (out / "job.sbatch").read_text() == want["job.sbatch"]
+    no_torch = subprocess.run([str(py), "-c", "import torch"], capture_output=True)
+    assert no_torch.returncode != 0  # the core install stays light: no torch came with it
+    assert Path(out / "run.yaml").is_file()
