@@ -114,3 +114,12 @@ def test_memory_estimate_matches_the_h200_baseline():
         assert e.total_gib == pytest.approx(r["peak_alloc_gb"], rel=0.25), r
         seen += 1
     assert seen >= 3
+
+
+def test_memory_watch_flags_steady_growth_only():
+    from dskit.train.metrics import MemoryWatch
+
+    leak, flat = MemoryWatch(), MemoryWatch()
+    msgs = [leak.observe(s, {"host": 1 + s / 50}) for s in range(1, 101)]
+    assert [m for m in msgs if m] and "host memory kept growing" in [m for m in msgs if m][0]
+    assert not any(flat.observe(s, {"host": 2.0 + (s % 3) * 0.01}) for s in range(1, 101))

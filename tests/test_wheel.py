@@ -16,8 +16,11 @@ from tests.conftest import REPO
 
 def test_wheel_installs_and_renders_in_a_fresh_venv(tmp_path):
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(dist.glob("dskit-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "dskit/templates/slurm/job.sbatch.j2" in names
@@ -28,8 +31,12 @@ def test_wheel_installs_and_renders_in_a_fresh_venv(tmp_path):
     py = env_dir / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True)
     out = tmp_path / "job"
-    r = subprocess.run([str(env_dir / "bin" / "dskit"), "render", "slurm", "--nodes", "2", "-o", str(out)],
-                       capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [str(env_dir / "bin" / "dskit"), "render", "slurm", "--nodes", "2", "-o", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     want = slurm.render(build_plan(load_spec(flags={"hardware.nodes": 2})), out)
     assert (out / "job.sbatch").read_text() == want["job.sbatch"]

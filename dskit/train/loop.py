@@ -17,7 +17,7 @@ from dskit.plan import Plan
 from dskit.train.balance import RouterTap, load_stats
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.data import Sampler, sample_index
-from dskit.train.metrics import MemoryWatch, MetricsLog, memory_gib, mfu
+from dskit.train.metrics import MemoryWatch, MetricsLog, current_gib, memory_gib, mfu
 from dskit.train.schedule import lr_at
 
 log = logging.getLogger("dskit.train")
@@ -152,7 +152,7 @@ def train(
             loss_sum.zero_()
             aux_sum.zero_()
             window_steps, window_t0 = 0, time.perf_counter()
-        warning = watch.observe(done, memory_gib(device)[0])
+        warning = watch.observe(done, current_gib(device))
         if warning and rank == 0:
             log.warning(warning)
 

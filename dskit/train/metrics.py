@@ -28,32 +28,44 @@ def memory_gib(device: torch.device) -> tuple[float, float]:
     return rss, rss
 
 
+def current_gib(device: torch.device) -> dict[str, float]:
+    """Memory in use now (not peaks, which only grow): host RSS, and device allocations on a GPU."""
+    import psutil
+
+    out = {"host": psutil.Process().memory_info().rss / GIB}
+    if device.type == "cuda":
+        out["device"] = torch.cuda.memory_allocated(device) / GIB
+    return out
+
+
 class MemoryWatch:
-    """Warns when peak memory keeps rising over the first `window` steps (a leak, e.g. a data loader
-    holding batches, shows up as steady growth; a healthy run plateaus after a few steps)."""
+    """Warns when memory in use keeps growing over the first `window` steps. A leak (the seed post's
+    data loader holding batches, a list of un-detached losses) grows steadily; a healthy run plateaus
+    after its first steps. Compares host RSS and device allocations at 20%, 60% and 100% of the window."""
 
     def __init__(
-        self, window: int = 100, checkpoints: tuple[float, ...] = (0.2, 0.6, 1.0), tolerance: float = 0.02
+        self, window: int = 100, checkpoints: tuple[float, ...] = (0.2, 0.6, 1.0), tolerance: float = 0.05
     ):
         self.window = window
         self.marks = sorted({max(2, int(window * c)) for c in checkpoints})
         self.tolerance = tolerance
-        self.seen: list[float] = []
+        self.seen: list[dict[str, float]] = []
         self.warned = False
 
-    def observe(self, step: int, peak_gib: float) -> str | None:
+    def observe(self, step: int, now: dict[str, float]) -> str | None:
         if step in self.marks:
-            self.seen.append(peak_gib)
+            self.seen.append(now)
         if self.warned or len(self.seen) < len(self.marks):
             return None
-        rising = all(b > a * (1 + self.tolerance) for a, b in zip(self.seen, self.seen[1:], strict=False))
-        if rising:
-            self.warned = True
-            trail = " -> ".join(f"{x:.2f}" for x in self.seen)
-            return (
-                f"peak memory kept rising over the first {self.window} steps ({trail} GiB at steps "
-                f"{', '.join(map(str, self.marks))}): a leak such as a loader holding references?"
-            )
+        for kind in self.seen[0]:
+            series = [s[kind] for s in self.seen]
+            if all(b > a * (1 + self.tolerance) for a, b in zip(series, series[1:], strict=False)):
+                self.warned = True
+                trail = " -> ".join(f"{x:.2f}" for x in series)
+                return (
+                    f"{kind} memory kept growing over the first {self.window} steps ({trail} GiB at steps "
+                    f"{', '.join(map(str, self.marks))}): a leak, such as a loader holding batches?"
+                )
         return None
 
 
