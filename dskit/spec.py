@@ -124,6 +124,10 @@ class StorageSpec(_Section):
 class CheckpointSpec(_Section):
     every: int = Field(200, ge=1, description="Steps between checkpoints (also saved on SIGUSR1/SIGTERM).")
     keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted after a good save.")
+    final: bool = Field(
+        True,
+        description="Save after the last step (with the probe `dskit export` verifies). Off for benchmarks.",
+    )
 
 
 class SlurmSpec(_Section):

@@ -85,6 +85,7 @@ class RunPlan(_Frozen):
     output_dir: str
     checkpoint_every: int
     checkpoint_keep: int
+    checkpoint_final: bool
 
 
 class LaunchPlan(_Frozen):
@@ -361,6 +362,7 @@ def build_plan(spec: Spec) -> Plan:
             output_dir=out_dir,
             checkpoint_every=spec.checkpoint.every,
             checkpoint_keep=spec.checkpoint.keep,
+            checkpoint_final=spec.checkpoint.final,
         ),
         launch=LaunchPlan(
             runtime=spec.runtime.kind,

@@ -159,7 +159,9 @@ def train(
         # ------------------------------------------------------------ checkpoint / stop
         meta = {"step": done, "samples": done * par.grad_accum * par.micro_batch * world, "plan": plan.name}
         if done == opt.steps:
-            _finish(plan, engine, ckpt, sampler, rank, device, meta)
+            if run.checkpoint_final:
+                _finish(plan, engine, ckpt, sampler, rank, device, meta)
+            _mark_complete(run.output_dir, rank)
             stop.clear_file()
             return 0
         if stop.requested():
@@ -183,7 +185,6 @@ def _finish(
         logits = engine(input_ids=probe).logits.float().cpu()
     engine.train()
     ckpt.save(engine, meta["step"], meta, extra={"probe.pt": {"input_ids": probe.cpu(), "logits": logits}})
-    _mark_complete(plan.run.output_dir, rank)
 
 
 def _mark_complete(output_dir: str, rank: int) -> None:

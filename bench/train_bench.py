@@ -1,0 +1,165 @@
+"""GPU benchmark of the dskit trainer: tokens/s/GPU, MFU and peak memory, one table + one JSON file.
+
+Trains a few-layer DeepSeek-V2-Lite shape through the real path (plan -> run.yaml -> `dskit train
+--local` -> python -m dskit.train) and, when given the reference baseline script, runs it beside
+ours in the same session (figures move ~7% between machines, so only same-call numbers compare).
+
+    python bench/train_bench.py --out bench/results/RESULT.json [--baseline PATH/baseline_probe.py]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# name -> extra spec overrides. Shape of the reference baseline: 4 layers, seq 4096, micro-batch 2.
+VARIANTS = {
+    "dskit (plan default: ckpt every layer)": [],
+    "dskit (no activation ckpt)": ["overrides.activation_checkpointing=0"],
+}
+BASE = [
+    "model.num_layers=4",
+    "training.seq_len=4096",
+    "training.global_batch=2",
+    "training.steps=12",
+    "training.log_every=1",
+    "checkpoint.every=1000",
+    "checkpoint.final=false",
+]
+WARMUP_STEPS = 3
+
+
+def run_dskit(name: str, sets: list[str], work: Path) -> dict:
+    from dskit.plan import build_plan, load_plan
+    from dskit.render import common, slurm
+    from dskit.spec import load_spec
+
+    flags = {
+        "hardware.gpu": "h200-141gb",
+        "hardware.gpus_per_node": 1,
+        "model.preset": "deepseek-v2-lite",
+        "runtime.kind": "none",
+        "storage.root": str(work / "storage"),
+        "name": re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:40],
+    }
+    plan = build_plan(load_spec(sets=BASE + sets, flags=flags))
+    run_dir = work / flags["name"]
+    common.write_output(slurm.render(plan, run_dir), run_dir)
+    cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    log = proc.stdout + proc.stderr
+    (work.parent / f"{flags['name']}.log").write_text(log)
+    if proc.returncode != 0:
+        return {"variant": name, "error": log[-3000:]}
+    recs = [
+        json.loads(x)
+        for x in (Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    steady = [r for r in recs if r["step"] > WARMUP_STEPS]
+    attention = re.search(r"attention: (\S+)", log)
+    return {
+        "variant": name,
+        "step_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
+        "tok_s_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
+        "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
+        "peak_alloc_gb": max(r["peak_alloc_gib"] for r in recs),
+        "peak_reserved_gb": max(r["peak_reserved_gib"] for r in recs),
+        "loss_first": recs[0]["loss"],
+        "loss_last": recs[-1]["loss"],
+        "attention": attention.group(1) if attention else None,
+        "plan": plan.summary(),
+        "overrides": sets,
+    }
+
+
+def run_baseline(script: Path, variant: str, sdpa: str) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        str(script),
+        "--variant",
+        variant,
+        "--sdpa",
+        sdpa,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
+    if not m:
+        return {"variant": f"baseline {variant}/{sdpa}", "error": (proc.stdout + proc.stderr)[-3000:]}
+    r = json.loads(m.group(1))
+    return {
+        "variant": f"baseline {variant} (sdpa {sdpa})",
+        "step_s": r["step_s"],
+        "tok_s_gpu": r["tok_s_gpu"],
+        "mfu": r["mfu"],
+        "peak_alloc_gb": r["peak_alloc_gb"],
+        "peak_reserved_gb": r["peak_reserved_gb"],
+        "loss_last": r["loss"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
+    ap.add_argument("--work", type=Path, help="keep run dirs and logs here (default: a temporary dir)")
+    a = ap.parse_args()
+    rows = []
+    if a.work:
+        a.work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+        if a.baseline:
+            rows.append(run_baseline(a.baseline, "z3leaf", "cudnn"))
+            rows.append(run_baseline(a.baseline, "autoep", "default"))
+        for name, sets in VARIANTS.items():
+            rows.append(run_dskit(name, sets, Path(tmp)))
+    import torch
+
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+        "gpus": torch.cuda.device_count(),
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
+        },
+        "shape": "DeepSeek-V2-Lite, 4 layers, seq 4096, micro-batch 2, 1 GPU, bf16, ZeRO-3",
+        "rows": rows,
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\n{result['hardware']} | {result['date']} | {result['versions']}")
+    print(
+        f"{'variant':44s} {'step s':>7s} {'tok/s/GPU':>10s} {'MFU':>7s} {'alloc GiB':>10s} {'resv GiB':>9s}"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:44s} ERROR: {r['error'][-400:]}")
+            continue
+        print(
+            f"{r['variant']:44s} {r['step_s']:7.3f} {r['tok_s_gpu']:10d} {r['mfu']:7.4f} {r['peak_alloc_gb']:10.2f} {r['peak_reserved_gb']:9.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
