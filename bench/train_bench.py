@@ -33,7 +33,7 @@ BASE = [
     "training.seq_len=4096",
     "training.global_batch=2",
     "training.steps=12",
-    "training.log_every=1",
+    "training.log_every=3",
     "checkpoint.every=1000",
     "checkpoint.final=false",
 ]

@@ -173,7 +173,9 @@ class PlanOverrides(_Section):
     ep_size: int | None = Field(None, ge=1, description="Expert-parallel group size (AutoEP autoep_size).")
     micro_batch: int | None = Field(None, ge=1, description="Sequences per GPU per forward.")
     activation_checkpointing: int | None = Field(
-        None, ge=0, description="0: off; 1: every layer; N: every N-th layer. Default: 1."
+        None,
+        ge=0,
+        description="0: off; 1: every layer; N: every N-th layer. Default: off if memory allows, else 1.",
     )
     precision: Literal["auto", "bf16", "fp16"] = Field(
         "auto", description="bf16 where the GPU has it, else fp16 with dynamic loss scaling."

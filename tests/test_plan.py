@@ -123,3 +123,14 @@ def test_memory_watch_flags_steady_growth_only():
     msgs = [leak.observe(s, {"host": 1 + s / 50}) for s in range(1, 101)]
     assert [m for m in msgs if m] and "host memory kept growing" in [m for m in msgs if m][0]
     assert not any(flat.observe(s, {"host": 2.0 + (s % 3) * 0.01}) for s in range(1, 101))
+
+
+def test_activation_checkpointing_only_when_memory_needs_it():
+    roomy = plan_for(
+        "model.num_layers=4", "training.global_batch=2", hardware__gpu="h200-141gb", hardware__gpus_per_node=1
+    )
+    assert roomy.parallel.activation_checkpointing == 0 and roomy.parallel.micro_batch == 2
+    tight = plan_for(hardware__nodes=2)  # full V2-Lite, micro-batch 8 only fits with recomputation
+    assert tight.parallel.activation_checkpointing == 1
+    pinned = plan_for("overrides.activation_checkpointing=2", hardware__nodes=2)
+    assert pinned.parallel.activation_checkpointing == 2

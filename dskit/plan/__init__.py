@@ -182,6 +182,56 @@ def _micro_batch_candidates(per_rank: int) -> list[int]:
     return [m for m in (64, 32, 16, 8, 4, 2, 1) if per_rank % m == 0]
 
 
+CPU_MAX_MICRO_BATCH = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
+
+
+def _fit_memory(spec: Spec, cfg: dict, mc, gpu: catalog.GPU, world: int, per_rank: int, warnings: list[str]):
+    """(micro_batch, ckpt_every, offload, estimate): the first candidate whose estimate fits.
+
+    Order: no optimizer offload before offload; the largest micro-batch (fuller expert GEMMs); at each
+    micro-batch no activation checkpointing before checkpointing every layer, since recomputation cost
+    28% of step time on the H200 bench (bench/results/). Pinned overrides shrink the candidate lists.
+    """
+    o = spec.overrides
+    offloads = {"none": [False], "cpu": [True], "auto": [False, True]}[o.offload_optimizer]
+    ckpts = [o.activation_checkpointing] if o.activation_checkpointing is not None else [0, 1]
+    if o.micro_batch:
+        mbs = [o.micro_batch]
+    else:
+        mbs = [m for m in _micro_batch_candidates(per_rank) if not gpu.is_cpu or m <= CPU_MAX_MICRO_BATCH]
+
+    def est(mb: int, ckpt: int, offload: bool) -> memory.MemoryEstimate:
+        return memory.estimate(
+            cfg,
+            mc,
+            world=world,
+            micro_batch=mb,
+            seq_len=spec.training.seq_len,
+            ckpt_every=ckpt,
+            offload_optimizer=offload,
+            capacity_gib=gpu.memory_gib,
+        )
+
+    for offload in offloads:
+        for mb in mbs:
+            for ckpt in ckpts:
+                e = est(mb, ckpt, offload)
+                if e.fits:
+                    if offload:
+                        warnings.append(
+                            "optimizer states offloaded to CPU (memory estimate needs it): expect slower steps"
+                        )
+                    return mb, ckpt, offload, e
+    mb, ckpt, offload = mbs[-1], ckpts[-1], offloads[-1]
+    e = est(mb, ckpt, offload)
+    warnings.append(
+        f"memory estimate {e.total_gib:.1f} GiB/GPU exceeds 90% of {gpu.memory_gib} GiB even at micro-batch {mb}"
+        f"{' with optimizer offload' if offload else ''}: add nodes (hardware.nodes) or GPUs, or shorten "
+        "training.seq_len"
+    )
+    return mb, ckpt, offload, e
+
+
 def build_plan(spec: Spec) -> Plan:
     gpu = catalog.gpu(spec.hardware.gpu)
     fabric = catalog.fabric(spec.network.fabric)
@@ -210,22 +260,7 @@ def build_plan(spec: Spec) -> Plan:
         )
     per_rank = gb // world
     precision = _precision(spec, gpu)
-    ckpt = 1 if spec.overrides.activation_checkpointing is None else spec.overrides.activation_checkpointing
     mc = counts(cfg, spec.training.seq_len)
-    capacity = gpu.memory_gib
-
-    def est(mb: int, offload: bool) -> memory.MemoryEstimate:
-        return memory.estimate(
-            cfg,
-            mc,
-            world=world,
-            micro_batch=mb,
-            seq_len=spec.training.seq_len,
-            ckpt_every=ckpt,
-            offload_optimizer=offload,
-            capacity_gib=capacity,
-        )
-
     forced_mb = spec.overrides.micro_batch
     if forced_mb is not None and per_rank % forced_mb:
         raise SpecError(
@@ -233,37 +268,7 @@ def build_plan(spec: Spec) -> Plan:
             f"{forced_mb} does not divide the per-rank batch {per_rank} "
             f"(global_batch {gb} / world {world}); valid: {', '.join(map(str, _micro_batch_candidates(per_rank)))}",
         )
-    offload_choices = {"none": [False], "cpu": [True], "auto": [False, True]}[
-        spec.overrides.offload_optimizer
-    ]
-    chosen: tuple[int, bool, memory.MemoryEstimate] | None = None
-    cpu_cap = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
-    for offload in offload_choices:
-        mbs = (
-            [forced_mb]
-            if forced_mb
-            else [m for m in _micro_batch_candidates(per_rank) if not gpu.is_cpu or m <= cpu_cap]
-        )
-        for mb in mbs:
-            e = est(mb, offload)
-            if e.fits:
-                chosen = (mb, offload, e)
-                break
-        if chosen:
-            break
-    if chosen is None:
-        mb = forced_mb or 1
-        offload = offload_choices[-1]
-        e = est(mb, offload)
-        chosen = (mb, offload, e)
-        warnings.append(
-            f"memory estimate {e.total_gib:.1f} GiB/GPU exceeds 90% of {capacity} GiB even at micro-batch {mb}"
-            f"{' with optimizer offload' if offload else ''}: add nodes (hardware.nodes) or GPUs, or shorten training.seq_len"
-        )
-    mb, offload, est_mem = chosen
-    if offload:
-        warnings.append("optimizer states offloaded to CPU (memory estimate needs it): expect slower steps")
-
+    mb, ckpt, offload, est_mem = _fit_memory(spec, cfg, mc, gpu, world, per_rank, warnings)
     peak = gpu.peak_tflops_bf16 if precision == "bf16" else gpu.peak_tflops_fp16
     storage = spec.storage
     # Relative paths mean "relative to where you rendered": make them absolute now, since jobs start
@@ -388,7 +393,6 @@ def build_plan(spec: Spec) -> Plan:
             ep_size=ep,
             autoep_preset=AUTOEP_PRESETS.get(model_type, "deepseek_v2"),
             offload_optimizer=offload,
-            hidden_size=cfg["hidden_size"],
             on_gpu=not gpu.is_cpu,
         ),
         warnings=warnings,

@@ -21,21 +21,21 @@ def deepspeed_config(
     ep_size: int,
     autoep_preset: str,
     offload_optimizer: bool,
-    hidden_size: int,
     on_gpu: bool,
 ) -> dict[str, Any]:
     zero: dict[str, Any] = {
         "stage": 3,
         "overlap_comm": on_gpu,
         "contiguous_gradients": True,
-        # Bucket sizes in elements, scaled to the hidden size as DeepSpeed's HF integration does
-        # ("auto" there): h*h for reduce buckets, 0.9*h*h prefetch, 10*h persistence threshold.
-        "reduce_bucket_size": hidden_size * hidden_size,
-        "stage3_prefetch_bucket_size": int(0.9 * hidden_size * hidden_size),
-        "stage3_param_persistence_threshold": 10 * hidden_size,
-        # The default (1e9 live params = 2 GB in bf16) is a silent memory reservation; a few layers suffice.
-        "stage3_max_live_parameters": 3 * 10**8,
-        "stage3_max_reuse_distance": 3 * 10**8,
+        # Bucket sizes in elements: DeepSpeed's own defaults, written out so run.yaml shows them. The
+        # h*h "auto" heuristics of DeepSpeed's HF integration (tuned for dense layers of ~12h^2
+        # parameters) cut an MoE layer into hundreds of small collectives: 30% slower per step on the
+        # H200 bench (bench/results/h200-2026-11-30.md).
+        "reduce_bucket_size": 5 * 10**8,
+        "stage3_prefetch_bucket_size": 5 * 10**7,
+        "stage3_param_persistence_threshold": 10**5,
+        "stage3_max_live_parameters": 10**9,
+        "stage3_max_reuse_distance": 10**9,
         # dskit exports Hugging Face weights itself (`dskit export`): gathering 16-bit weights on save
         # raises NotImplementedError under AutoEP, and costs a full all-gather per checkpoint anyway.
         "stage3_gather_16bit_weights_on_model_save": False,
