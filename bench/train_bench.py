@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 
 # name -> extra spec overrides. Shape of the reference baseline: 4 layers, seq 4096, micro-batch 2.
 VARIANTS = {
-    "dskit (plan default: ckpt every layer)": [],
-    "dskit (no activation ckpt)": ["overrides.activation_checkpointing=0"],
+    "dskit (plan default)": [],
+    "dskit (activation ckpt every layer)": ["overrides.activation_checkpointing=1"],
 }
 BASE = [
     "model.num_layers=4",
