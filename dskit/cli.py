@@ -22,6 +22,7 @@ SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
     "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
     "runtime": ("runtime.kind", str, "pyxis | apptainer | none (spec: runtime.kind)"),
     "image": ("runtime.image", str, "container image (spec: runtime.image)"),
+    "chain": ("slurm.chain", int, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
 }
 
 
@@ -96,8 +97,12 @@ def cmd_render(a: argparse.Namespace) -> int:
         from dskit.render import slurm
 
         files = slurm.render(plan, out)
-        executable: tuple[str, ...] = (slurm.SCRIPT,)
-        next_step = f"sbatch {out / slurm.SCRIPT}"
+        executable: tuple[str, ...] = (slurm.SCRIPT, slurm.CHAIN_SCRIPT)
+        next_step = (
+            f"bash {out / slurm.CHAIN_SCRIPT}"
+            if slurm.CHAIN_SCRIPT in files
+            else f"sbatch {out / slurm.SCRIPT}"
+        )
     else:  # argparse restricts choices; kept for new targets
         raise SpecError("target", f"unknown target {a.target!r}")
     common.write_output(files, out, force=a.force, executable=executable)

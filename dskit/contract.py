@@ -41,7 +41,7 @@ DEEPSPEED_JSON = "deepspeed.json"
 
 #: Stop request: a launcher that cannot signal the ranks directly (torchrun does not forward SIGUSR1,
 #: and containers hide PIDs) creates this file in the checkpoint dir; the trainer polls it each step,
-#: checkpoints and exits with EXIT_REQUEUE. Files older than the trainer's start are stale and ignored.
+#: checkpoints, deletes it and exits with EXIT_REQUEUE. Launchers delete a stale one before starting.
 STOP_FILE = "STOP"
 #: Written in the output dir when all steps are done, so launchers do not requeue a finished run.
 COMPLETE_FILE = "COMPLETE"

@@ -143,6 +143,13 @@ class SlurmSpec(_Section):
     extra_args: list[str] = Field(
         default_factory=list, description="Extra #SBATCH flags, each '--flag' or '--flag=value'."
     )
+    chain: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Links in a chain of jobs (submit.sh, --dependency=afterany) for runs longer than the "
+        "time limit. 1: a single job that requeues itself at the time limit instead.",
+    )
 
     @field_validator("partition", "account", "qos")
     @classmethod

@@ -10,6 +10,7 @@ from dskit.plan import Plan
 from dskit.render.common import env_lines, q, render_template, run_files, sq
 
 SCRIPT = "job.sbatch"
+CHAIN_SCRIPT = "submit.sh"
 #: Marker lines around the environment block; tests execute exactly this block.
 ENV_BEGIN, ENV_END = "# >>> dskit launch contract", "# <<< dskit launch contract"
 
@@ -66,6 +67,7 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
     directives = [f"--job-name={plan.name}", f"--nodes={plan.hardware.nodes}", "--ntasks-per-node=1"]
     if plan.hardware.on_gpu:
         directives.append(f"--gpus-per-node={plan.hardware.procs_per_node}")
+    chain = s["chain"]
     directives += [
         "--exclusive",
         f"--time={s['time']}",
@@ -94,6 +96,13 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
         output_dir=q(plan.run.output_dir),
         launch=launch_words(plan, run_dir),
         exit_requeue=EXIT_REQUEUE,
+        requeue_on_stop=chain == 1,
+        chain=chain,
         warnings=plan.warnings,
     )
-    return {**run_files(plan), SCRIPT: script}
+    files = {**run_files(plan), SCRIPT: script}
+    if chain > 1:
+        files[CHAIN_SCRIPT] = render_template(
+            "slurm/submit.sh.j2", version=__version__, chain=chain, script=q(str(run_dir / SCRIPT))
+        )
+    return files

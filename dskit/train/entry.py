@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 
 from dskit.contract import LAUNCHER_ENV, Env
@@ -80,6 +81,8 @@ def main() -> int:
         device = torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
     world = dist.get_world_size()
+    # one line per rank, so a multi-node log shows which hosts took part
+    print(f"dskit: rank {dist.get_rank()} of {world} on {socket.gethostname()}", flush=True)
     try:
         attention, why = resolve_attention(plan.parallel.attention, device)
         apply_sdpa_policy(attention)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dskit.contract import RUN_YAML, Env
+from dskit.contract import RUN_YAML, STOP_FILE, Env
 from dskit.errors import SpecError
 
 
@@ -36,6 +36,7 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
             f"{nproc} processes, but the plan is for world size {world}: pass --nproc {world} "
             "or re-render with --nodes 1 --gpus-per-node N",
         )
+    Path(plan.run.checkpoint_dir, STOP_FILE).unlink(missing_ok=True)  # a stale request would stop us at once
     env = {**os.environ, **plan.env, Env.RUN_FILE.value: str(run_file)}
     cmd = [
         sys.executable,

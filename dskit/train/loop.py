@@ -31,7 +31,6 @@ class StopRequest:
         self.flag = False
         self.rank, self.device = rank, device
         self.file = Path(checkpoint_dir) / STOP_FILE
-        self.started = time.time()
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._on_signal)
 
@@ -42,10 +41,9 @@ class StopRequest:
         )
 
     def _file_requested(self) -> bool:
-        try:
-            return self.file.stat().st_mtime >= self.started
-        except FileNotFoundError:
-            return False
+        # Launchers delete stale files before starting ranks, so any file here is a live request, even
+        # one made before this process started (a time-limit signal during start-up).
+        return self.file.exists()
 
     def requested(self) -> bool:
         """Collective: every rank must call it at the same step. (`.item()` syncs the GPU once a step.)"""
