@@ -137,6 +137,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
+# Job credentials live 120 s by default and Slurm holds a requeued job back until its old one expired
+# (starting earlier fails with "Job credential revoked"): shorten it so requeue tests take seconds.
+AuthInfo=cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
