@@ -33,7 +33,7 @@ test: setup
 
 # Regenerate the rendered examples in slurm/ (they double as the golden files of the tests).
 examples: setup
-	$(BIN)/python -m tests.regen_golden
+	$(BIN)/python -m tests.regen_examples
 
 lint: setup
 	$(BIN)/ruff check dskit tests && $(BIN)/ruff format --check dskit tests

@@ -10,7 +10,7 @@ from typing import Any
 
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
-TARGETS = ("slurm",)
+TARGETS = ("slurm", "image")
 
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
 SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -103,6 +103,12 @@ def cmd_render(a: argparse.Namespace) -> int:
             if slurm.CHAIN_SCRIPT in files
             else f"sbatch {out / slurm.SCRIPT}"
         )
+    elif a.target == "image":
+        from dskit.render import image
+
+        files = image.render(spec.hardware.gpu, spec.network.fabric)
+        executable = (image.INSTALL, image.ENROOT)
+        next_step = f"docker build -f {out / image.DOCKERFILE} -t {image.image_tag_for(spec.hardware.gpu, spec.network.fabric)} ."
     else:  # argparse restricts choices; kept for new targets
         raise SpecError("target", f"unknown target {a.target!r}")
     common.write_output(files, out, force=a.force, executable=executable)
@@ -129,6 +135,12 @@ def cmd_train(a: argparse.Namespace) -> int:
 
         return train_main()
     return run_local(a.run, nproc=a.nproc)
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from dskit.doctor import main as doctor_main
+
+    return doctor_main(as_json=a.json, build=a.build)
 
 
 def cmd_export(a: argparse.Namespace) -> int:
@@ -176,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resolve the spec and write run.yaml, deepspeed.json and the target's files "
         "into a new directory (atomically: all files or none).",
     )
-    s.add_argument("target", choices=TARGETS, help="slurm: job.sbatch for `sbatch`")
+    s.add_argument(
+        "target",
+        choices=TARGETS,
+        help="slurm: job.sbatch for `sbatch`; image: Dockerfile + install script + lock for the GPU",
+    )
     _add_spec_args(s)
     s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-TARGET)")
     s.add_argument("--force", action="store_true", help="replace an existing run directory")
@@ -205,6 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.add_argument("--no-verify", action="store_true", help="skip the logits check against the trained model")
     s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser(
+        "doctor",
+        help="check this host/container: GPU vs image arch, flash-attn, DeepSpeed ops, NCCL, /dev/shm, RDMA",
+        description="One PASS/WARN/FAIL line per check; exit code 1 if anything fails.",
+    )
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--build", action="store_true", help="image build smoke test: no GPU or launcher expected")
+    s.set_defaults(func=cmd_doctor)
 
     s = sub.add_parser("data", help="data tools")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")

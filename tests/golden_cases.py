@@ -1,6 +1,6 @@
 """Golden render cases: name -> (spec overrides, CLI-style flags). Shared by the test and the regenerator.
 
-Regenerate after an intended change:  make examples   (python -m tests.regen_golden; review the diff)
+Regenerate after an intended change:  make examples   (python -m tests.regen_examples; review the diff)
 """
 
 from __future__ import annotations

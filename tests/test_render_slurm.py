@@ -30,11 +30,11 @@ def test_golden(case):
     got = render_case(case)
     want_dir = GOLDEN / case
     assert sorted(got) == sorted(p.name for p in want_dir.iterdir()), (
-        "file set changed: python -m tests.regen_golden"
+        "file set changed: python -m tests.regen_examples"
     )
     for rel, text in got.items():
         assert text == (want_dir / rel).read_text(), (
-            f"{case}/{rel} differs: review, then python -m tests.regen_golden"
+            f"{case}/{rel} differs: review, then python -m tests.regen_examples"
         )
 
 

@@ -1,0 +1,221 @@
+"""`dskit doctor`: is this container/host able to run the plan? One PASS/WARN/FAIL line per check.
+
+Runs anywhere (no GPU needed); imports torch/deepspeed lazily and reports their absence instead of
+crashing. `--build` is the image's smoke test: nothing there may need a GPU or a launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dskit.contract import REQUIRED, Env
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+GIB = 2**30
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+
+
+def _version(mod: str) -> str | None:
+    if importlib.util.find_spec(mod) is None:
+        return None
+    try:
+        return getattr(__import__(mod), "__version__", "unknown")
+    except Exception as e:  # a broken install (ABI mismatch: "undefined symbol") is exactly what we report
+        return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """DeepSpeed logs to stdout from import time on; keep the report (and --json) clean."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run_checks(build: bool = False) -> list[Check]:
+    with _stdout_to_stderr():
+        return _run_checks(build)
+
+
+def _run_checks(build: bool) -> list[Check]:
+    out: list[Check] = []
+    add = lambda n, s, d: out.append(Check(n, s, d))  # noqa: E731
+
+    py = platform.python_version()
+    add("python", PASS if sys.version_info >= (3, 10) else FAIL, f"{py} at {sys.executable}")
+
+    tv = _version("torch")
+    if tv is None or tv.startswith("IMPORT ERROR"):
+        add("torch", FAIL, tv or "not installed (pip install 'dskit[train]')")
+        return out
+    import torch
+
+    cuda_build = torch.version.cuda
+    add(
+        "torch", PASS, f"{tv} (CUDA {cuda_build or 'none'}, cuDNN {torch.backends.cudnn.version() or 'none'})"
+    )
+    image_arch = os.environ.get("DSKIT_IMAGE_ARCH", "")
+    gpu_ok = torch.cuda.is_available()
+    if gpu_ok:
+        cc = torch.cuda.get_device_capability(0)
+        name = torch.cuda.get_device_name(0)
+        have = f"{cc[0]}.{cc[1]}"
+        archs = torch.cuda.get_arch_list()
+        arch_ok = any(a.startswith(f"sm_{cc[0]}{cc[1]}") for a in archs) or any(
+            a.startswith(f"sm_{cc[0]}") for a in archs
+        )
+        add("gpu", PASS, f"{torch.cuda.device_count()} x {name}, compute capability {have}")
+        add(
+            "torch arch list",
+            PASS if arch_ok else FAIL,
+            f"torch kernels for {', '.join(archs)}"
+            + ("" if arch_ok else f": none runs on sm_{cc[0]}{cc[1]}"),
+        )
+        if image_arch:
+            add(
+                "image arch",
+                PASS if image_arch == have else FAIL,
+                f"image built for {image_arch}, this GPU is {have}"
+                + (
+                    ""
+                    if image_arch == have
+                    else ": DeepSpeed/flash-attn ops will not load; use `dskit render image --gpu` for it"
+                ),
+            )
+        add(
+            "bf16",
+            PASS if torch.cuda.is_bf16_supported() else WARN,
+            "supported"
+            if torch.cuda.is_bf16_supported()
+            else "not supported: the plan will use fp16 with loss scaling",
+        )
+        try:
+            add("nccl", PASS, "version " + ".".join(map(str, torch.cuda.nccl.version())))
+        except Exception as e:
+            add("nccl", FAIL, f"unavailable: {e}")
+    elif build:
+        add(
+            "gpu",
+            PASS,
+            "not checked at image build time" + (f" (image arch {image_arch})" if image_arch else ""),
+        )
+    else:
+        want_gpu = os.environ.get(Env.GPU_PROFILE.value, "cpu") != "cpu"
+        add(
+            "gpu",
+            FAIL if want_gpu else WARN,
+            "no CUDA device visible"
+            + (f" but {Env.GPU_PROFILE.value}={os.environ[Env.GPU_PROFILE.value]}" if want_gpu else ""),
+        )
+
+    fa_expected = os.environ.get("DSKIT_IMAGE_FLASH_ATTN", "")
+    for mod, gen in (("flash_attn", "fa2"), ("flash_attn_interface", "fa3")):
+        v = _version(mod)
+        expected = fa_expected in (gen, "fa3") if gen == "fa2" else fa_expected == "fa3"
+        if v is None:
+            add(
+                mod,
+                FAIL if expected else PASS,
+                "not installed" + (" but the image should have it" if expected else " (not needed here)"),
+            )
+        else:
+            add(mod, FAIL if v.startswith("IMPORT ERROR") else PASS, v)
+
+    dv = _version("deepspeed")
+    if dv is None or dv.startswith("IMPORT ERROR"):
+        add("deepspeed", FAIL, dv or "not installed")
+    else:
+        add("deepspeed", PASS, dv)
+        out.extend(_deepspeed_ops(gpu_ok))
+
+    out.append(_shm())
+    out.append(_infiniband())
+    if not build:
+        missing = [n for n in REQUIRED if n not in os.environ]
+        add(
+            "launch contract",
+            PASS if not missing else WARN,
+            "all set" if not missing else f"not set: {', '.join(missing)} (fine outside a dskit job)",
+        )
+    return out
+
+
+def _deepspeed_ops(gpu: bool) -> list[Check]:
+    """Which ops are prebuilt (installed_ops) vs would JIT-compile at start-up."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    except Exception as e:
+        return [Check("deepspeed ops", FAIL, f"cannot read the op report: {e}")]
+    wanted = ["cpu_adam"] + (
+        ["fused_adam"] if gpu or os.environ.get("DSKIT_IMAGE_ARCH") else ["deepspeed_shm_comm"]
+    )
+    checks = []
+    for op in wanted:
+        if installed_ops.get(op):
+            checks.append(Check(f"deepspeed op {op}", PASS, "prebuilt"))
+        elif op in ALL_OPS and ALL_OPS[op].is_compatible():
+            checks.append(
+                Check(f"deepspeed op {op}", WARN, "not prebuilt: every worker JIT-compiles it at start")
+            )
+        else:
+            checks.append(Check(f"deepspeed op {op}", FAIL, "incompatible with this environment"))
+    return checks
+
+
+def _shm() -> Check:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return Check("/dev/shm", FAIL, "missing")
+    size = st.f_frsize * st.f_blocks
+    want = int(os.environ.get(Env.SHM_BYTES.value, 1 * GIB))
+    detail = f"{size / GIB:.1f} GiB, want >= {want / GIB:.1f} GiB"
+    if size < want:
+        return Check(
+            "/dev/shm", FAIL, detail + " (Docker's 64 MB default breaks NCCL: --shm-size or an emptyDir)"
+        )
+    return Check("/dev/shm", PASS, detail)
+
+
+def _infiniband() -> Check:
+    ib = Path("/sys/class/infiniband")
+    devs = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    wants_rdma = os.environ.get("NCCL_IB_DISABLE") == "0" or os.environ.get("FI_PROVIDER") == "efa"
+    if devs:
+        return Check("rdma devices", PASS, ", ".join(devs))
+    return Check(
+        "rdma devices",
+        FAIL if wants_rdma else PASS,
+        "none"
+        + (" but the fabric in the launch contract needs RDMA" if wants_rdma else " (not needed here)"),
+    )
+
+
+def main(as_json: bool = False, build: bool = False) -> int:
+    checks = run_checks(build=build)
+    if as_json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        for c in checks:
+            print(f"{c.status:4s}  {c.name:24s} {c.detail}")
+    return 1 if any(c.status == FAIL for c in checks) else 0

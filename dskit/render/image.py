@@ -1,0 +1,107 @@
+"""Image target: GPU profile -> Dockerfile (multi-stage), its install script and version lock, plus the
+enroot/pyxis import command and an apptainer definition for Slurm users.
+
+Build from the repository root (the context holds dskit itself):
+    docker build -f images/<gpu>/Dockerfile -t <tag printed in the Dockerfile> .
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import yaml
+
+from dskit import __version__, catalog
+from dskit.render.common import q, render_template
+
+DOCKERFILE, INSTALL, LOCK, APPTAINER, ENROOT = (
+    "Dockerfile",
+    "install.sh",
+    "requirements.lock",
+    "apptainer.def",
+    "enroot-import.sh",
+)
+
+
+@functools.cache
+def toolchains() -> dict:
+    return yaml.safe_load((Path(catalog.__file__).parent / "images.yaml").read_text())
+
+
+def toolchain_for(gpu: catalog.GPU) -> str:
+    if gpu.is_cpu:
+        return "cpu"
+    major, minor = (int(x) for x in gpu.compute_capability.split("."))
+    return "cu130" if (major, minor) >= (7, 5) else "cu126"
+
+
+def flash_attn_archs(gpu: catalog.GPU) -> str | None:
+    """FLASH_ATTN_CUDA_ARCHS for FlashAttention-2's build: sm80 code serves sm86/89 (same major)."""
+    if gpu.flash_attn == "none":
+        return None
+    return "90" if gpu.compute_capability == "9.0" else "80"
+
+
+def image_tag(gpu: catalog.GPU, fabric: str) -> str:
+    tc = toolchains()[toolchain_for(gpu)]
+    parts = [gpu.name, f"torch{tc['torch']}", f"cu{tc['cuda']}" if tc["cuda"] else "cpu"]
+    if tc["flash_attn"] and gpu.flash_attn != "none":
+        parts.append(f"{gpu.flash_attn}-{tc['flash_attn']}")
+    parts.append(f"ds{tc['pins']['deepspeed']}")
+    if fabric == "efa":
+        parts.append("efa")
+    return "dskit:" + "-".join(parts)
+
+
+def image_tag_for(gpu_name: str, fabric_name: str) -> str:
+    gpu = catalog.gpu(gpu_name, "--gpu")
+    return image_tag(gpu, "tcp" if gpu.is_cpu else fabric_name)
+
+
+def render(gpu_name: str, fabric_name: str = "infiniband") -> dict[str, str]:
+    gpu = catalog.gpu(gpu_name, "--gpu")
+    fab = catalog.fabric(fabric_name, "--fabric")
+    if gpu.is_cpu and fab.rdma:
+        fabric_name = "tcp"  # a CPU image has no use for RDMA libraries
+    tc_name = toolchain_for(gpu)
+    tc = toolchains()[tc_name]
+    tag = image_tag(gpu, fabric_name)
+    pins = {k: v for k, v in tc["pins"].items() if k != "deepspeed"}
+    lock = "\n".join(f"{k}=={v}" for k, v in sorted(pins.items())) + "\n"
+    arch = gpu.compute_capability  # "9.0", never "9.0a": DeepSpeed's op builder rejects the suffix
+    efa = toolchains()["efa"]
+    ctx = {
+        "version": __version__,
+        "gpu": gpu,
+        "toolchain": tc_name,
+        "tc": tc,
+        "tag": tag,
+        "arch": arch,
+        "fa_archs": flash_attn_archs(gpu) if tc["flash_attn"] else None,
+        "fa3": gpu.flash_attn == "fa3" and tc["flash_attn_3_ref"],
+        "rdma": fab.rdma and not gpu.is_cpu,
+        "efa": fabric_name == "efa",
+        "efa_version": efa["installer"],
+        "efa_url": efa["url"].format(version=efa["installer"]),
+        "dir": f"images/{image_dir(gpu_name, fabric_name)}",
+    }
+    install = render_template("image/install.sh.j2", **ctx, torch_index=q(tc["torch_index"] or ""))
+    return {
+        DOCKERFILE: render_template("image/Dockerfile.j2", **ctx),
+        INSTALL: install,
+        LOCK: lock,
+        APPTAINER: render_template("image/apptainer.def.j2", **ctx),
+        ENROOT: render_template("image/enroot-import.sh.j2", **ctx, q_tag=q(tag)),
+    }
+
+
+def image_dir(gpu_name: str, fabric_name: str = "infiniband") -> str:
+    return gpu_name if fabric_name in ("infiniband", "roce", "tcp") else f"{gpu_name}-{fabric_name}"
+
+
+def catalog_images() -> dict[str, dict[str, str]]:
+    """images/ contents: every catalog GPU (RDMA libraries included), plus the EFA variant for H100."""
+    out = {image_dir(g): render(g) for g in catalog.gpus()}
+    out[image_dir("h100-80gb", "efa")] = render("h100-80gb", "efa")
+    return out

@@ -1,0 +1,27 @@
+#!/bin/bash
+# Rendered by dskit 0.1.0: the Python install of the a100-40gb image (cu130 lock).
+# The Dockerfile runs this file as is; CI runs the cpu one in a fresh venv (PYTHON=..., and
+# DSKIT_TORCH_INDEX= because CI reaches PyPI only).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+PY=${PYTHON:-python}
+torch_index=${DSKIT_TORCH_INDEX-''}
+
+"$PY" -m pip install --upgrade pip setuptools wheel
+# torch first and alone: everything after builds against exactly this ABI.
+"$PY" -m pip install ${torch_index:+--index-url "$torch_index"} "torch==2.11.0"
+"$PY" -m pip install -r "$here/requirements.lock"
+
+# DeepSpeed with its ops compiled now, not JIT-compiled by every worker at start-up.
+export DS_BUILD_OPS=0 DS_BUILD_CPU_ADAM=1
+export DS_BUILD_FUSED_ADAM=1
+# --no-cache-dir: a cached DeepSpeed wheel built without these flags would be reused silently
+"$PY" -m pip install --no-cache-dir --no-build-isolation "deepspeed==0.19.8"
+
+# FlashAttention-2 for sm80 only. Each nvcc job needs several GB: size MAX_JOBS by memory so
+# the build does not run out of it (the classic failure), at most one job per core.
+mem_gib=$(awk '/MemAvailable/ {print int($2 / 1048576)}' /proc/meminfo)
+jobs=$(( mem_gib / 6 ))
+[ "$jobs" -ge 1 ] || jobs=1
+[ "$jobs" -le "$(nproc)" ] || jobs=$(nproc)
+MAX_JOBS=${MAX_JOBS:-$jobs} "$PY" -m pip install --no-cache-dir --no-build-isolation "flash-attn==2.8.3"

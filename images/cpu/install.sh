@@ -1,0 +1,19 @@
+#!/bin/bash
+# Rendered by dskit 0.1.0: the Python install of the cpu image (cpu lock).
+# The Dockerfile runs this file as is; CI runs the cpu one in a fresh venv (PYTHON=..., and
+# DSKIT_TORCH_INDEX= because CI reaches PyPI only).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+PY=${PYTHON:-python}
+torch_index=${DSKIT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+
+"$PY" -m pip install --upgrade pip setuptools wheel
+# torch first and alone: everything after builds against exactly this ABI.
+"$PY" -m pip install ${torch_index:+--index-url "$torch_index"} "torch==2.13.0"
+"$PY" -m pip install -r "$here/requirements.lock"
+
+# DeepSpeed with its ops compiled now, not JIT-compiled by every worker at start-up.
+export DS_BUILD_OPS=0 DS_BUILD_CPU_ADAM=1
+export DS_BUILD_SHM_COMM=1 DS_ACCELERATOR=cpu
+# --no-cache-dir: a cached DeepSpeed wheel built without these flags would be reused silently
+"$PY" -m pip install --no-cache-dir --no-build-isolation "deepspeed==0.19.8"

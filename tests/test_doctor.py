@@ -1,0 +1,39 @@
+"""`dskit doctor` on this (CPU) machine: one line per check, JSON, and failures that mean something."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import dskit
+
+
+def test_doctor_reports_every_check_as_one_line():
+    r = dskit("doctor", env={"DSKIT_GPU_PROFILE": "cpu"})
+    lines = r.stdout.strip().splitlines()
+    names = [ln.split()[1] for ln in lines]
+    for want in ("python", "torch", "gpu", "flash_attn", "deepspeed", "/dev/shm", "rdma", "launch"):
+        assert want in names, r.stdout
+    assert all(ln.split()[0] in ("PASS", "WARN", "FAIL") for ln in lines)
+    assert r.returncode == (1 if any(ln.startswith("FAIL") for ln in lines) else 0)
+
+
+def test_doctor_fails_where_a_job_would():
+    env = {
+        "DSKIT_GPU_PROFILE": "h100-80gb",
+        "DSKIT_SHM_BYTES": str(10**15),
+        "NCCL_IB_DISABLE": "0",
+        "DSKIT_IMAGE_FLASH_ATTN": "fa2",
+    }
+    r = dskit("doctor", "--json", env=env)
+    assert r.returncode == 1
+    status = {c["name"]: c["status"] for c in json.loads(r.stdout)}
+    assert status["gpu"] == "FAIL"  # the contract says GPU, none is visible
+    assert status["/dev/shm"] == "FAIL"
+    assert status["rdma devices"] == "FAIL"  # fabric wants InfiniBand, no devices
+    assert status["flash_attn"] == "FAIL"  # the image promised flash-attn
+
+
+def test_doctor_build_mode_needs_no_gpu_or_launcher():
+    r = dskit("doctor", "--build", "--json")
+    status = {c["name"]: c["status"] for c in json.loads(r.stdout)}
+    assert status["gpu"] == "PASS" and "launch contract" not in status

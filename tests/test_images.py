@@ -1,0 +1,155 @@
+"""Images: images/ is current and hadolint-clean, the CPU install script really installs (DeepSpeed's
+CPU ops built, not JIT), and the CUDA locks resolve against the package index.
+
+No Docker engine exists on the development/CI machines, so images are not built here; every part that
+can run without one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dskit import catalog
+from dskit.render import image
+from tests.conftest import REPO, dskit
+
+IMAGES = REPO / "images"
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+# cp312 manylinux x86_64, every glibc level pip knows: the platform the CUDA images install on
+PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:"] + [
+    a
+    for t in ["manylinux2014_x86_64", "manylinux1_x86_64", *(f"manylinux_2_{n}_x86_64" for n in range(5, 40))]
+    for a in ("--platform", t)
+]
+
+
+def test_images_dir_is_current():
+    want = image.catalog_images()
+    assert sorted(p.name for p in IMAGES.iterdir()) == sorted(want), "run `make examples`"
+    for name, files in want.items():
+        for rel, text in files.items():
+            assert (IMAGES / name / rel).read_text() == text, (
+                f"images/{name}/{rel} is stale: run `make examples`"
+            )
+
+
+def test_every_gpu_has_an_image_for_its_arch():
+    for g in catalog.gpus().values():
+        d = IMAGES / g.name
+        docker = (d / "Dockerfile").read_text()
+        if g.is_cpu:
+            assert "TORCH_CUDA_ARCH_LIST" not in docker
+            continue
+        assert f'TORCH_CUDA_ARCH_LIST="{g.compute_capability}"' in docker  # no "9.0a"
+        install = (d / "install.sh").read_text()
+        assert ("flash-attn==" in install) == (g.flash_attn != "none")
+        assert ("flash-attention.git" in install) == (g.flash_attn == "fa3")
+        assert "rdma-core" in docker and "dskit doctor --build" in docker
+    assert "efa_installer.sh" in (IMAGES / "h100-80gb-efa" / "Dockerfile").read_text()
+    assert "cu12.6" in image.image_tag(catalog.gpu("v100-32gb"), "infiniband")  # CUDA 13 has no sm70
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in IMAGES.iterdir()))
+def test_dockerfiles_are_hadolint_clean(name):
+    r = subprocess.run([HADOLINT, str(IMAGES / name / "Dockerfile")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in IMAGES.iterdir()))
+def test_install_scripts_are_shellcheck_clean(name):
+    sc = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    for f in ("install.sh", "enroot-import.sh"):
+        r = subprocess.run([sc, str(IMAGES / name / f)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout
+
+
+def test_cpu_install_script_installs_and_prebuilds_deepspeed_ops(tmp_path):
+    """The same file the CPU Dockerfile runs, in a fresh venv: pins resolve, CPU ops are compiled."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    env = {**os.environ, "PYTHON": str(py), "DSKIT_TORCH_INDEX": ""}  # CI reaches PyPI only
+    env.pop("PIP_REQUIRE_VIRTUALENV", None)
+    r = subprocess.run(["bash", str(IMAGES / "cpu" / "install.sh")], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lock = yaml.safe_load((REPO / "dskit" / "catalog" / "images.yaml").read_text())["cpu"]
+    code = (
+        "import torch, deepspeed, transformers, json; from deepspeed.git_version_info import installed_ops; "
+        "print(json.dumps([torch.__version__, deepspeed.__version__, transformers.__version__, "
+        "installed_ops['cpu_adam'], installed_ops['deepspeed_shm_comm']]))"
+    )
+    out = subprocess.run(
+        [str(py), "-c", code], capture_output=True, text=True, env={**env, "DS_ACCELERATOR": "cpu"}
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    tv, dv, trv, cpu_adam, shm = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (
+        tv.split("+")[0] == lock["torch"]
+        and dv == lock["pins"]["deepspeed"]
+        and trv == lock["pins"]["transformers"]
+    )
+    assert cpu_adam and shm  # compiled at install time: no JIT at worker start
+
+
+@pytest.mark.parametrize("toolchain", ["cu130", "cu126"])
+def test_cuda_locks_resolve_against_the_index(toolchain, tmp_path):
+    """pip's resolver, run for the images' platform with --dry-run: it reads wheel metadata from the
+    index (PEP 658) and downloads no multi-GB wheels. DeepSpeed and flash-attn ship as sdists (built in the
+    image against the installed torch), so for them the test checks that the pinned version is on the index."""
+    tc = image.toolchains()[toolchain]
+    reqs = [f"torch=={tc['torch']}"] + [f"{k}=={v}" for k, v in tc["pins"].items() if k != "deepspeed"]
+    report = tmp_path / "report.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            "--target",
+            str(tmp_path / "t"),
+            *PLATFORM,
+            *reqs,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = {
+        i["metadata"]["name"].lower(): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+    }
+    assert got["torch"] == tc["torch"]
+    cuda_major = tc["cuda"].split(".")[0]
+    assert any(n.startswith("nvidia-cuda-runtime") and v.startswith(cuda_major) for n, v in got.items()), got
+    sdists = {"deepspeed": tc["pins"]["deepspeed"]} | (
+        {"flash-attn": tc["flash_attn"]} if tc["flash_attn"] else {}
+    )
+    for name, version in sdists.items():
+        r = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", name], capture_output=True, text=True
+        )
+        listed = r.stdout.split("Available versions:")[-1].replace(",", " ").split()
+        assert version in listed, f"{name}=={version} not on the index: {r.stdout[:300]}"
+
+
+def test_render_image_cli(tmp_path):
+    out = tmp_path / "img"
+    r = dskit("render", "image", "--gpu", "a100-80gb", "--fabric", "efa", "-o", str(out), check=True)
+    assert "docker build -f" in r.stdout and "efa" in r.stdout
+    assert (out / "Dockerfile").is_file() and os.access(out / "install.sh", os.X_OK)
+    bad = dskit("render", "image", "--gpu", "a100", "-o", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "hardware.gpu" in bad.stderr and not (tmp_path / "x").exists()
