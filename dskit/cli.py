@@ -10,7 +10,7 @@ from typing import Any
 
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
-TARGETS = ("slurm", "image")
+TARGETS = ("slurm", "ray", "image")
 
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
 SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -103,6 +103,12 @@ def cmd_render(a: argparse.Namespace) -> int:
             if slurm.CHAIN_SCRIPT in files
             else f"sbatch {out / slurm.SCRIPT}"
         )
+    elif a.target == "ray":
+        from dskit.render import ray
+
+        files = ray.render(plan)
+        executable = (ray.SUBMIT,)
+        next_step = f"bash {out / ray.SUBMIT}   (or: kubectl apply -f {out / ray.RAYJOB})"
     elif a.target == "image":
         from dskit.render import image
 

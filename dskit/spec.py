@@ -174,6 +174,15 @@ class SlurmSpec(_Section):
         return v
 
 
+class RaySpec(_Section):
+    max_failures: int = Field(
+        2,
+        ge=0,
+        description="Worker-group restarts Ray Train allows (a lost worker restarts the group, which resumes).",
+    )
+    storage_path: str | None = Field(None, description="Ray Train storage_path. Default: ROOT/NAME/ray.")
+
+
 class PlanOverrides(_Section):
     """Anything the planner decides can be pinned here; `auto`/null lets the planner choose."""
 
@@ -208,6 +217,7 @@ class Spec(_Section):
     storage: StorageSpec = Field(default_factory=StorageSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    ray: RaySpec = Field(default_factory=RaySpec)
     overrides: PlanOverrides = Field(default_factory=PlanOverrides)
 
     @field_validator("name")

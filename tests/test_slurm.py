@@ -23,6 +23,7 @@ from dskit import catalog
 from dskit.plan import build_plan, load_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
+from dskit.train.entry import LAUNCH_ENV_FILE
 from dskit.train.export import newest_verified_tag
 from tests.conftest import dskit
 from tests.slurm_cluster import SlurmCluster, missing_tools
@@ -113,6 +114,9 @@ def test_trains_across_two_nodes(cluster, tmp_path):
     out = output(tmp_path, "across", job)
     assert st["JobState"] == "COMPLETED", out[-3000:]
     assert "rank 0 of 2 on node1" in out and "rank 1 of 2 on node2" in out  # both hosts took part
+    plan = load_plan(rd / "run.yaml")
+    seen = json.loads((Path(plan.run.output_dir) / LAUNCH_ENV_FILE).read_text())
+    assert {k: seen[k] for k in plan.env} == plan.env  # the contract as the ranks saw it
     losses = [r["loss"] for r in metrics(rd)]
     assert len(losses) == 30 and sum(losses[-5:]) < 0.85 * sum(losses[:5])
     assert newest_verified_tag(Path(load_plan(rd / "run.yaml").run.checkpoint_dir)).name == "step00000030"
@@ -214,7 +218,7 @@ def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
     )
     jobs = [int(line.split()[-1]) for line in r.stdout.splitlines()]
     assert len(jobs) == 2
-    states = [cluster.wait(j, 300) for j in jobs]
+    states = [cluster.wait(j, 400) for j in jobs]
     outs = [output(tmp_path, "chain", j) for j in jobs]
     for st, out in zip(states, outs, strict=True):
         assert st["JobState"] == "COMPLETED", out[-3000:]  # ended by our checkpoint, not by TIMEOUT

@@ -98,6 +98,8 @@ class LaunchPlan(_Frozen):
     shm_bytes: int
     fabric: str
     fabric_rdma: bool
+    ray_max_failures: int
+    ray_storage_path: str
 
 
 class Plan(_Frozen):
@@ -379,6 +381,10 @@ def build_plan(spec: Spec) -> Plan:
             shm_bytes=shm,
             fabric=fabric.name,
             fabric_rdma=fabric.rdma,
+            ray_max_failures=spec.ray.max_failures,
+            ray_storage_path=os.path.abspath(spec.ray.storage_path)
+            if spec.ray.storage_path
+            else f"{run_root}/ray",
         ),
         memory=est_mem.as_dict(),
         env=env,

@@ -1,19 +1,37 @@
-"""`python -m dskit.train`: read the launch contract, build model + engine, train. Nothing else."""
+"""`python -m dskit.train`: read the launch contract, build model + engine, train. Nothing else.
+
+`run()` is shared by every launcher: torchrun (this module's `main`) and Ray Train (`dskit.ray_train`,
+whose workers arrive with a process group Ray already set up).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
-from dskit.contract import LAUNCHER_ENV, Env
+from dskit.contract import LAUNCHER_ENV, REQUIRED, Env
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
 log = logging.getLogger("dskit.train")
+LAUNCH_ENV_FILE = "launch-env.json"  # what rank 0 saw of the contract: compared across targets by tests
 
 
-def _read_contract():
+def setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s dskit[rank {rank}] %(levelname)s %(message)s",
+        stream=sys.stdout,
+        force=True,
+    )
+
+
+def read_contract(*, launcher_env: bool = True):
+    """Plan, data and sampler from DSKIT_RUN_FILE; SpecError (exit 2) on anything wrong."""
     from dskit.plan import load_plan
     from dskit.train.data import Sampler, TokenData
 
@@ -28,16 +46,17 @@ def _read_contract():
         raise SpecError(
             Env.GPU_PROFILE.value, f"{profile!r} does not match run.yaml's hardware.gpu {plan.hardware.gpu!r}"
         )
-    missing = [n for n in LAUNCHER_ENV if n not in os.environ]
-    if missing:
-        raise SpecError("environment", f"{', '.join(missing)} not set: start under torchrun or Ray Train")
-    world = int(os.environ["WORLD_SIZE"])
-    if world != plan.hardware.world_size:
-        raise SpecError(
-            "WORLD_SIZE",
-            f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
-            f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
-        )
+    if launcher_env:
+        missing = [n for n in LAUNCHER_ENV if n not in os.environ]
+        if missing:
+            raise SpecError("environment", f"{', '.join(missing)} not set: start under torchrun or Ray Train")
+        world = int(os.environ["WORLD_SIZE"])
+        if world != plan.hardware.world_size:
+            raise SpecError(
+                "WORLD_SIZE",
+                f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
+                f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
+            )
     data = TokenData.open(plan.run.data_path)
     vocab = plan.model.config["vocab_size"]
     if data.vocab_size > vocab:
@@ -48,19 +67,8 @@ def _read_contract():
     return plan, data, sampler
 
 
-def main() -> int:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s dskit[rank {rank}] %(levelname)s %(message)s",
-        stream=sys.stdout,
-    )
-    try:
-        plan, data, sampler = _read_contract()
-    except SpecError as e:
-        print(f"dskit: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
+def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) -> int:
+    """Build model + engine and train. The caller owns the process group's lifetime."""
     import warnings
 
     # DeepSpeed calls torch's deprecated collective names on every step; one line each, per rank.
@@ -75,34 +83,50 @@ def main() -> int:
 
     on_gpu = plan.hardware.on_gpu
     if on_gpu:
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    world = dist.get_world_size()
+    rank, world = dist.get_rank(), dist.get_world_size()
     # one line per rank, so a multi-node log shows which hosts took part
-    print(f"dskit: rank {dist.get_rank()} of {world} on {socket.gethostname()}", flush=True)
+    print(f"dskit: rank {rank} of {world} on {socket.gethostname()}", flush=True)
+    if rank == 0:
+        names = [*REQUIRED, *(k for k in plan.env if k not in REQUIRED)]
+        Path(plan.run.output_dir).mkdir(parents=True, exist_ok=True)
+        Path(plan.run.output_dir, LAUNCH_ENV_FILE).write_text(
+            json.dumps({n: os.environ.get(n) for n in names}, indent=1, sort_keys=True)
+        )
+    attention, why = resolve_attention(plan.parallel.attention, device)
+    apply_sdpa_policy(attention)
+    log.info("plan: %s", plan.summary())
+    log.info("attention: %s (%s); data: %s, %d tokens", attention, why, data.source, len(data.tokens))
+    dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
+    model = build_model(
+        plan.model,
+        attention=attention,
+        dtype=dtype,
+        device=device,
+        seed=plan.run.seed,
+        ckpt_every=plan.parallel.activation_checkpointing,
+    )
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=plan.deepspeed)
+    score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
+    tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
+    return train(plan, engine, tap, sampler, rank=rank, world=world, device=device, reporter=reporter)
+
+
+def main() -> int:
+    setup_logging(int(os.environ.get("RANK", "0")))
     try:
-        attention, why = resolve_attention(plan.parallel.attention, device)
-        apply_sdpa_policy(attention)
-        log.info("plan: %s", plan.summary())
-        log.info("attention: %s (%s); data: %s, %d tokens", attention, why, data.source, len(data.tokens))
-        dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
-        model = build_model(
-            plan.model,
-            attention=attention,
-            dtype=dtype,
-            device=device,
-            seed=plan.run.seed,
-            ckpt_every=plan.parallel.activation_checkpointing,
-        )
-        engine, *_ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), config=plan.deepspeed
-        )
-        score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
-        tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
-        return train(plan, engine, tap, sampler, rank=dist.get_rank(), world=world, device=device)
+        plan, data, sampler = read_contract()
+    except SpecError as e:
+        print(f"dskit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    import torch.distributed as dist
+
+    try:
+        return run(plan, data, sampler)
     except SpecError as e:
         print(f"dskit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,8 +33,11 @@ class StopRequest:
         self.flag = False
         self.rank, self.device = rank, device
         self.file = Path(checkpoint_dir) / STOP_FILE
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._on_signal)
+        # Ray Train runs the loop in a worker thread, where Python cannot install handlers: there the STOP
+        # file and Ray's own worker-group restarts cover stop requests.
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
         self.flag = True
@@ -58,7 +63,15 @@ class StopRequest:
 
 
 def train(
-    plan: Plan, engine, tap: RouterTap, sampler: Sampler, *, rank: int, world: int, device: torch.device
+    plan: Plan,
+    engine,
+    tap: RouterTap,
+    sampler: Sampler,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+    reporter: Callable[[dict], None] | None = None,
 ) -> int:
     par, opt, run = plan.parallel, plan.optim, plan.run
     ckpt = Checkpointer(run.checkpoint_dir, keep=run.checkpoint_keep, rank=rank, world=world, device=device)
@@ -133,6 +146,8 @@ def train(
             if load is not None:
                 rec.update(load_stats(load))
             metrics.write(rec)
+            if reporter:  # every rank: Ray Train's report() is collective
+                reporter(rec)
             if rank == 0:
                 log.info(
                     "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",

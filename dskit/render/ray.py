@@ -1,0 +1,123 @@
+"""Ray target: plan -> runtime_env.yaml + submit.sh (`ray job submit`) and a KubeRay RayJob manifest.
+
+The job directory is the job's working_dir: run.yaml travels with it, and DSKIT_RUN_FILE names it
+relative to that dir (dskit.ray_train makes it absolute for the workers).
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from dskit import __version__
+from dskit.contract import RUN_YAML, Env
+from dskit.plan import Plan, dump_plan
+from dskit.render.common import q, render_template, run_files
+
+RUNTIME_ENV, SUBMIT, RAYJOB = "runtime_env.yaml", "submit.sh", "rayjob.yaml"
+ENTRY_MODULE = "dskit.ray_train"
+RAY_VERSION = "2.60.0"
+CONFIG_MOUNT = "/etc/dskit"
+
+
+def runtime_env(plan: Plan) -> dict:
+    return {"env_vars": {**plan.env, Env.RUN_FILE.value: RUN_YAML}}
+
+
+def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
+    la = plan.launch
+    resources = {"requests": {"cpu": cpu_request, "memory": "8Gi"}, "limits": {}}
+    if gpus:
+        resources["limits"]["nvidia.com/gpu"] = gpus
+        resources["requests"]["nvidia.com/gpu"] = gpus
+    env = [
+        {"name": k, "value": v}
+        for k, v in {**plan.env, Env.RUN_FILE.value: f"{CONFIG_MOUNT}/{RUN_YAML}"}.items()
+    ]
+    return {
+        "spec": {
+            "containers": [
+                {
+                    "name": name,
+                    "image": la.image,
+                    "env": env,
+                    "resources": resources,
+                    "volumeMounts": [
+                        {"name": "run-config", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                        # NCCL and Ray's object store use /dev/shm; the container default is 64 MB
+                        {"name": "dshm", "mountPath": "/dev/shm"},
+                        {"name": "storage", "mountPath": la.storage_root},
+                    ],
+                }
+            ],
+            "volumes": [
+                {"name": "run-config", "configMap": {"name": f"{plan.name}-run"}},
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(la.shm_bytes)}},
+                {"name": "storage", "persistentVolumeClaim": {"claimName": f"{plan.name}-storage"}},
+            ],
+        }
+    }
+
+
+def rayjob(plan: Plan) -> str:
+    hw, la = plan.hardware, plan.launch
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{plan.name}-run"},
+        "data": {RUN_YAML: dump_plan(plan)},
+    }
+    job = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": plan.name, "labels": {"app.kubernetes.io/managed-by": "dskit"}},
+        "spec": {
+            "entrypoint": f"{la.python} -m {ENTRY_MODULE}",
+            "runtimeEnvYAML": yaml.safe_dump(
+                {"env_vars": {**plan.env, Env.RUN_FILE.value: f"{CONFIG_MOUNT}/{RUN_YAML}"}}
+            ),
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 3600,
+            "rayClusterSpec": {
+                "rayVersion": RAY_VERSION,
+                "headGroupSpec": {
+                    "rayStartParams": {"num-cpus": "0"},
+                    "template": _pod(plan, "ray-head", 0, "2"),
+                },
+                "workerGroupSpecs": [
+                    {
+                        "groupName": "trainers",
+                        "replicas": hw.nodes,
+                        "minReplicas": hw.nodes,
+                        "maxReplicas": hw.nodes,
+                        "rayStartParams": {},
+                        "template": _pod(
+                            plan, "ray-worker", hw.procs_per_node if hw.on_gpu else 0, str(hw.procs_per_node)
+                        ),
+                    }
+                ],
+            },
+        },
+    }
+    header = (
+        f"# Rendered by dskit {__version__}: KubeRay RayJob for {plan.summary()}.\n"
+        f"# Needs the KubeRay operator and a ReadWriteMany PVC named {plan.name}-storage for checkpoints.\n"
+        "# kubectl apply -f rayjob.yaml\n"
+    )
+    return header + yaml.safe_dump_all([config_map, job], sort_keys=False)
+
+
+def render(plan: Plan) -> dict[str, str]:
+    submit = render_template(
+        "ray/submit.sh.j2",
+        version=__version__,
+        python=q(plan.launch.python),
+        module=ENTRY_MODULE,
+        runtime_env=RUNTIME_ENV,
+        summary=plan.summary(),
+    )
+    return {
+        **run_files(plan),
+        RUNTIME_ENV: yaml.safe_dump(runtime_env(plan), sort_keys=False),
+        SUBMIT: submit,
+        RAYJOB: rayjob(plan),
+    }
