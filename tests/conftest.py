@@ -38,27 +38,46 @@ def dskit(
 
 
 def render_tiny(
-    tmp: Path, model: str = "tiny-v2", *, steps: int = 40, extra: list[str] | None = None, name: str = "run"
+    tmp: Path,
+    model: str = "tiny-v2",
+    *,
+    steps: int = 40,
+    extra: list[str] | None = None,
+    name: str = "run",
+    target: str = "slurm",
+    nodes: int = 1,
+    gpus_per_node: int = 2,
+    flags: list[str] | tuple[str, ...] = (),
 ) -> Path:
-    """Render a Slurm run dir for a tiny CPU plan with storage under `tmp`; returns the run dir."""
+    """Render a run dir for a tiny CPU plan with storage under `tmp`; returns the run dir. Jobs run the
+    trainer with this test's interpreter (Slurm: runtime none; Ray: the entrypoint's python)."""
     out = tmp / name
-    sets = [*TINY_SETS, f"training.steps={steps}", f"storage.root={tmp / 'storage'}", *(extra or [])]
+    sets = [
+        *TINY_SETS,
+        f"training.steps={steps}",
+        f"storage.root={tmp / 'storage'}",
+        f"runtime.python={sys.executable}",
+        *(extra or []),
+    ]
     args = [
         "render",
-        "slurm",
+        target,
         "--gpu",
         "cpu",
+        "--nodes",
+        str(nodes),
         "--gpus-per-node",
-        "2",
+        str(gpus_per_node),
         "--model",
         model,
-        "--runtime",
-        "none",
         "--job-name",
         name,
         "-o",
         str(out),
+        *flags,
     ]
+    if target == "slurm":
+        args += ["--runtime", "none"]
     for s in sets:
         args += ["--set", s]
     dskit(*args, check=True)

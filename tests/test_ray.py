@@ -16,7 +16,7 @@ import pytest
 from dskit.plan import load_plan
 from dskit.train.entry import LAUNCH_ENV_FILE
 from dskit.train.export import newest_verified_tag
-from tests.conftest import dskit
+from tests.conftest import render_tiny
 
 pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
@@ -59,36 +59,9 @@ def ray_cluster():
 
 
 def render(tmp: Path, name: str, steps: int, every: int) -> Path:
-    out = tmp / name
-    sets = [
-        "training.seq_len=128",
-        "training.global_batch=8",
-        "training.lr=3e-3",
-        "training.log_every=1",
-        f"training.steps={steps}",
-        f"checkpoint.every={every}",
-        f"storage.root={tmp / 'storage'}",
-        f"runtime.python={sys.executable}",
-        "ray.max_failures=2",
-    ]
-    args = [
-        "render",
-        "ray",
-        "--gpu",
-        "cpu",
-        "--gpus-per-node",
-        "2",
-        "--model",
-        "tiny-v2",
-        "--job-name",
-        name,
-        "-o",
-        str(out),
-    ]
-    for s in sets:
-        args += ["--set", s]
-    dskit(*args, check=True)
-    return out
+    return render_tiny(
+        tmp, name=name, steps=steps, target="ray", extra=[f"checkpoint.every={every}", "ray.max_failures=2"]
+    )
 
 
 def metrics(run_dir: Path) -> dict[int, float]:

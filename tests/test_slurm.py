@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from dskit.render import slurm
 from dskit.spec import load_spec
 from dskit.train.entry import LAUNCH_ENV_FILE
 from dskit.train.export import newest_verified_tag
-from tests.conftest import dskit
+from tests.conftest import render_tiny
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 pytestmark = pytest.mark.slurm
@@ -49,42 +48,16 @@ def cluster(tmp_path_factory):
 def render(
     tmp: Path, name: str, *, steps: int, every: int, extra: list[str] = (), flags: list[str] = ()
 ) -> Path:
-    sets = [
-        "training.seq_len=128",
-        "training.global_batch=8",
-        "training.lr=3e-3",
-        "training.log_every=1",
-        f"training.steps={steps}",
-        f"checkpoint.every={every}",
-        f"storage.root={tmp / 'storage'}",
-        f"runtime.python={sys.executable}",
-        "network.interface=eth0",
-        "slurm.partition=debug",
-        *extra,
-    ]
-    args = [
-        "render",
-        "slurm",
-        "--nodes",
-        "2",
-        "--gpus-per-node",
-        "1",
-        "--gpu",
-        "cpu",
-        "--model",
-        "tiny-v2",
-        "--runtime",
-        "none",
-        "--job-name",
-        name,
-        "-o",
-        str(tmp / name),
-        *flags,
-    ]
-    for s in sets:
-        args += ["--set", s]
-    dskit(*args, check=True)
-    return tmp / name
+    """2 nodes x 1 rank, gloo over the nodes' eth0 on the test bridge."""
+    return render_tiny(
+        tmp,
+        name=name,
+        steps=steps,
+        nodes=2,
+        gpus_per_node=1,
+        flags=flags,
+        extra=[f"checkpoint.every={every}", "network.interface=eth0", "slurm.partition=debug", *extra],
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
-import tempfile
 from pathlib import Path
 
 import jinja2
 
+from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
-from dskit.errors import SpecError
 from dskit.plan import Plan, dump_plan
 
 
@@ -73,29 +70,12 @@ def run_files(plan: Plan) -> dict[str, str]:
 def write_output(
     files: dict[str, str], out_dir: Path, *, force: bool = False, executable: tuple[str, ...] = ()
 ) -> Path:
-    """Write all files or none: build a sibling temporary directory, then rename it into place."""
-    out_dir = Path(out_dir).resolve()
-    if out_dir.exists() and not force:
-        raise SpecError("--output", f"{out_dir} already exists; pass --force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    """Write all files or none (see dskit.atomic)."""
+    with atomic_dir(out_dir, force=force) as tmp:
         for rel, text in files.items():
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
             if rel in executable:
                 path.chmod(0o755)
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return Path(out_dir).resolve()

@@ -12,15 +12,13 @@ batches an uninterrupted run would have seen, with no loader state to save.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
 
 FORMAT = 1
@@ -116,15 +114,11 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
     from tqdm import tqdm
 
     out = Path(output).resolve()
-    if out.exists() and not force:
-        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
     tok = globals()["tokenizer"](tokenizer)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     files: list[list] = []
     n_docs = 0
-    try:
+    with atomic_dir(out, force=force) as tmp:
         buf: list[np.ndarray] = []
         buffered = 0
 
@@ -160,13 +154,6 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
             "documents": n_docs,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(f"wrote {out}: {n_docs} documents, {sum(n for _, n in files)} tokens, tokenizer {tok.name}")
     return out
 

@@ -17,10 +17,10 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
@@ -88,13 +88,11 @@ def export(run: str, output: str, *, force: bool = False, verify: bool = True) -
 
     plan = load_plan(run_file_of(run))
     out = Path(output).resolve()
-    if out.exists() and not force:
+    if out.exists() and not force:  # before the expensive part; atomic_dir checks again
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
     src = newest_verified_tag(Path(plan.run.checkpoint_dir))
     dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_dir(out, force=force) as work:
         udir = work / "universal"
         print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
         proc = subprocess.run(
@@ -154,13 +152,6 @@ def export(run: str, output: str, *, force: bool = False, verify: bool = True) -
         (work / "dskit-export.json").write_text(json.dumps(meta, indent=1) + "\n")
         if verify:
             _verify(work, src, plan, dtype)
-        work.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(work, out)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     print(f"wrote {out} (step {meta['step']} of {plan.name})")
     return out
 
