@@ -93,6 +93,10 @@ def cmd_render(a: argparse.Namespace) -> int:
     out = Path(a.output or f"runs/{plan.name}-{a.target}").resolve()
     if out.exists() and not a.force:
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    for kept in (plan.run.checkpoint_dir, plan.run.output_dir):
+        if Path(kept).resolve().is_relative_to(out):
+            # replacing the run dir (--force) would delete the checkpoints and metrics inside it
+            raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
     if a.target == "slurm":
         from dskit.render import slurm
 

@@ -212,3 +212,10 @@ def test_run_dir_path_is_overridable_at_submit_time():
     plan = build_plan(load_spec())
     script = slurm.render(plan, Path("/r"))["job.sbatch"]
     assert re.search(r"^DSKIT_RUN_DIR=\$\{DSKIT_RUN_DIR:-/r\}$", script, re.M)
+
+
+def test_run_dir_may_not_contain_the_checkpoints(tmp_path):
+    r = dskit(
+        "render", "slurm", "--set", f"storage.root={tmp_path}", "--job-name", "x", "-o", str(tmp_path / "x")
+    )
+    assert r.returncode == 2 and "would contain" in r.stderr and not (tmp_path / "x").exists()
