@@ -31,7 +31,6 @@ VARIANTS = {
 BASE = [
     "model.num_layers=4",
     "training.seq_len=4096",
-    "training.global_batch=2",
     "training.steps=12",
     "training.log_every=3",
     "checkpoint.every=1000",
@@ -40,20 +39,21 @@ BASE = [
 WARMUP_STEPS = 3
 
 
-def run_dskit(name: str, sets: list[str], work: Path) -> dict:
+def run_dskit(name: str, sets: list[str], work: Path, gpus: int) -> dict:
     from dskit.plan import build_plan, load_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 
     flags = {
         "hardware.gpu": "h200-141gb",
-        "hardware.gpus_per_node": 1,
+        "hardware.gpus_per_node": gpus,
         "model.preset": "deepseek-v2-lite",
         "runtime.kind": "none",
         "storage.root": str(work / "storage"),
         "name": re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:40],
     }
-    plan = build_plan(load_spec(sets=BASE + sets, flags=flags))
+    # micro-batch 2 per GPU, as the baseline; EP = GPUs (the planner's choice inside one node)
+    plan = build_plan(load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags))
     run_dir = work / flags["name"]
     common.write_output(slurm.render(plan, run_dir), run_dir)
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
@@ -85,19 +85,21 @@ def run_dskit(name: str, sets: list[str], work: Path) -> dict:
     }
 
 
-def run_baseline(script: Path, variant: str, sdpa: str) -> dict:
+def run_baseline(script: Path, variant: str, sdpa: str, gpus: int) -> dict:
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc-per-node=1",
+        f"--nproc-per-node={gpus}",
         str(script),
         "--variant",
         variant,
         "--sdpa",
         sdpa,
     ]
+    if variant.startswith("autoep"):
+        cmd += ["--ep", str(gpus)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     m = re.search(r"^RESULT (.*)$", proc.stdout, re.M)
     if not m:
@@ -119,16 +121,18 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
     ap.add_argument("--work", type=Path, help="keep run dirs and logs here (default: a temporary dir)")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs of this machine to use (EP = this)")
     a = ap.parse_args()
     rows = []
     if a.work:
         a.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         if a.baseline:
-            rows.append(run_baseline(a.baseline, "z3leaf", "cudnn"))
-            rows.append(run_baseline(a.baseline, "autoep", "default"))
+            if a.gpus == 1:
+                rows.append(run_baseline(a.baseline, "z3leaf", "cudnn", a.gpus))
+            rows.append(run_baseline(a.baseline, "autoep", "default", a.gpus))
         for name, sets in VARIANTS.items():
-            rows.append(run_dskit(name, sets, Path(tmp)))
+            rows.append(run_dskit(name, sets, Path(tmp), a.gpus))
     import torch
 
     result = {
@@ -142,7 +146,7 @@ def main() -> None:
             "cudnn": torch.backends.cudnn.version(),
             **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
         },
-        "shape": "DeepSeek-V2-Lite, 4 layers, seq 4096, micro-batch 2, 1 GPU, bf16, ZeRO-3",
+        "shape": f"DeepSeek-V2-Lite, 4 layers, seq 4096, micro-batch 2 per GPU, {a.gpus} GPU(s), EP {a.gpus}, bf16, ZeRO-3",
         "rows": rows,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
