@@ -89,6 +89,14 @@ def train(
     log.info("training steps %d..%d", start + 1, opt.steps)
 
     tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
+    last_rec: dict = {}
+
+    def saved(path: Path) -> None:
+        # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
+        # step: a report took ~2 s on the CPU test cluster, longer than a step.
+        if reporter:
+            reporter({**last_rec, "step": int(path.name.removeprefix("step")), "checkpoint": str(path)})
+
     loss_sum = torch.zeros((), device=device)
     aux_sum = torch.zeros((), device=device)
     window_steps, window_t0 = 0, time.perf_counter()
@@ -146,8 +154,7 @@ def train(
             if load is not None:
                 rec.update(load_stats(load))
             metrics.write(rec)
-            if reporter:  # every rank: Ray Train's report() is collective
-                reporter(rec)
+            last_rec = rec
             if rank == 0:
                 log.info(
                     "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",
@@ -173,23 +180,23 @@ def train(
         meta = {"step": done, "samples": done * par.grad_accum * par.micro_batch * world, "plan": plan.name}
         if done == opt.steps:
             if run.checkpoint_final:
-                _finish(plan, engine, ckpt, sampler, rank, device, meta)
+                saved(_finish(plan, engine, ckpt, sampler, rank, device, meta))
             _mark_complete(run.output_dir, rank)
             stop.clear_file()
             return 0
         if stop.requested():
-            ckpt.save(engine, done, meta)
+            saved(ckpt.save(engine, done, meta))
             stop.clear_file()
             log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
             return EXIT_REQUEUE
         if done % run.checkpoint_every == 0:
-            ckpt.save(engine, done, meta)
+            saved(ckpt.save(engine, done, meta))
     return 0
 
 
 def _finish(
     plan: Plan, engine, ckpt: Checkpointer, sampler: Sampler, rank: int, device: torch.device, meta: dict
-) -> None:
+) -> Path:
     """Final checkpoint carrying probe logits, which `dskit export` uses to verify its output."""
     n = min(PROBE_TOKENS, plan.parallel.seq_len)
     probe = torch.from_numpy(sampler.batch(0, 1)[:, :n]).to(device)
@@ -197,7 +204,9 @@ def _finish(
     with torch.no_grad():
         logits = engine(input_ids=probe).logits.float().cpu()
     engine.train()
-    ckpt.save(engine, meta["step"], meta, extra={"probe.pt": {"input_ids": probe.cpu(), "logits": logits}})
+    return ckpt.save(
+        engine, meta["step"], meta, extra={"probe.pt": {"input_ids": probe.cpu(), "logits": logits}}
+    )
 
 
 def _mark_complete(output_dir: str, rank: int) -> None:
