@@ -23,6 +23,14 @@ SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.,-]+$")
 SLURM_TIME_RE = re.compile(r"^(\d+-)?\d{1,3}:\d{2}(:\d{2})?$")
 SBATCH_ARG_RE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Kubernetes object names (RFC 1123 labels), quantities ("500m", "64Gi") and label keys.
+K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+K8S_QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+K8S_LABEL_KEY_RE = re.compile(
+    r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+)
+K8S_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class _Section(BaseModel):
@@ -183,6 +191,97 @@ class RaySpec(_Section):
     storage_path: str | None = Field(None, description="Ray Train storage_path. Default: ROOT/NAME/ray.")
 
 
+class Toleration(_Section):
+    key: str | None = Field(None, description="Taint key (omit with operator Exists to tolerate all taints).")
+    operator: Literal["Equal", "Exists"] = Field("Equal", description="Equal or Exists.")
+    value: str | None = Field(None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect; omit to match all effects."
+    )
+
+
+class KubernetesSpec(_Section):
+    existing_claim: str | None = Field(
+        None,
+        description="ReadWriteMany PersistentVolumeClaim mounted at storage.root for checkpoints. Default: "
+        "the chart creates RELEASE-storage (kept on `helm uninstall`).",
+    )
+    storage_size: str = Field("1Ti", description="Size of the claim the chart creates.")
+    storage_class: str | None = Field(None, description="StorageClass of the created claim (ReadWriteMany).")
+    cpu: str | None = Field(None, description="CPU request per pod, e.g. '96'. Default: none.")
+    memory: str | None = Field(
+        None, description="Memory request per pod, e.g. '1600Gi' (the /dev/shm tmpfs counts against it)."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector labels.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Pod tolerations.")
+    priority_class: str | None = Field(None, description="PriorityClass name (preemption order).")
+    service_account: str | None = Field(None, description="ServiceAccount the pods run as.")
+    image_pull_secrets: list[str] = Field(
+        default_factory=list, description="Names of existing docker-registry Secrets."
+    )
+    secret_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Env vars read from existing Secrets, NAME: 'secret-name/key' (values are never "
+        "written into the rendered files).",
+    )
+    rdma_per_node: int = Field(
+        1, ge=1, description="RDMA device-plugin resources per pod (RDMA fabrics; e.g. 32 EFA on p5)."
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Failed attempts of the whole pod group before the Job fails (backoffLimit = this x "
+        "nodes). Preemptions and checkpoint-and-stop exits do not count.",
+    )
+    grace_seconds: int = Field(
+        300, ge=10, description="terminationGracePeriodSeconds: time to checkpoint after SIGTERM."
+    )
+    peer_dns_timeout: int = Field(
+        900, ge=10, description="Seconds the init step waits for every pod's DNS name (gang start)."
+    )
+
+    @field_validator("existing_claim", "storage_class", "priority_class", "service_account")
+    @classmethod
+    def _k8s_name(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_NAME_RE.match(v):
+            raise ValueError("must be a Kubernetes name: lowercase letters, digits and '-', 1-63 characters")
+        return v
+
+    @field_validator("storage_size", "cpu", "memory")
+    @classmethod
+    def _quantity(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_QUANTITY_RE.match(v):
+            raise ValueError("must be a Kubernetes quantity such as 8, 500m, 64Gi or 1Ti")
+        return v
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not K8S_NAME_RE.match(name):
+                raise ValueError(f"{name!r} is not a Kubernetes name")
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not K8S_LABEL_KEY_RE.match(key) or not K8S_LABEL_VALUE_RE.match(value):
+                raise ValueError(f"{key}={value!r} is not a valid Kubernetes label")
+        return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_refs(cls, v: dict[str, str]) -> dict[str, str]:
+        for env, ref in v.items():
+            secret, _, key = ref.partition("/")
+            if not ENV_NAME_RE.match(env):
+                raise ValueError(f"{env!r} is not an environment variable name")
+            if not K8S_NAME_RE.match(secret) or not re.match(r"^[A-Za-z0-9._-]+$", key):
+                raise ValueError(f"{env}: {ref!r} is not 'secret-name/key'")
+        return v
+
+
 class PlanOverrides(_Section):
     """Anything the planner decides can be pinned here; `auto`/null lets the planner choose."""
 
@@ -218,6 +317,7 @@ class Spec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
     overrides: PlanOverrides = Field(default_factory=PlanOverrides)
 
     @field_validator("name")
@@ -343,7 +443,7 @@ def starter_yaml() -> str:
                 emit(type(value), value, indent + 1)
             else:
                 dumped = yaml.safe_dump({name: value}, default_flow_style=True, width=1000).strip()
-                lines.append(f"{pad}{dumped.strip('{}')}")
+                lines.append(f"{pad}{dumped[1:-1]}")  # drop the outer flow braces only
 
     emit(Spec, Spec(), 0)
     return "\n".join(lines) + "\n"

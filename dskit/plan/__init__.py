@@ -376,7 +376,7 @@ def build_plan(spec: Spec) -> Plan:
             image=spec.runtime.image,
             python=spec.runtime.python,
             mounts=list(spec.runtime.mounts),
-            storage_root=storage.root,
+            storage_root=root,
             rdzv_port=29500,
             shm_bytes=shm,
             fabric=fabric.name,
