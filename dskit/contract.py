@@ -30,6 +30,11 @@ REQUIRED = tuple(e.value for e in Env)
 #: Process env set by the launcher, read by the trainer.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
+#: Set by launchers that run torchrun under a supervisor which acts on exit codes (the Helm chart's pod
+#: entrypoint). torchrun reports every worker failure as 1, so each rank that ends with a non-zero code
+#: appends it here, one line per rank, and the launcher exits with it (75: restart, 2: fail for good).
+EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
+
 #: The trainer exits with this code after a signal-triggered checkpoint: "requeue me".
 #: 75 is EX_TEMPFAIL (sysexits.h): a temporary failure, retry later. Slurm's batch script requeues on
 #: it, the Helm chart's podFailurePolicy restarts on it, Ray counts it as a retryable worker failure.

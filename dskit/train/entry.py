@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dskit.contract import LAUNCHER_ENV, REQUIRED, Env
+from dskit.contract import EXIT_FILE_ENV, LAUNCHER_ENV, REQUIRED, Env
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
 log = logging.getLogger("dskit.train")
@@ -116,7 +116,21 @@ def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) 
     return train(plan, engine, tap, sampler, rank=rank, world=world, device=device, reporter=reporter)
 
 
+def record_exit(code: int) -> int:
+    """Tell a supervising launcher this rank's exit code (see contract.EXIT_FILE_ENV)."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if code and path:
+        # O_APPEND writes of one short line are atomic: ranks of a node share the file safely.
+        with open(path, "a") as f:
+            f.write(f"{code}\n")
+    return code
+
+
 def main() -> int:
+    return record_exit(_main())
+
+
+def _main() -> int:
     setup_logging(int(os.environ.get("RANK", "0")))
     try:
         plan, data, sampler = read_contract()
