@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from pathlib import Path
 
 import jinja2
@@ -57,6 +58,34 @@ def env_lines(env: dict[str, str]) -> list[str]:
             raise ValueError(f"invalid environment variable name {name!r}")
         out.append(f"export {name}={q(value)}")
     return out
+
+
+TRAINER_MODULE = "dskit.train"
+
+
+def torchrun_words(plan: Plan, *, quote: Callable[[str], str], endpoint: str, rdzv_id: str) -> list[str]:
+    """What every node runs, on every target that starts one process per node (Slurm task, Kubernetes
+    pod): torchrun with a c10d rendezvous on the first node, then the trainer.
+
+    `quote` escapes the one user-supplied word (the interpreter) for the target's syntax; `endpoint` and
+    `rdzv_id` arrive in that syntax already (shell `${VAR}` for Slurm, `$(VAR)` for Kubernetes).
+    Failed ranks are not restarted in place (--max-restarts=0): the scheduler restarts the whole job,
+    which resumes from the last checkpoint.
+    """
+    hw = plan.hardware
+    return [
+        quote(plan.launch.python),
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={hw.nodes}",
+        f"--nproc-per-node={hw.procs_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        "--max-restarts=0",
+        "-m",
+        TRAINER_MODULE,
+    ]
 
 
 def run_files(plan: Plan) -> dict[str, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 from dskit import __version__
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, RUN_YAML, STOP_FILE
 from dskit.plan import Plan
-from dskit.render.common import env_lines, q, render_template, run_files, sq
+from dskit.render.common import env_lines, q, render_template, run_files, sq, torchrun_words
 
 SCRIPT = "job.sbatch"
 CHAIN_SCRIPT = "submit.sh"
@@ -44,19 +44,9 @@ def launch_words(plan: Plan, run_dir: Path) -> list[str]:
     if la.runtime == "pyxis":
         srun += container
         container = []
-    torchrun = [
-        q(la.python),
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={hw.nodes}",
-        f"--nproc-per-node={hw.procs_per_node}",
-        "--rdzv-backend=c10d",
-        '--rdzv-endpoint="${MASTER_ADDR}:${MASTER_PORT}"',
-        '--rdzv-id="${SLURM_JOB_ID}"',
-        "--max-restarts=0",
-        "-m",
-        "dskit.train",
-    ]
+    torchrun = torchrun_words(
+        plan, quote=q, endpoint='"${MASTER_ADDR}:${MASTER_PORT}"', rdzv_id='"${SLURM_JOB_ID}"'
+    )
     return srun + container + torchrun
 
 
