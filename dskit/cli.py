@@ -10,7 +10,7 @@ from typing import Any
 
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
-TARGETS = ("slurm", "ray", "image")
+TARGETS = ("slurm", "helm", "ray", "image")
 
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
 SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -107,6 +107,13 @@ def cmd_render(a: argparse.Namespace) -> int:
             if slurm.CHAIN_SCRIPT in files
             else f"sbatch {out / slurm.SCRIPT}"
         )
+    elif a.target == "helm":
+        from dskit.render import helm
+
+        files = helm.render(plan)
+        executable = ()
+        chart = out / helm.CHART
+        next_step = f"helm install {plan.name} {chart} -f {out / helm.VALUES}"
     elif a.target == "ray":
         from dskit.render import ray
 
@@ -153,6 +160,12 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return doctor_main(as_json=a.json, build=a.build)
 
 
+def cmd_status(a: argparse.Namespace) -> int:
+    from dskit.k8s_status import status
+
+    return status(a.release, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
+
+
 def cmd_export(a: argparse.Namespace) -> int:
     from dskit.train.export import export
 
@@ -171,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dskit",
         description="Train DeepSeek-style MoE models (AutoEP + ZeRO-3) from one run spec: plan it, render it "
-        "for Slurm, and run the in-container trainer.",
+        "for Slurm, Kubernetes (Helm) or Ray, and run the in-container trainer.",
         epilog="Bad input exits with code 2 and one line naming the field. Docs: README.md.",
     )
     from dskit import __version__
@@ -201,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "target",
         choices=TARGETS,
-        help="slurm: job.sbatch for `sbatch`; image: Dockerfile + install script + lock for the GPU",
+        help="slurm: job.sbatch for `sbatch`; helm: values.yaml + chart for `helm install`; ray: a job for "
+        "`ray job submit` (+ KubeRay RayJob); image: Dockerfile + install script + lock for the GPU",
     )
     _add_spec_args(s)
     s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-TARGET)")
@@ -240,6 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--build", action="store_true", help="image build smoke test: no GPU or launcher expected")
     s.set_defaults(func=cmd_doctor)
+
+    s = sub.add_parser(
+        "status",
+        help="pods of a Helm-installed run: rank index, attempts, phase, node, exit codes",
+        description="Reads the Job and pods of `helm install RELEASE` through the Kubernetes API "
+        "(needs the k8s extra: pip install 'dskit[k8s]').",
+    )
+    s.add_argument("release", help="the Helm release name")
+    s.add_argument("-n", "--namespace", default="default", help="namespace (default: default)")
+    s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
+    s.add_argument("--context", help="kubeconfig context")
+    s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("data", help="data tools")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")

@@ -1,5 +1,5 @@
-"""Rewrite the rendered examples from the current code: slurm/ (the golden files of the render tests)
-and images/ (a Dockerfile per catalog GPU). Run by hand only: `make examples`; then review the diff."""
+"""Rewrite the rendered examples from the current code: slurm/ (the golden files of the render tests),
+images/ (a Dockerfile per catalog GPU) and helm/dskit/values.schema.json (from the values model). Run by hand only: `make examples`; then review the diff."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 from tests.golden_cases import CASES, GOLDEN, render_case
 
-IMAGES = Path(__file__).resolve().parent.parent / "images"
+REPO = Path(__file__).resolve().parent.parent
+IMAGES = REPO / "images"
+VALUES_SCHEMA = REPO / "helm" / "dskit" / "values.schema.json"
 
 
 def write_tree(root: Path, files: dict[str, str]) -> None:
@@ -22,12 +24,14 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 
 def main() -> None:
     from dskit.render import image
+    from dskit.render.helm_values import values_schema_json
 
     for name in CASES:
         write_tree(GOLDEN / name, render_case(name))
     for name, files in image.catalog_images().items():
         write_tree(IMAGES / name, files)
-    print(f"wrote {GOLDEN} ({len(CASES)} jobs) and {IMAGES}")
+    VALUES_SCHEMA.write_text(values_schema_json())
+    print(f"wrote {GOLDEN} ({len(CASES)} jobs), {IMAGES} and {VALUES_SCHEMA}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def test_wheel_installs_and_renders_in_a_fresh_venv(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "dskit/templates/slurm/job.sbatch.j2" in names
     assert "dskit/catalog/models.yaml" in names
+    assert "dskit/chart/templates/job.yaml" in names and "dskit/chart/values.schema.json" in names
 
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
@@ -43,3 +44,14 @@ def test_wheel_installs_and_renders_in_a_fresh_venv(tmp_path):
     no_torch = subprocess.run([str(py), "-c", "import torch"], capture_output=True)
     assert no_torch.returncode != 0  # the core install stays light: no torch came with it
     assert Path(out / "run.yaml").is_file()
+    # the chart travels inside the wheel and into the run dir
+    helm_out = tmp_path / "helm"
+    r = subprocess.run(
+        [str(env_dir / "bin" / "dskit"), "render", "helm", "-o", str(helm_out)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert (helm_out / "chart" / "files" / "launch.sh").read_text() == (
+        REPO / "helm" / "dskit" / "files" / "launch.sh"
+    ).read_text()

@@ -1,0 +1,151 @@
+"""Kubernetes target: plan -> values.yaml for the chart in helm/dskit, plus a copy of that chart.
+
+The chart owns the Kubernetes objects (Indexed Job, headless Service, ConfigMap, claim); this module
+only maps the plan into its values (validated by `ChartValues`, whose schema the chart ships). The run
+directory carries its own copy of the chart so the values and the templates that read them travel
+together: `helm install NAME RUN_DIR/chart -f RUN_DIR/values.yaml`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from dskit import __version__, catalog
+from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.plan import Plan, dump_plan
+from dskit.render.common import run_files, torchrun_words
+from dskit.render.helm_values import ChartValues
+
+VALUES, CHART = "values.yaml", "chart"
+#: Where the chart mounts the ConfigMap (templates/job.yaml); the run file's path inside the pod.
+CONFIG_MOUNT = "/etc/dskit"
+
+
+def chart_dir() -> Path:
+    """Installed wheels carry the chart inside the package; a source checkout has it under helm/."""
+    here = Path(__file__).resolve().parent.parent
+    for candidate in (here / "chart", here.parent / "helm" / "dskit"):
+        if (candidate / "Chart.yaml").is_file():
+            return candidate
+    raise RuntimeError("dskit Helm chart not found: the installation is incomplete")
+
+
+def k8s_literal(word: str) -> str:
+    """Escape a word for a container's command/args, where Kubernetes expands $(VAR) and $$ is '$'."""
+    return word.replace("$", "$$")
+
+
+def _under_root(plan: Plan) -> None:
+    """Pods mount only the storage root: every path the trainer writes or reads must lie under it."""
+    root = plan.launch.storage_root.rstrip("/") + "/"
+    for field, path in (
+        ("storage.checkpoint_dir", plan.run.checkpoint_dir),
+        ("storage.output_dir", plan.run.output_dir),
+        ("data.path", plan.run.data_path),
+    ):
+        if path is not None and not (path + "/").startswith(root):
+            raise SpecError(
+                field,
+                f"{path} is outside storage.root ({plan.launch.storage_root}), the only path the pods mount; "
+                "move it under the root",
+            )
+
+
+def values(plan: Plan) -> ChartValues:
+    _under_root(plan)
+    k = plan.spec["kubernetes"]
+    hw, la = plan.hardware, plan.launch
+    fabric = catalog.fabric(la.fabric, "network.fabric")
+    requests = {name: k[name] for name in ("cpu", "memory") if k[name]}
+    secret_env = []
+    for name, ref in k["secret_env"].items():
+        secret, _, key = ref.partition("/")
+        secret_env.append({"name": name, "secretName": secret, "key": key})
+    return ChartValues.model_validate(
+        {
+            "plan": dump_plan(plan),
+            "nodes": hw.nodes,
+            "procsPerNode": hw.procs_per_node,
+            "gpusPerNode": hw.procs_per_node if hw.on_gpu else 0,
+            "image": {"ref": la.image, "pullSecrets": k["image_pull_secrets"]},
+            "trainer": {
+                "args": torchrun_words(
+                    plan,
+                    quote=k8s_literal,
+                    endpoint="$(MASTER_ADDR):$(MASTER_PORT)",
+                    rdzv_id="$(DSKIT_RDZV_ID)",
+                ),
+                "env": dict(plan.env),
+                "secretEnv": secret_env,
+            },
+            "contract": {
+                "stopFile": f"{plan.run.checkpoint_dir}/{STOP_FILE}",
+                "completeFile": f"{plan.run.output_dir}/{COMPLETE_FILE}",
+                "exitRequeue": EXIT_REQUEUE,
+                "exitBadInput": EXIT_BAD_INPUT,
+            },
+            "rendezvousPort": la.rdzv_port,
+            "peerDnsTimeoutSeconds": k["peer_dns_timeout"],
+            "shm": {"sizeLimit": str(la.shm_bytes)},
+            "storage": {
+                "mountPath": la.storage_root,
+                "existingClaim": k["existing_claim"] or "",
+                "size": k["storage_size"],
+                "storageClassName": k["storage_class"] or "",
+            },
+            "rdma": {
+                "enabled": fabric.rdma and fabric.k8s_resource is not None,
+                "resource": fabric.k8s_resource or "",
+                "perNode": k["rdma_per_node"],
+            },
+            "resources": {"requests": requests},
+            "nodeSelector": k["node_selector"],
+            "tolerations": [{f: v for f, v in t.items() if v is not None} for t in k["tolerations"]],
+            "priorityClassName": k["priority_class"] or "",
+            "serviceAccountName": k["service_account"] or "",
+            "failure": {"maxRestarts": k["max_restarts"]},
+            "terminationGracePeriodSeconds": k["grace_seconds"],
+        }
+    )
+
+
+class _BlockStrings(yaml.SafeDumper):
+    """Multi-line strings (the plan) as literal blocks, so values.yaml stays readable and diffable."""
+
+
+_BlockStrings.add_representer(
+    str,
+    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+)
+
+
+def values_yaml(plan: Plan) -> str:
+    data = values(plan).model_dump(mode="json", by_alias=True, exclude_none=True)
+    header = (
+        f"# Rendered by dskit {__version__} for: {plan.summary()}\n"
+        "# Do not edit the plan here: change the spec and re-render. Site settings (affinity, annotations,\n"
+        "# limits) go in a second values file: helm install NAME CHART -f values.yaml -f site.yaml\n"
+    )
+    return header + yaml.dump(data, Dumper=_BlockStrings, sort_keys=False, width=120, allow_unicode=True)
+
+
+def chart_files() -> dict[str, str]:
+    root = chart_dir()
+    return {
+        f"{CHART}/{p.relative_to(root)}": p.read_text()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def render(plan: Plan) -> dict[str, str]:
+    return {**run_files(plan), VALUES: values_yaml(plan), **chart_files()}
+
+
+def run_file_path() -> str:
+    """DSKIT_RUN_FILE inside the pods (the ConfigMap's mount)."""
+    return os.path.join(CONFIG_MOUNT, "run.yaml")

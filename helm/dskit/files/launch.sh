@@ -1,0 +1,70 @@
+#!/bin/bash
+# Entrypoint of every dskit pod: run the node's torchrun command and report how it ended in the exit
+# codes the Job's podFailurePolicy acts on.
+# Usage: launch.sh STOP_FILE COMPLETE_FILE EXIT_REQUEUE EXIT_BAD_INPUT -- COMMAND...
+#
+# - SIGTERM (preemption, eviction, node drain, `kubectl delete pod`) creates STOP_FILE on the shared
+#   checkpoint dir instead of killing torchrun: every rank, on every pod, checkpoints at its next step
+#   and exits EXIT_REQUEUE. (torchrun would forward SIGTERM and SIGKILL the ranks 30 s later.)
+# - torchrun reports every worker failure as 1. The trainer appends its own exit code to
+#   $DSKIT_EXIT_FILE, and this script exits with it: EXIT_REQUEUE (restart, not counted as a failure),
+#   EXIT_BAD_INPUT (a configuration error: fail the Job now rather than retry).
+set -uo pipefail
+if [ "$#" -lt 6 ] || [ "$5" != "--" ]; then
+  echo "usage: launch.sh STOP_FILE COMPLETE_FILE EXIT_REQUEUE EXIT_BAD_INPUT -- COMMAND..." >&2
+  exit 2
+fi
+stop_file=$1 complete_file=$2 exit_requeue=$3 exit_bad_input=$4
+shift 5
+: "${DSKIT_EXIT_FILE:?must name a pod-local file}"
+
+if [ -e "${complete_file}" ]; then
+  echo "dskit: training already complete (${complete_file})"
+  exit 0
+fi
+mkdir -p "$(dirname "${stop_file}")"
+rm -f "${DSKIT_EXIT_FILE}" "${stop_file}"  # a stop request left by an earlier attempt is stale
+stop_requested=0
+# shellcheck disable=SC2329  # invoked by the trap below
+request_stop() {
+  stop_requested=1
+  echo "dskit: $1 received at $(date -u +%FT%TZ); asking ranks to checkpoint"
+  touch "${stop_file}"
+}
+trap 'request_stop TERM' TERM
+
+echo "dskit: pod ${HOSTNAME:-?} (index ${JOB_COMPLETION_INDEX:-?}) starting: $*"
+"$@" &
+pid=$!
+status=0
+# A trapped signal interrupts `wait` (status > 128) without reaping the child: wait until it has ended.
+while kill -0 "${pid}" 2>/dev/null; do
+  wait "${pid}" && status=0 || status=$?
+done
+if wait "${pid}" 2>/dev/null; then
+  status=0
+else
+  s=$?
+  [ "${s}" = 127 ] || status=${s}  # 127: reaped above, keep that status
+fi
+
+if [ -e "${complete_file}" ]; then
+  echo "dskit: training complete"
+  exit 0
+fi
+if [ -s "${DSKIT_EXIT_FILE}" ]; then
+  if grep -qx "${exit_bad_input}" "${DSKIT_EXIT_FILE}"; then
+    echo "dskit: configuration error (see above); exiting ${exit_bad_input} so the Job fails now"
+    exit "${exit_bad_input}"
+  fi
+  if ! grep -qvx "${exit_requeue}" "${DSKIT_EXIT_FILE}"; then
+    echo "dskit: ranks checkpointed and stopped; exiting ${exit_requeue} so the Job restarts this pod"
+    exit "${exit_requeue}"
+  fi
+fi
+if [ "${stop_requested}" = 1 ]; then
+  echo "dskit: stopped on request (torchrun status ${status}); exiting ${exit_requeue}"
+  exit "${exit_requeue}"
+fi
+echo "dskit: torchrun exited with status ${status}"
+exit "${status}"
