@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import stat
 import subprocess
 import time
 from pathlib import Path
+
+from tests.private_net import PrivateNet, sh
 
 HOSTS_BEGIN, HOSTS_END = "# BEGIN dskit-test-slurm", "# END dskit-test-slurm"
 PACKAGES = ("slurmctld", "slurmd", "munged", "sbatch", "nsenter", "unshare", "ip")
@@ -31,8 +32,7 @@ def missing_tools() -> list[str]:
     return [t for t in PACKAGES if shutil.which(t) is None and not Path(f"/usr/sbin/{t}").exists()]
 
 
-def _sh(*cmd: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, **kw)
+_sh = sh
 
 
 class SlurmCluster:
@@ -41,16 +41,16 @@ class SlurmCluster:
         self.net, self.cpus, self.prefix = net, cpus, prefix
         self.nodes = ["node1", "node2"]
         self.ctl = f"{prefix}-ctl"
-        self.bridge = f"{prefix}br0"
+        self.net_ = PrivateNet(prefix, net, hosts=2)
         self.conf = self.base / "etc" / "slurm.conf"
         self.our_munged: int | None = None
 
     # ------------------------------------------------------------------ names
     def netns(self, i: int) -> str:
-        return f"{self.prefix}-n{i}"
+        return self.net_.netns(i)
 
     def addr(self, i: int) -> str:
-        return f"{self.net}.{10 + i}"
+        return self.net_.addr(i)
 
     @property
     def env(self) -> dict[str, str]:
@@ -69,17 +69,7 @@ class SlurmCluster:
         for d in ("etc", "state", "spool/node1", "spool/node2", "log", "run"):
             (self.base / d).mkdir(parents=True, exist_ok=True)
         self._start_munge()
-        _sh("ip", "link", "add", self.bridge, "type", "bridge")
-        _sh("ip", "addr", "add", f"{self.net}.1/24", "dev", self.bridge)
-        _sh("ip", "link", "set", self.bridge, "up")
-        for i in (1, 2):
-            ns, veth = self.netns(i), f"{self.prefix}v{i}"
-            _sh("ip", "netns", "add", ns)
-            _sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "link", "set", veth, "master", self.bridge, "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", "eth0")
-            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        self.net_.up()
         self._hosts(add=True)
         self.conf.write_text(self._config())
         _sh("unshare", "--uts", "sh", "-c", f"hostname {self.ctl} && exec slurmctld -f {self.conf}")
@@ -188,10 +178,6 @@ PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
         if pidfile.is_file():  # without a controller scancel retries for a minute
             subprocess.run(["scancel", "--user=root"], capture_output=True, env=self.env, timeout=30)
         victims: list[int] = []
-        for i in (1, 2):
-            if Path(f"/run/netns/{self.netns(i)}").exists():
-                r = _sh("ip", "netns", "pids", self.netns(i), check=False)
-                victims += [int(p) for p in r.stdout.split()]
         if pidfile.is_file():
             try:
                 victims.append(int(pidfile.read_text()))
@@ -199,20 +185,8 @@ PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
                 pass
         if self.our_munged:
             victims.append(self.our_munged)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in victims:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.time() + 10
-            while time.time() < deadline and any(_alive(p) for p in victims):
-                time.sleep(0.2)
+        self.net_.down(extra_pids=victims)
         self.our_munged = None
-        for i in (1, 2):
-            _sh("ip", "link", "del", f"{self.prefix}v{i}", check=False)
-            _sh("ip", "netns", "del", self.netns(i), check=False)
-        _sh("ip", "link", "del", self.bridge, check=False)
         self._hosts(add=False)
         for d in ("state", "spool", "run"):
             shutil.rmtree(self.base / d, ignore_errors=True)
@@ -240,22 +214,10 @@ PartitionName=debug Nodes=node[1-2] Default=YES MaxTime=INFINITE State=UP
         )
 
     def node_pids(self, i: int) -> list[int]:
-        r = _sh("ip", "netns", "pids", self.netns(i), check=False)
-        return [int(p) for p in r.stdout.split()]
+        return self.net_.pids(i)
 
     def logs(self) -> str:
         out = []
         for f in sorted((self.base / "log").glob("*.log")):
             out.append(f"--- {f.name}\n" + "\n".join(f.read_text().splitlines()[-15:]))
         return "\n".join(out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie still answers kill(0)
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
