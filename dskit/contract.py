@@ -42,6 +42,8 @@ EXIT_REQUEUE = 75
 
 #: File names inside a rendered run directory.
 RUN_YAML = "run.yaml"
+#: Where Kubernetes pods (the Helm chart, KubeRay) mount the run's ConfigMap; run.yaml is inside it.
+K8S_CONFIG_MOUNT = "/etc/dskit"
 DEEPSPEED_JSON = "deepspeed.json"
 
 #: Stop request: a launcher that cannot signal the ranks directly (torchrun does not forward SIGUSR1,

@@ -22,7 +22,7 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, REQUIRED
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan import build_plan, load_plan
 from dskit.render import helm as helm_render
-from dskit.render import slurm
+from dskit.render import ray, slurm
 from dskit.render.helm_values import ChartValues, values_schema_json
 from dskit.spec import load_spec
 from dskit.train.entry import LAUNCH_ENV_FILE
@@ -235,7 +235,7 @@ def slurm_contract(files: dict[str, str], tmp: Path) -> tuple[dict[str, str], li
     return env, argv_part.split("\0")[:-1]
 
 
-def test_pod_env_command_and_rendezvous_equal_the_slurm_jobs(tmp_path):
+def test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders(tmp_path):
     sets = [
         "storage.root=/shared/dskit",
         "network.interface=ib0",
@@ -249,9 +249,11 @@ def test_pod_env_command_and_rendezvous_equal_the_slurm_jobs(tmp_path):
     k_env = pod_env(container)
     k_argv = [expand(w, k_env) for w in container["args"]]
 
+    r_env = ray.runtime_env(plan)["env_vars"]
     contract = [*REQUIRED, *plan.env]
     differs = {n for n in contract if s_env.get(n) != k_env.get(n)}
     assert differs == {"DSKIT_RUN_FILE"}, "only the run file's path may differ"
+    assert {n for n in contract if r_env.get(n) != k_env.get(n)} == {"DSKIT_RUN_FILE"}, "Ray: the same"
     assert (tmp_path / "s").exists() is False  # render() returns files; nothing written
     assert kinds["ConfigMap"]["data"]["run.yaml"] == slurm.render(plan, tmp_path / "s")["run.yaml"]
     assert k_env["DSKIT_RUN_FILE"] == helm_render.run_file_path()

@@ -14,15 +14,13 @@ from pathlib import Path
 import yaml
 
 from dskit import __version__, catalog
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, K8S_CONFIG_MOUNT, RUN_YAML, STOP_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan, dump_plan
 from dskit.render.common import run_files, torchrun_words
 from dskit.render.helm_values import ChartValues
 
 VALUES, CHART = "values.yaml", "chart"
-#: Where the chart mounts the ConfigMap (templates/job.yaml); the run file's path inside the pod.
-CONFIG_MOUNT = "/etc/dskit"
 
 
 def chart_dir() -> Path:
@@ -147,5 +145,6 @@ def render(plan: Plan) -> dict[str, str]:
 
 
 def run_file_path() -> str:
-    """DSKIT_RUN_FILE inside the pods (the ConfigMap's mount)."""
-    return os.path.join(CONFIG_MOUNT, "run.yaml")
+    """DSKIT_RUN_FILE inside the pods: the chart mounts the ConfigMap at K8S_CONFIG_MOUNT
+    (templates/job.yaml; the contract test checks the two agree)."""
+    return os.path.join(K8S_CONFIG_MOUNT, RUN_YAML)

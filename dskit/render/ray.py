@@ -9,6 +9,7 @@ from __future__ import annotations
 import yaml
 
 from dskit import __version__
+from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.contract import RUN_YAML, Env
 from dskit.plan import Plan, dump_plan
 from dskit.render.common import q, render_template, run_files
@@ -16,7 +17,6 @@ from dskit.render.common import q, render_template, run_files
 RUNTIME_ENV, SUBMIT, RAYJOB = "runtime_env.yaml", "submit.sh", "rayjob.yaml"
 ENTRY_MODULE = "dskit.ray_train"
 RAY_VERSION = "2.60.0"
-CONFIG_MOUNT = "/etc/dskit"
 
 
 def runtime_env(plan: Plan) -> dict:
