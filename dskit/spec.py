@@ -227,6 +227,11 @@ class KubernetesSpec(_Section):
     rdma_per_node: int = Field(
         1, ge=1, description="RDMA device-plugin resources per pod (RDMA fabrics; e.g. 32 EFA on p5)."
     )
+    networks: list[str] = Field(
+        default_factory=list,
+        description="Secondary networks for the pods (Multus NetworkAttachmentDefinition names, e.g. the "
+        "SR-IOV InfiniBand/RoCE networks of the NVIDIA Network Operator); sets k8s.v1.cni.cncf.io/networks.",
+    )
     max_restarts: int = Field(
         3,
         ge=0,
@@ -254,7 +259,7 @@ class KubernetesSpec(_Section):
             raise ValueError("must be a Kubernetes quantity such as 8, 500m, 64Gi or 1Ti")
         return v
 
-    @field_validator("image_pull_secrets")
+    @field_validator("image_pull_secrets", "networks")
     @classmethod
     def _names(cls, v: list[str]) -> list[str]:
         for name in v:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -281,6 +282,15 @@ def test_hostile_strings_reach_the_pod_literally():
     assert yaml.safe_load(kinds["ConfigMap"]["data"]["run.yaml"])["launch"]["python"] == hostile
 
 
+def test_secondary_rdma_networks_become_the_multus_annotation():
+    values = values_for(
+        "kubernetes.networks=[ib-sriov-a, ib-sriov-b]", gpu="h100-80gb", fabric="infiniband", per_node=8
+    )
+    job, container, _ = job_parts(render_chart(values))
+    annotations = job["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["k8s.v1.cni.cncf.io/networks"] == "ib-sriov-a,ib-sriov-b"
+
+
 def test_secrets_are_referenced_never_inlined(tmp_path):
     values = values_for("kubernetes.secret_env={HF_TOKEN: hf-credentials/token}")
     job, container, kinds = job_parts(render_chart(values))
@@ -349,16 +359,19 @@ def test_pod_failure_policy_maps_the_trainers_exit_codes():
 @pytest.fixture
 def pods_for(tmp_path):
     """Pods of a 2-node CPU render (1 rank per pod, EP=2, gloo over the hosts' eth0), not yet started."""
-    if os.geteuid() != 0 or any(not Path(f"/usr/bin/{t}").exists() for t in ("nsenter", "unshare", "ip")):
+    tools = ("nsenter", "unshare", "ip", "mount", "getent")
+    missing = [t for t in tools if not shutil.which(t, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")]
+    if os.geteuid() != 0 or missing:
         if os.environ.get("CI"):
-            pytest.fail("CI must run the pod tests: they need root, nsenter, unshare and ip")
-        pytest.skip("needs root, nsenter, unshare and ip")
+            pytest.fail(f"CI must run the pod tests: root={os.geteuid() == 0}, missing {missing}")
+        pytest.skip(f"needs root and {', '.join(tools)} (missing: {missing})")
     made: list[Pods] = []
 
-    def make(steps: int, every: int, *, tamper=None) -> tuple[Pods, Path]:
+    def make(steps: int, every: int, *, tamper=None, dns_timeout: int = 120) -> tuple[Pods, Path]:
         run_dir = render_tiny(
             tmp_path, name=RELEASE, target="helm", steps=steps, nodes=2, gpus_per_node=1,
-            extra=[f"checkpoint.every={every}", "network.interface=eth0", "kubernetes.peer_dns_timeout=120"],
+            extra=[f"checkpoint.every={every}", "network.interface=eth0",
+                   f"kubernetes.peer_dns_timeout={dns_timeout}"],
         )  # fmt: skip
         values = yaml.safe_load((run_dir / helm_render.VALUES).read_text())
         if tamper:
@@ -435,6 +448,14 @@ def test_a_configuration_error_fails_the_job_instead_of_retrying(pods_for):
     assert codes == [EXIT_BAD_INPUT, EXIT_BAD_INPUT], pods.logs()
     assert failure_action(pods.job, EXIT_BAD_INPUT) == "FailJob"
     assert "DSKIT_GPU_PROFILE" in pods.log(0)
+
+
+def test_a_pod_whose_peers_never_appear_fails_its_init_step_with_the_reason(pods_for):
+    pods, _ = pods_for(steps=4, every=2, dns_timeout=10)
+    pods.publish([0])  # pod 1 is never scheduled
+    pod0 = pods.run_pod(0)
+    assert pod0.wait(60) == 1 and pod0.main is None, "the trainer must not start"
+    assert f"{RELEASE}-1.{RELEASE} did not resolve within 10s" in pods.log(0)
 
 
 # --------------------------------------------------------------------------- dskit status

@@ -21,6 +21,8 @@ from dskit.render.common import run_files, torchrun_words
 from dskit.render.helm_values import ChartValues
 
 VALUES, CHART = "values.yaml", "chart"
+#: Pod annotation Multus reads to attach secondary (RDMA) networks.
+MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
 
 
 def chart_dir() -> Path:
@@ -102,6 +104,7 @@ def values(plan: Plan) -> ChartValues:
             },
             "resources": {"requests": requests},
             "nodeSelector": k["node_selector"],
+            "podAnnotations": {MULTUS_NETWORKS: ",".join(k["networks"])} if k["networks"] else {},
             "tolerations": [{f: v for f, v in t.items() if v is not None} for t in k["tolerations"]],
             "priorityClassName": k["priority_class"] or "",
             "serviceAccountName": k["service_account"] or "",
