@@ -115,6 +115,11 @@ class Pods:
 
     # ------------------------------------------------------------------ lifecycle
     def up(self) -> None:
+        # Mount points the containers need but this machine lacks (/etc/dskit, /run/dskit), made once
+        # here, before any pod thread runs, and removed by down().
+        for c in [*self.spec.get("initContainers", []), *self.spec["containers"]]:
+            for m in c.get("volumeMounts", []):
+                self._mountpoint(Path(m["mountPath"]))
         self.net.up()
         self.publish([])
 
@@ -138,7 +143,6 @@ class Pods:
         ]
         for m in container.get("volumeMounts", []):
             v, target = volumes[m["name"]], m["mountPath"]
-            self._mountpoint(Path(target))
             if "configMap" in v:
                 src = pod_dir / "configmaps" / v["configMap"]["name"]
                 src.mkdir(parents=True, exist_ok=True)
@@ -220,10 +224,18 @@ class PodRun:
     def __init__(self, pods: Pods, i: int, *, attempt: int, secrets):
         self.pods, self.i, self.attempt, self.secrets = pods, i, attempt, secrets
         self.phase, self.exit_code, self.main = "Init", None, None
+        self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._run_containers()
+        except BaseException as e:  # a harness error must fail the pod, not leave it "Init" forever
+            self.error, self.phase = e, "Failed"
+            raise
+
+    def _run_containers(self) -> None:
         log = self.pods.log_path(self.i)
         spec = self.pods.spec
         for init in spec.get("initContainers", []):
@@ -248,6 +260,8 @@ class PodRun:
 
     def wait(self, timeout: float) -> int:
         self._thread.join(timeout)
+        if self.error is not None:
+            raise AssertionError(f"pod {self.i}: the harness failed") from self.error
         if not self.done:
             raise TimeoutError(f"pod {self.i} still {self.phase} after {timeout}s\n{self.pods.logs()}")
         return self.exit_code
