@@ -20,7 +20,7 @@ SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
     "gpus_per_node": ("hardware.gpus_per_node", int, "GPUs per node (spec: hardware.gpus_per_node)"),
     "nodes": ("hardware.nodes", int, "node count (spec: hardware.nodes)"),
     "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
-    "runtime": ("runtime.kind", str, "pyxis | apptainer | none (spec: runtime.kind)"),
+    "runtime": ("runtime.kind", str, "Slurm: pyxis | apptainer | none (spec: runtime.kind)"),
     "image": ("runtime.image", str, "container image (spec: runtime.image)"),
     "chain": ("slurm.chain", int, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
 }
