@@ -276,6 +276,65 @@ def wait_for(predicate, timeout: float, what: str, pods: Pods) -> None:
     raise TimeoutError(f"{what} not reached in {timeout}s\n{pods.logs()}")
 
 
+class JobController:
+    """The part of Kubernetes' Job controller these tests need, for an Indexed Job with restartPolicy
+    Never: one pod per index; a failed pod is replaced by a new one (the next attempt) unless the
+    podFailurePolicy says FailJob; failures the policy Counts (not Ignores) are limited by
+    backoffLimit; the Job completes when every index has succeeded. A pod lost with its node carries
+    the DisruptionTarget condition, which the policy's onPodConditions rule matches."""
+
+    def __init__(self, pods: Pods):
+        self.pods, self.job = pods, pods.job
+        self.failures = 0
+        self.history: list[tuple[int, int, int, str]] = []  # (index, attempt, exit code, action)
+        self.runs: dict[int, PodRun] = {}
+        self.disrupted: set[tuple[int, int]] = set()
+        self.result: str | None = None
+
+    def lose_node(self, i: int) -> None:
+        """Pod i's node dies: every process of the pod is gone at once, no SIGTERM, no grace."""
+        self.disrupted.add((i, self.runs[i].attempt))
+        stop_pids(self.pods.net.pids(i + 1), grace=0)
+
+    def run(self, timeout: float) -> str:
+        deadline = time.time() + timeout
+        self.runs = {i: self.pods.run_pod(i) for i in range(self.pods.nodes)}
+        succeeded: set[int] = set()
+        while time.time() < deadline:
+            for i, run in list(self.runs.items()):
+                if i in succeeded or not run.done:
+                    continue
+                if run.error is not None:
+                    raise AssertionError(f"pod {i}: the harness failed") from run.error
+                if run.exit_code == 0:
+                    succeeded.add(i)
+                    continue
+                if (i, run.attempt) in self.disrupted:
+                    action = _condition_action(self.job, "DisruptionTarget")
+                else:
+                    action = failure_action(self.job, run.exit_code)
+                self.history.append((i, run.attempt, run.exit_code, action))
+                if action == "Count":
+                    self.failures += 1
+                if action == "FailJob" or self.failures > self.job["spec"]["backoffLimit"]:
+                    stop_pids([p.pid for p in self.pods.procs.values() if p.poll() is None])
+                    self.result = "Failed"
+                    return self.result
+                self.runs[i] = self.pods.run_pod(i, attempt=run.attempt + 1)
+            if len(succeeded) == self.pods.nodes:
+                self.result = "Complete"
+                return self.result
+            time.sleep(0.3)
+        raise TimeoutError(f"job not finished after {timeout}s: {self.history}\n{self.pods.logs()}")
+
+
+def _condition_action(job: dict, condition: str) -> str:
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        if any(c["type"] == condition for c in rule.get("onPodConditions", [])):
+            return rule["action"]
+    return "Count"
+
+
 def failure_action(job: dict, exit_code: int, container: str = "trainer") -> str:
     """What the Job controller does with a pod that failed with `exit_code`: the first matching
     podFailurePolicy rule's action, else Count (against backoffLimit)."""
@@ -289,4 +348,13 @@ def failure_action(job: dict, exit_code: int, container: str = "trainer") -> str
     return "Count"
 
 
-__all__ = ["PodRun", "Pods", "alive", "container_env", "expand", "failure_action", "wait_for"]
+__all__ = [
+    "JobController",
+    "PodRun",
+    "Pods",
+    "alive",
+    "container_env",
+    "expand",
+    "failure_action",
+    "wait_for",
+]

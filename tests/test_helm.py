@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from dskit.render.helm_values import ChartValues, values_schema_json
 from dskit.spec import load_spec
 from dskit.train.entry import LAUNCH_ENV_FILE
 from tests.conftest import REPO, dskit, render_tiny
-from tests.k8s_pods import Pods, container_env, expand, failure_action, wait_for
+from tests.k8s_pods import JobController, Pods, container_env, expand, failure_action, wait_for
 from tests.test_render_slurm import SHELLCHECK
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (pip install -e .[test])")
@@ -434,6 +435,29 @@ def test_pods_train_across_two_hosts_checkpoint_and_resume_after_preemption(pods
     assert seen["DSKIT_RUN_FILE"] == helm_render.run_file_path()
     assert {k: seen[k] for k in plan.env} == plan.env
     assert seen["DSKIT_SHM_BYTES"] == str(plan.launch.shm_bytes)
+
+
+@pytest.mark.train
+def test_a_lost_node_costs_a_restart_not_the_run(pods_for):
+    """Pod 1's node dies mid-run (SIGKILL of all its processes, no grace). The Job replaces the pod
+    without counting it (DisruptionTarget); pod 0's ranks lose their peer, and torchrun either restarts
+    them when the new pod joins the rendezvous or they fail and are replaced, counted. Either way the
+    run resumes from its last checkpoint and completes within backoffLimit."""
+    pods, run_dir = pods_for(steps=40, every=4)
+    plan = load_plan(run_dir / "run.yaml")
+    pods.publish([0, 1])
+    ctl = JobController(pods)
+    done = threading.Thread(target=ctl.run, args=(600,), daemon=True)
+    done.start()
+    wait_for(lambda: max(steps_logged(pods), default=0) >= 6, 240, "step 6", pods)
+    ctl.lose_node(1)
+    done.join(600)
+    assert ctl.result == "Complete", (ctl.history, pods.logs())
+    assert (1, 0, -9, "Ignore") in ctl.history
+    assert ctl.failures <= pods.job["spec"]["backoffLimit"]
+    assert sorted(set(steps_logged(pods))) == list(range(1, 41)), "every step logged, none lost"
+    assert Path(plan.run.output_dir, COMPLETE_FILE).exists()
+    assert "resumed from" in pods.log(0)
 
 
 @pytest.mark.train
