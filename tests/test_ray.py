@@ -16,10 +16,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan import load_plan
 from dskit.train.entry import LAUNCH_ENV_FILE
 from dskit.train.export import newest_verified_tag
-from tests.conftest import render_tiny
+from tests.conftest import dskit, render_tiny
 
 pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
@@ -136,3 +137,14 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
     assert sorted(metrics(rd)) == list(range(1, 41))
     plan = load_plan(rd / "run.yaml")
     assert newest_verified_tag(Path(plan.run.checkpoint_dir)).name == "step00000040"
+
+
+def test_ray_refuses_dollar_values_it_would_expand(tmp_path):
+    """Ray runs runtime_env values through os.path.expandvars with no escape: refuse, do not alter."""
+    r = dskit("render", "ray", "--set", "network.interface=eth$HOME", "-o", str(tmp_path / "o"))
+    assert r.returncode == EXIT_BAD_INPUT
+    assert r.stderr.strip().splitlines() == [
+        "dskit: error: environment NCCL_SOCKET_IFNAME: 'eth$HOME' contains '$', which Ray's runtime_env "
+        "expands and cannot escape; remove it from the spec (network.*, storage.*) for the ray target"
+    ]
+    assert not (tmp_path / "o").exists()

@@ -60,6 +60,12 @@ def env_lines(env: dict[str, str]) -> list[str]:
     return out
 
 
+def k8s_literal(word: str) -> str:
+    """Escape a value for a container's command, args or env, where Kubernetes expands $(VAR) and
+    reads $$ as '$'."""
+    return word.replace("$", "$$")
+
+
 TRAINER_MODULE = "dskit.train"
 
 

@@ -17,7 +17,7 @@ from dskit import __version__, catalog
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, K8S_CONFIG_MOUNT, RUN_YAML, STOP_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan, dump_plan
-from dskit.render.common import run_files, torchrun_words
+from dskit.render.common import k8s_literal, run_files, torchrun_words
 from dskit.render.helm_values import ChartValues
 
 VALUES, CHART = "values.yaml", "chart"
@@ -32,11 +32,6 @@ def chart_dir() -> Path:
         if (candidate / "Chart.yaml").is_file():
             return candidate
     raise RuntimeError("dskit Helm chart not found: the installation is incomplete")
-
-
-def k8s_literal(word: str) -> str:
-    """Escape a word for a container's command/args, where Kubernetes expands $(VAR) and $$ is '$'."""
-    return word.replace("$", "$$")
 
 
 def _under_root(plan: Plan) -> None:

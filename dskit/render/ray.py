@@ -11,8 +11,9 @@ import yaml
 from dskit import __version__
 from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.contract import RUN_YAML, Env
+from dskit.errors import SpecError
 from dskit.plan import Plan, dump_plan
-from dskit.render.common import q, render_template, run_files
+from dskit.render.common import k8s_literal, q, render_template, run_files
 
 RUNTIME_ENV, SUBMIT, RAYJOB = "runtime_env.yaml", "submit.sh", "rayjob.yaml"
 ENTRY_MODULE = "dskit.ray_train"
@@ -20,7 +21,20 @@ RAY_VERSION = "2.60.0"
 
 
 def runtime_env(plan: Plan) -> dict:
+    _no_dollar(plan)
     return {"env_vars": {**plan.env, Env.RUN_FILE.value: RUN_YAML}}
+
+
+def _no_dollar(plan: Plan) -> None:
+    """Ray expands $VAR and ${VAR} in runtime_env env_vars (os.path.expandvars, no escape), so a
+    contract value with '$' cannot reach the workers unchanged: refuse it rather than run altered."""
+    for name, value in plan.env.items():
+        if "$" in value:
+            raise SpecError(
+                f"environment {name}",
+                f"{value!r} contains '$', which Ray's runtime_env expands and cannot escape; "
+                "remove it from the spec (network.*, storage.*) for the ray target",
+            )
 
 
 def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
@@ -30,7 +44,7 @@ def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
         resources["limits"]["nvidia.com/gpu"] = gpus
         resources["requests"]["nvidia.com/gpu"] = gpus
     env = [
-        {"name": k, "value": v}
+        {"name": k, "value": k8s_literal(v)}
         for k, v in {**plan.env, Env.RUN_FILE.value: f"{CONFIG_MOUNT}/{RUN_YAML}"}.items()
     ]
     return {
@@ -60,6 +74,7 @@ def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
 
 def rayjob(plan: Plan) -> str:
     hw, la = plan.hardware, plan.launch
+    _no_dollar(plan)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
