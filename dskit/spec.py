@@ -31,6 +31,13 @@ K8S_LABEL_KEY_RE = re.compile(
 )
 K8S_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SECRET_KEY_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def split_secret_ref(ref: str) -> tuple[str, str]:
+    """'secret-name/key' -> (secret name, key); kubernetes.secret_env validates the parts."""
+    secret, _, key = ref.partition("/")
+    return secret, key
 
 
 class _Section(BaseModel):
@@ -279,10 +286,10 @@ class KubernetesSpec(_Section):
     @classmethod
     def _secret_refs(cls, v: dict[str, str]) -> dict[str, str]:
         for env, ref in v.items():
-            secret, _, key = ref.partition("/")
+            secret, key = split_secret_ref(ref)
             if not ENV_NAME_RE.match(env):
                 raise ValueError(f"{env!r} is not an environment variable name")
-            if not K8S_NAME_RE.match(secret) or not re.match(r"^[A-Za-z0-9._-]+$", key):
+            if not K8S_NAME_RE.match(secret) or not SECRET_KEY_RE.match(key):
                 raise ValueError(f"{env}: {ref!r} is not 'secret-name/key'")
         return v
 

@@ -12,15 +12,21 @@ import jinja2
 from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.plan import Plan, dump_plan
+from dskit.spec import ENV_NAME_RE
+
+
+def package_data_dir(installed: str, checkout: str) -> Path:
+    """A directory that lives at the top of the repository (the user's layout) and inside the package
+    in an installed wheel (pyproject's force-include): dskit/INSTALLED there, CHECKOUT here."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / installed, package.parent / checkout):
+        if candidate.is_dir():
+            return candidate
+    raise RuntimeError(f"dskit's {checkout} not found: the installation is incomplete")
 
 
 def templates_dir() -> Path:
-    """Installed wheels carry templates inside the package; a source checkout has them at the top."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here / "templates", here.parent / "templates"):
-        if candidate.is_dir():
-            return candidate
-    raise RuntimeError("dskit templates not found: the installation is incomplete")
+    return package_data_dir("templates", "templates")
 
 
 def environment() -> jinja2.Environment:
@@ -54,7 +60,7 @@ def env_lines(env: dict[str, str]) -> list[str]:
     """`export NAME=value` lines, values quoted, names checked (they come from catalogs and code)."""
     out = []
     for name, value in env.items():
-        if not name.replace("_", "").isalnum() or name[0].isdigit():
+        if not ENV_NAME_RE.match(name):
             raise ValueError(f"invalid environment variable name {name!r}")
         out.append(f"export {name}={q(value)}")
     return out

@@ -17,8 +17,9 @@ from dskit import __version__, catalog
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, K8S_CONFIG_MOUNT, RUN_YAML, STOP_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan, dump_plan
-from dskit.render.common import k8s_literal, run_files, torchrun_words
+from dskit.render.common import k8s_literal, package_data_dir, run_files, torchrun_words
 from dskit.render.helm_values import ChartValues
+from dskit.spec import split_secret_ref
 
 VALUES, CHART = "values.yaml", "chart"
 #: Pod annotation Multus reads to attach secondary (RDMA) networks.
@@ -26,12 +27,7 @@ MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
 
 
 def chart_dir() -> Path:
-    """Installed wheels carry the chart inside the package; a source checkout has it under helm/."""
-    here = Path(__file__).resolve().parent.parent
-    for candidate in (here / "chart", here.parent / "helm" / "dskit"):
-        if (candidate / "Chart.yaml").is_file():
-            return candidate
-    raise RuntimeError("dskit Helm chart not found: the installation is incomplete")
+    return package_data_dir("chart", "helm/dskit")
 
 
 def _under_root(plan: Plan) -> None:
@@ -58,7 +54,7 @@ def values(plan: Plan) -> ChartValues:
     requests = {name: k[name] for name in ("cpu", "memory") if k[name]}
     secret_env = []
     for name, ref in k["secret_env"].items():
-        secret, _, key = ref.partition("/")
+        secret, key = split_secret_ref(ref)
         secret_env.append({"name": name, "secretName": secret, "key": key})
     return ChartValues.model_validate(
         {

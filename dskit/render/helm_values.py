@@ -7,15 +7,24 @@ modes, toleration operators and effects) are closed here.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-K8sName = Annotated[str, StringConstraints(pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")]
-OptionalK8sName = Annotated[str, StringConstraints(pattern=r"^([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)?$")]
-EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-Quantity = Annotated[str, StringConstraints(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")]
+from dskit.spec import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
+
+
+def _optional(pattern: re.Pattern) -> str:
+    """The same pattern, or the empty string (the chart's 'not set')."""
+    return f"^({pattern.pattern.removeprefix('^').removesuffix('$')})?$"
+
+
+K8sName = Annotated[str, StringConstraints(pattern=K8S_NAME_RE.pattern)]
+OptionalK8sName = Annotated[str, StringConstraints(pattern=_optional(K8S_NAME_RE))]
+EnvName = Annotated[str, StringConstraints(pattern=ENV_NAME_RE.pattern)]
+Quantity = Annotated[str, StringConstraints(pattern=K8S_QUANTITY_RE.pattern)]
 AbsPath = Annotated[str, StringConstraints(pattern=r"^/")]
 ExitCode = Annotated[int, Field(ge=1, le=255)]
 
@@ -33,7 +42,7 @@ class Image(_Values):
 class SecretEnv(_Values):
     name: EnvName
     secret_name: K8sName
-    key: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._-]+$")]
+    key: Annotated[str, StringConstraints(pattern=SECRET_KEY_RE.pattern)]
 
 
 class Trainer(_Values):
