@@ -39,7 +39,7 @@ def dskit(
 
 def render_tiny(
     tmp: Path,
-    model: str = "tiny-v2",
+    model: str | None = "tiny-v2",
     *,
     steps: int = 40,
     extra: list[str] | None = None,
@@ -50,7 +50,8 @@ def render_tiny(
     flags: list[str] | tuple[str, ...] = (),
 ) -> Path:
     """Render a run dir for a tiny CPU plan with storage under `tmp`; returns the run dir. Jobs run the
-    trainer with this test's interpreter (Slurm: runtime none; Ray: the entrypoint's python)."""
+    trainer with this test's interpreter (Slurm: runtime none; Ray: the entrypoint's python). With
+    `model=None` the model comes from `extra` (e.g. `model.path=DIR`)."""
     out = tmp / name
     sets = [
         *TINY_SETS,
@@ -68,8 +69,7 @@ def render_tiny(
         str(nodes),
         "--gpus-per-node",
         str(gpus_per_node),
-        "--model",
-        model,
+        *(["--model", model] if model else []),
         "--job-name",
         name,
         "-o",

@@ -107,6 +107,15 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
             field_name,
             f"model_type {mt!r} in {cfg_file} is not a DeepSeek MoE; {one_of(SUPPORTED_MODEL_TYPES)}",
         )
+    if cfg.get("quantization_config"):
+        from dskit.hf_checkpoint import FP8_HOWTO
+
+        method = (
+            cfg["quantization_config"].get("quant_method", "?")
+            if isinstance(cfg["quantization_config"], dict)
+            else "?"
+        )
+        raise SpecError(field_name, f"{cfg_file} describes {method}-quantized weights; {FP8_HOWTO}")
     keep = {
         k: v
         for k, v in cfg.items()

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dskit import catalog
+from dskit import catalog, hf_checkpoint
 from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import memory
@@ -132,9 +132,10 @@ class Plan(_Frozen):
 def _resolve_model(spec: Spec) -> tuple[catalog.ModelPreset, str | None]:
     if spec.model.path:
         preset = catalog.model_from_path(spec.model.path)
-        p = Path(spec.model.path)
-        has_weights = p.is_dir() and any(p.glob("*.safetensors"))
-        return preset, str(p.resolve()) if has_weights else None
+        if not hf_checkpoint.has_weights(spec.model.path):
+            return preset, None  # a config alone: random init from it
+        hf_checkpoint.check_checkpoint(spec.model.path)  # a broken checkpoint fails here, not in the job
+        return preset, str(Path(spec.model.path).resolve())
     return catalog.model(spec.model.preset or DEFAULT_MODEL), None
 
 

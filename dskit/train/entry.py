@@ -106,14 +106,50 @@ def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) 
         plan.model,
         attention=attention,
         dtype=dtype,
-        device=device,
         seed=plan.run.seed,
         ckpt_every=plan.parallel.activation_checkpointing,
+        deepspeed_config=plan.deepspeed,
     )
+    log.info("model built under ZeRO-3 partitioning; starting the engine (AutoEP re-partitions experts)")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=plan.deepspeed)
+    _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir)
     score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
     tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
     return train(plan, engine, tap, sampler, rank=rank, world=world, device=device, reporter=reporter)
+
+
+CONSTRUCTION_FILE = "construction-rank{rank}.json"  # what each rank held once the model was built
+
+
+def _record_construction(engine, params_total: int, rank: int, device, output_dir: str) -> None:
+    """Measured, per rank: parameter elements held locally against the model's total, and memory at the
+    end of construction. Tests compare the share with 1/world; the plan's construction estimate is
+    checked against the peaks on GPUs (bench/)."""
+    from dskit.train.metrics import current_gib, memory_gib
+
+    # Each element of the model is stored on exactly one rank of a full ZeRO-3 + AutoEP run, so the
+    # ranks' local counts add up to the model's parameter count and each is about 1/world of it.
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.parameters())
+    total = params_total
+    alloc, reserved = memory_gib(device)
+    rec = {
+        "rank": rank,
+        "params_local": local,
+        "params_model": total,
+        "peak_alloc_gib": round(alloc, 3),
+        "peak_reserved_gib": round(reserved, 3),
+        "host_rss_gib": round(current_gib(device)["host"], 3),
+    }
+    Path(output_dir, CONSTRUCTION_FILE.format(rank=rank)).write_text(json.dumps(rec) + "\n")
+    log.info(
+        "built and partitioned: %d of %d parameter elements on this rank; peak %.2f GiB allocated, "
+        "%.2f GiB reserved; host RSS %.2f GiB",
+        local,
+        total,
+        alloc,
+        reserved,
+        rec["host_rss_gib"],
+    )
 
 
 def record_exit(code: int) -> int:

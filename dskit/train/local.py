@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from dskit.contract import RUN_YAML, STOP_FILE, Env
-from dskit.errors import SpecError
+from dskit.contract import EXIT_FILE_ENV, EXIT_REQUEUE, RUN_YAML, STOP_FILE, Env
+from dskit.errors import EXIT_BAD_INPUT, SpecError
 
 
 def run_file_of(run: str | None) -> Path:
@@ -49,4 +50,18 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
         "dskit.train",
     ]
     print("+ " + " ".join(cmd), flush=True)
-    return subprocess.run(cmd, env=env).returncode
+    with tempfile.TemporaryDirectory(prefix="dskit-local-") as tmp:
+        exit_file = Path(tmp, "exit-codes")
+        status = subprocess.run(cmd, env={**env, EXIT_FILE_ENV: str(exit_file)}).returncode
+        return relayed_exit(status, exit_file)
+
+
+def relayed_exit(status: int, exit_file: Path) -> int:
+    """torchrun reports any failed rank as exit 1; the ranks' own codes (contract.EXIT_FILE_ENV) say
+    whether it was bad input (2: do not retry) or a requested stop (75 on every rank that wrote)."""
+    codes = set(exit_file.read_text().split()) if exit_file.is_file() else set()
+    if str(EXIT_BAD_INPUT) in codes:
+        return EXIT_BAD_INPUT
+    if codes == {str(EXIT_REQUEUE)}:
+        return EXIT_REQUEUE
+    return status

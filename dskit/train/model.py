@@ -58,10 +58,24 @@ def apply_sdpa_policy(backend: str) -> None:
 
 
 def build_model(
-    model_plan, *, attention: str, dtype: torch.dtype, device: torch.device, seed: int, ckpt_every: int
+    model_plan,
+    *,
+    attention: str,
+    dtype: torch.dtype,
+    seed: int,
+    ckpt_every: int,
+    deepspeed_config: dict[str, Any],
 ):
-    """Random init from the config (seeded identically on all ranks) or local weights; never downloads."""
+    """The model, partitioned by ZeRO-3 from its first parameter; random init or local weights.
+
+    Under transformers' DeepSpeed integration (`HfDeepSpeedConfig` alive while the model is built),
+    every parameter is created inside `deepspeed.zero.Init`: a rank keeps only its 1/world slice, and
+    initialisation or loading gathers one module at a time (rank 0 fills it, the others receive it).
+    No rank ever holds the whole model, so a plan that fits the cluster also starts on it. The returned
+    model carries the integration object: transformers consults it until the engine owns the model.
+    """
     from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
 
     if not model_plan.trainable:
         raise SpecError("model", model_plan.untrainable_reason or f"{model_plan.name} cannot be trained")
@@ -71,17 +85,14 @@ def build_model(
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    zero3 = HfDeepSpeedConfig(deepspeed_config)
     if model_plan.path:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_plan.path, config=config, dtype=dtype, local_files_only=True
-            )
-        except OSError as e:
-            raise SpecError("model.path", f"cannot load weights from {model_plan.path}: {e}") from None
-        model.to(device)
+        from dskit.train.weights import load_pretrained
+
+        model = load_pretrained(model_plan.path, config=config, dtype=dtype)
     else:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model._dskit_zero3 = zero3  # keeps transformers' ZeRO-3 switch on while the model lives
     if ckpt_every:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for i, layer in enumerate(model.model.layers):
