@@ -70,7 +70,7 @@ def test_too_big_for_the_cluster_is_refused_with_the_numbers():
     assert e.value.field == "hardware.nodes"
     msg = e.value.message
     assert "construction peaks at" in msg and "78.1 weight shard" in msg and "79.11 GiB usable" in msg
-    assert "at least 7 nodes of 8" in msg
+    assert "at least 8 nodes of 8" in msg
 
 
 def test_offload_when_the_gpus_need_it_and_the_hosts_hold_it():
@@ -203,6 +203,7 @@ def test_memory_estimate_matches_the_h200_baseline():
             cfg,
             c,
             world=r["world"],
+            ep_size=r["ep"],
             micro_batch=r["mbs"],
             seq_len=r["seq"],
             ckpt_every=1 if "ckpt" in r["variant"] else 0,

@@ -52,6 +52,7 @@ def test_every_plan_fits_or_refuses(model, gpu):
             p.model.config,
             c,
             world=world,
+            ep_size=par.ep_size,
             micro_batch=par.micro_batch,
             seq_len=par.seq_len,
             ckpt_every=par.activation_checkpointing,

@@ -131,6 +131,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         s.cfg,
         s.counts,
         world=s.world,
+        ep_size=s.ep_size,
         micro_batch=c.micro_batch,
         seq_len=s.seq_len,
         ckpt_every=c.ckpt_every,

@@ -10,7 +10,9 @@ An estimate, not a promise: tests/test_plan.py checks it against the H200 baseli
   parallel group (world/ep), so both come to 16 * P / world per GPU. Optimizer offload moves the 12
   fp32 bytes to host memory.
 - the gathered working set: ZeRO-3 materialises about two layers' bf16 weights at once (the current and
-  the prefetched one), plus gradient buckets.
+  the prefetched one), plus gradient buckets. A MoE layer's local experts (1/ep of them) are part of
+  its gathered weights whenever ZeRO-3 shards them, i.e. when the expert-data-parallel group
+  (world / ep) has more than one rank: for V3 at EP 8 that is 32 experts, 2.6 GiB a layer.
 - activations: bytes saved per token per layer for backward, from the shapes of every tensor autograd
   keeps (inputs of each linear, of the activation function and of the norms), in bf16; with activation
   checkpointing only each checkpointed layer's input is kept, plus one layer being recomputed.
@@ -120,6 +122,7 @@ def estimate(
     c: ModelCounts,
     *,
     world: int,
+    ep_size: int,
     micro_batch: int,
     seq_len: int,
     ckpt_every: int,
@@ -128,7 +131,10 @@ def estimate(
 ) -> MemoryEstimate:
     state_bytes = 4 if offload_optimizer else 16
     states = state_bytes * c.total / world
-    working = 2 * 2 * c.largest_layer + 2 * 2 * c.largest_layer  # two gathered layers + grad buckets
+    layer = c.largest_layer
+    if world // ep_size > 1:  # local experts sharded over the expert-data-parallel group: gathered too
+        layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)
+    working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
     tokens = micro_batch * seq_len
     L = cfg["num_hidden_layers"]
     dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)

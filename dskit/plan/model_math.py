@@ -16,6 +16,7 @@ class ModelCounts:
     active: int  # parameters touched per token, excluding the embedding lookup (for 6*N FLOPs)
     largest_layer: int  # largest decoder layer's non-expert parameters (ZeRO-3 gathers one at a time)
     experts_per_layer: int  # routed-expert parameters of one MoE layer (0 if no MoE layer)
+    moe_layer_non_expert: int  # a MoE layer's attention, norms, shared experts and router (0 if none)
     largest_module: int  # largest single module: one MoE layer's routed experts, the embedding, an MLP
     attn_flops_per_token: float  # causal attention score/value FLOPs per token, forward + backward
 
@@ -75,6 +76,7 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
         active=active,
         largest_layer=largest,
         experts_per_layer=experts_per_layer,
+        moe_layer_non_expert=attn + moe_non_expert if moe_layers else 0,
         largest_module=largest_module,
         attn_flops_per_token=attn_flops,
     )
