@@ -233,3 +233,20 @@ def test_activation_checkpointing_only_when_memory_needs_it():
     assert tight.parallel.activation_checkpointing == 1
     pinned = plan_for("overrides.activation_checkpointing=2", hardware__nodes=2)
     assert pinned.parallel.activation_checkpointing == 2
+
+
+def test_loading_weights_adds_a_shard_per_rank_to_host_construction(tmp_path):
+    """With model.path holding safetensors, each rank copies from one (up to 5 GB) shard while building."""
+    from dskit.plan import host
+
+    (tmp_path / "config.json").write_text(json.dumps(catalog.model("tiny-v2").config))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    sets = ["training.seq_len=128", f"model.path={tmp_path}"]
+    p = plan_for(*sets, hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
+    assert p.model.path == str(tmp_path.resolve())
+    assert p.memory["host_construction_gib"] == pytest.approx(
+        8 * (host.HOST_BASELINE_GIB + 5e9 / 2**30), abs=0.01
+    )
+    with pytest.raises(SpecError) as e:
+        plan_for(*sets, "hardware.host_memory_gib=64", hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
+    assert e.value.field == "hardware.host_memory_gib" and "69.3 while building" in e.value.message
