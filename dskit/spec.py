@@ -81,8 +81,8 @@ class HardwareSpec(_Section):
         None,
         gt=0,
         description="Host RAM per node in GiB, checked against optimizer offload and model construction. "
-        "Default: the GPU profile's host RAM per GPU (its reference node, `dskit catalog gpus`) x gpus_per_node; "
-        "unknown for cpu.",
+        "Default: the GPU profile's host_memory_gib_per_gpu (its reference node, e.g. DGX H100: 2 TiB / 8) x "
+        "gpus_per_node; unknown, so unchecked, for cpu.",
     )
 
 
