@@ -77,6 +77,13 @@ class HardwareSpec(_Section):
         ge=1,
         description="Host CPU cores per node; sets OMP_NUM_THREADS. Default: 8 per GPU, 1 for cpu.",
     )
+    host_memory_gib: float | None = Field(
+        None,
+        gt=0,
+        description="Host RAM per node in GiB, checked against optimizer offload and model construction. "
+        "Default: the GPU profile's host_memory_gib_per_gpu (its reference node, e.g. DGX H100: 2 TiB / 8) x "
+        "gpus_per_node; unknown, so unchecked, for cpu.",
+    )
 
 
 class NetworkSpec(_Section):

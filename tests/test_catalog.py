@@ -51,6 +51,25 @@ def test_gpu_entries_are_consistent(gpu):
     assert gpu.peak_tflops_fp16 and gpu.memory_gib and gpu.memory_bw_gbs
 
 
+@pytest.mark.parametrize("gpu", sorted(catalog.gpus().values(), key=lambda g: g.name), ids=lambda g: g.name)
+def test_gpu_memory_is_usable_not_datasheet_and_sourced(gpu):
+    """usable < datasheet (ECC, driver and firmware reserve), within the 0.92 floor gpus.yaml states."""
+    assert gpu.usable_memory_source and gpu.host_memory_source
+    if gpu.is_cpu:
+        assert gpu.usable_memory_gib is None and gpu.host_memory_gib_per_gpu is None  # unknown, not guessed
+        return
+    assert 0.92 * gpu.memory_gib <= gpu.usable_memory_gib < gpu.memory_gib
+    assert gpu.host_memory_gib_per_gpu >= gpu.memory_gib  # every reference node has more RAM than HBM
+    if gpu.host_memory_source.startswith("derived"):  # the header's rule: 2 x datasheet GPU memory
+        assert gpu.host_memory_gib_per_gpu == 2 * gpu.memory_gib
+
+
+def test_h200_usable_memory_is_the_reading():
+    h200 = catalog.gpu("h200-141gb")
+    assert h200.usable_memory_gib == pytest.approx(150109880320 / 2**30, abs=0.01)
+    assert catalog.gpu("h100-80gb").usable_memory_gib == pytest.approx(79.1, abs=0.05)
+
+
 def test_fabric_env_values_are_strings():
     for f in catalog.fabrics().values():
         assert f.source and all(isinstance(v, str) for v in f.env.values())

@@ -31,7 +31,10 @@ def test_default_two_node_plan():
     assert ds["expert_parallel"] == {"enabled": True, "autoep_size": 8, "preset_model": "deepseek_v2"}
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"] == {"enabled": True}
     assert ds["train_batch_size"] == 256 and "fp16" not in ds
-    assert p.memory["fits"]
+    m = p.memory
+    assert (
+        max(m["total_gib"], m["construction_gib"]) <= m["limit_gib"] and m["host_gib"] <= m["host_limit_gib"]
+    )
 
 
 def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
@@ -60,10 +63,105 @@ def test_forced_ep_must_divide_experts_and_world():
     assert e.value.field == "overrides.ep_size" and "valid: 1, 2, 4, 8" in e.value.message
 
 
-def test_too_big_for_the_cluster_warns_and_offloads():
-    p = plan_for(model__preset="deepseek-v3", hardware__nodes=2)
-    assert p.parallel.offload_optimizer
-    assert any("add nodes" in w for w in p.warnings)
+def test_too_big_for_the_cluster_is_refused_with_the_numbers():
+    """V3 on 2 nodes of H100: each GPU would hold 1/16 of 1.3 TB of bf16 weights while building."""
+    with pytest.raises(SpecError) as e:
+        plan_for(model__preset="deepseek-v3", hardware__nodes=2)
+    assert e.value.field == "hardware.nodes"
+    msg = e.value.message
+    assert "construction peaks at" in msg and "78.1 weight shard" in msg and "79.11 GiB usable" in msg
+    assert "at least 8 nodes of 8" in msg
+
+
+def test_offload_when_the_gpus_need_it_and_the_hosts_hold_it():
+    p = plan_for(model__preset="deepseek-v3", hardware__nodes=16)
+    assert p.parallel.offload_optimizer and any("offloaded" in w for w in p.warnings)
+    m = p.memory
+    # 671B x 18 B (fp32 states + pinned buffers) / 128 ranks x 8 per node, + 4 B x 1e9 init buffer and
+    # 4 GiB per rank
+    want = (8 * (671.0e9 * 18 / 128 + 4 * 1e9)) / 2**30 + 8 * 4
+    assert m["host_training_gib"] == pytest.approx(want, rel=0.01)
+    assert m["host_gib"] <= m["host_limit_gib"] == pytest.approx(0.9 * 2048)
+
+
+def test_usable_memory_and_margin_not_the_datasheet():
+    p = plan_for(
+        "model.num_layers=4", "training.global_batch=2", hardware__gpu="h200-141gb", hardware__gpus_per_node=1
+    )
+    assert p.hardware.usable_memory_gib == p.memory["capacity_gib"] == pytest.approx(139.8, abs=0.01)
+    assert p.memory["limit_gib"] == pytest.approx(0.9 * 139.8, abs=0.01)
+    assert p.hardware.host_memory_gib == 256  # DGX H200: 2 TB / 8 GPUs, x 1 GPU per node
+
+
+def test_construction_peak_of_one_v3_moe_layer():
+    """All 256 routed experts of one V3 layer gathered in bf16: 256 x 3 x 7168 x 2048 x 2 B = 22.5 GB."""
+    p = plan_for(model__preset="deepseek-v3", hardware__nodes=32)
+    c = p.memory["construction"]
+    assert c["gathered_gib"] * 2**30 == pytest.approx(256 * 3 * 7168 * 2048 * 2, rel=1e-3)
+    assert c["autoep_copy_gib"] == pytest.approx(c["gathered_gib"] / p.parallel.ep_size, abs=0.01)
+    assert c["shard_gib"] == pytest.approx(2 * p.model.params_total / 256 / 2**30, abs=0.01)
+    assert p.memory["construction_gib"] == pytest.approx(sum(c.values()), abs=0.02)
+
+
+def test_issue_examples():
+    """Issue 11's two plans: V3 on 32 nodes of H100 fits every estimate; V2-Lite on one H200 is refused.
+
+    V2-Lite on one H200 cannot train without offload (16 B x 15.7B = 234 GiB of states > 139.8 GiB), and
+    offloading needs 18 B x 15.7B = 263 GiB of host RAM: more than a DGX H200's share (256 GiB per GPU)
+    and twice the 128 GiB of the single-H200 machine here. So the plan refuses, and says what to change.
+    """
+    v3 = plan_for(model__preset="deepseek-v3", hardware__nodes=32)
+    m = v3.memory
+    assert not v3.parallel.offload_optimizer
+    assert (
+        max(m["total_gib"], m["construction_gib"]) <= m["limit_gib"] and m["host_gib"] <= m["host_limit_gib"]
+    )
+    for host in (None, 128):
+        sets = [] if host is None else [f"hardware.host_memory_gib={host}"]
+        with pytest.raises(SpecError) as e:
+            plan_for(
+                *sets, model__preset="deepseek-v2-lite", hardware__gpu="h200-141gb", hardware__gpus_per_node=1
+            )
+        assert e.value.field == "hardware.host_memory_gib"
+        assert "needs 271.0 GiB of host RAM per node" in e.value.message
+        assert "nodes of 1 (hardware.nodes), or hosts with at least 301 GiB" in e.value.message
+
+
+def test_overrides_that_do_not_fit_are_refused():
+    with pytest.raises(SpecError) as e:
+        plan_for("overrides.micro_batch=16", hardware__nodes=2)
+    assert e.value.field == "overrides.micro_batch"
+    assert "the planner's own choice fits (micro-batch 8" in e.value.message
+    with pytest.raises(SpecError) as e:
+        plan_for("overrides.offload_optimizer=cpu", "hardware.host_memory_gib=64", hardware__nodes=1)
+    assert e.value.field == "overrides.offload_optimizer"
+
+
+def test_cli_refuses_a_plan_that_does_not_fit_with_exit_2(tmp_path):
+    from tests.conftest import dskit
+
+    r = dskit("render", "slurm", "--model", "deepseek-v3", "--nodes", "2", "-o", str(tmp_path / "run"))
+    assert r.returncode == 2 and not (tmp_path / "run").exists()
+    assert (
+        r.stderr.count("\n") == 1
+        and "hardware.nodes: deepseek-v3 on 2x8 h100-80gb cannot be built" in r.stderr
+    )
+
+
+def test_cpu_plans_check_host_memory_only_when_given():
+    p = plan_for(
+        "training.seq_len=128", model__preset="tiny-v2", hardware__gpu="cpu", hardware__gpus_per_node=2
+    )
+    assert p.memory["capacity_gib"] is None and p.memory["host_capacity_gib"] is None
+    with pytest.raises(SpecError) as e:
+        plan_for(
+            "training.seq_len=128",
+            "hardware.host_memory_gib=4",
+            model__preset="tiny-v2",
+            hardware__gpu="cpu",
+            hardware__gpus_per_node=2,
+        )
+    assert e.value.field == "hardware.host_memory_gib"
 
 
 def test_run_yaml_round_trips(tmp_path):
@@ -105,11 +203,12 @@ def test_memory_estimate_matches_the_h200_baseline():
             cfg,
             c,
             world=r["world"],
+            ep_size=r["ep"],
             micro_batch=r["mbs"],
             seq_len=r["seq"],
             ckpt_every=1 if "ckpt" in r["variant"] else 0,
             offload_optimizer=False,
-            capacity_gib=141,
+            on_gpu=True,
         )
         assert e.total_gib == pytest.approx(r["peak_alloc_gb"], rel=0.25), r
         seen += 1
@@ -134,3 +233,20 @@ def test_activation_checkpointing_only_when_memory_needs_it():
     assert tight.parallel.activation_checkpointing == 1
     pinned = plan_for("overrides.activation_checkpointing=2", hardware__nodes=2)
     assert pinned.parallel.activation_checkpointing == 2
+
+
+def test_loading_weights_adds_a_shard_per_rank_to_host_construction(tmp_path):
+    """With model.path holding safetensors, each rank copies from one (up to 5 GB) shard while building."""
+    from dskit.plan import host
+
+    (tmp_path / "config.json").write_text(json.dumps(catalog.model("tiny-v2").config))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    sets = ["training.seq_len=128", f"model.path={tmp_path}"]
+    p = plan_for(*sets, hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
+    assert p.model.path == str(tmp_path.resolve())
+    assert p.memory["host_construction_gib"] == pytest.approx(
+        8 * (host.HOST_BASELINE_GIB + 5e9 / 2**30), abs=0.01
+    )
+    with pytest.raises(SpecError) as e:
+        plan_for(*sets, "hardware.host_memory_gib=64", hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
+    assert e.value.field == "hardware.host_memory_gib" and "69.3 while building" in e.value.message

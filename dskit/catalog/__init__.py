@@ -18,7 +18,11 @@ _HERE = Path(__file__).parent
 @dataclass(frozen=True)
 class GPU:
     name: str
-    memory_gib: float | None
+    memory_gib: float | None  # datasheet
+    usable_memory_gib: float | None  # what torch reports as total_memory: the plan fits against this
+    usable_memory_source: str
+    host_memory_gib_per_gpu: float | None  # host RAM per GPU of the GPU type's reference node
+    host_memory_source: str
     compute_capability: str | None
     bf16: bool
     peak_tflops_bf16: float | None

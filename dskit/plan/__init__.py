@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dskit import catalog, hf_checkpoint
 from dskit.contract import Env
 from dskit.errors import SpecError
-from dskit.plan import memory
+from dskit.plan import fit
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.model_math import counts, flops_per_token
 from dskit.spec import Spec
@@ -51,7 +51,8 @@ class HardwarePlan(_Frozen):
     nodes: int
     procs_per_node: int
     world_size: int
-    memory_gib: float | None
+    usable_memory_gib: float | None  # per GPU, as torch reports it; the plan fits against this
+    host_memory_gib: float | None  # per node (spec, or the GPU type's reference node); None: unknown
     peak_tflops: float | None  # at the chosen precision; None: no MFU is reported
 
 
@@ -188,51 +189,57 @@ def _micro_batch_candidates(per_rank: int) -> list[int]:
 CPU_MAX_MICRO_BATCH = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
 
 
-def _fit_memory(spec: Spec, cfg: dict, mc, gpu: catalog.GPU, world: int, per_rank: int, warnings: list[str]):
-    """(micro_batch, ckpt_every, offload, estimate): the first candidate whose estimate fits.
+def _host_memory(spec: Spec, gpu: catalog.GPU) -> tuple[float | None, str]:
+    """Host RAM per node and where it came from: the spec, else the GPU type's reference node."""
+    if spec.hardware.host_memory_gib is not None:
+        return spec.hardware.host_memory_gib, "hardware.host_memory_gib"
+    per_gpu = gpu.host_memory_gib_per_gpu
+    if per_gpu is None:
+        return None, "unknown"
+    n = spec.hardware.gpus_per_node
+    return float(per_gpu * n), f"default: {per_gpu:g} GiB per {gpu.name} of its reference node x {n}"
+
+
+def _fit_memory(spec: Spec, shape: fit.Shape, per_rank: int, warnings: list[str]) -> fit.Fit:
+    """The first candidate whose every estimate fits (`dskit/plan/fit.py`), else SpecError (exit 2).
 
     Order: no optimizer offload before offload; the largest micro-batch (fuller expert GEMMs); at each
     micro-batch no activation checkpointing before checkpointing every layer, since recomputation cost
     28% of step time on the H200 bench (bench/results/). Pinned overrides shrink the candidate lists.
     """
     o = spec.overrides
-    offloads = {"none": [False], "cpu": [True], "auto": [False, True]}[o.offload_optimizer]
-    ckpts = [o.activation_checkpointing] if o.activation_checkpointing is not None else [0, 1]
-    if o.micro_batch:
-        mbs = [o.micro_batch]
-    else:
-        mbs = [m for m in _micro_batch_candidates(per_rank) if not gpu.is_cpu or m <= CPU_MAX_MICRO_BATCH]
-
-    def est(mb: int, ckpt: int, offload: bool) -> memory.MemoryEstimate:
-        return memory.estimate(
-            cfg,
-            mc,
-            world=world,
-            micro_batch=mb,
-            seq_len=spec.training.seq_len,
-            ckpt_every=ckpt,
-            offload_optimizer=offload,
-            capacity_gib=gpu.memory_gib,
-        )
-
-    for offload in offloads:
-        for mb in mbs:
-            for ckpt in ckpts:
-                e = est(mb, ckpt, offload)
-                if e.fits:
-                    if offload:
-                        warnings.append(
-                            "optimizer states offloaded to CPU (memory estimate needs it): expect slower steps"
-                        )
-                    return mb, ckpt, offload, e
-    mb, ckpt, offload = mbs[-1], ckpts[-1], offloads[-1]
-    e = est(mb, ckpt, offload)
-    warnings.append(
-        f"memory estimate {e.total_gib:.1f} GiB/GPU exceeds 90% of {gpu.memory_gib} GiB even at micro-batch {mb}"
-        f"{' with optimizer offload' if offload else ''}: add nodes (hardware.nodes) or GPUs, or shorten "
-        "training.seq_len"
+    free_mbs = [
+        m for m in _micro_batch_candidates(per_rank) if not shape.gpu.is_cpu or m <= CPU_MAX_MICRO_BATCH
+    ]
+    free = ([False, True], free_mbs, [0, 1])
+    pinned = (
+        {"none": [False], "cpu": [True], "auto": free[0]}[o.offload_optimizer],
+        [o.micro_batch] if o.micro_batch else free[1],
+        [o.activation_checkpointing] if o.activation_checkpointing is not None else free[2],
     )
-    return mb, ckpt, offload, e
+    forced = [
+        key
+        for key, on in (
+            ("overrides.offload_optimizer", o.offload_optimizer != "auto"),
+            ("overrides.micro_batch", o.micro_batch is not None),
+            ("overrides.activation_checkpointing", o.activation_checkpointing is not None),
+        )
+        if on
+    ]
+
+    def candidates(offloads: list[bool], mbs: list[int], ckpts: list[int]) -> list[fit.Candidate]:
+        return [fit.Candidate(mb, ckpt, off) for off in offloads for mb in mbs for ckpt in ckpts]
+
+    n_experts, per_node, forced_ep = shape.cfg["n_routed_experts"], shape.per_node, o.ep_size
+
+    def ep_for(world: int) -> int:
+        keep = forced_ep is not None and world % forced_ep == 0 and n_experts % forced_ep == 0
+        return forced_ep if keep else _pick_ep(n_experts, world, per_node, None)
+
+    chosen = fit.choose(shape, candidates(*pinned), unforced=candidates(*free), forced=forced, ep_for=ep_for)
+    if chosen.candidate.offload:
+        warnings.append("optimizer states offloaded to CPU (memory estimate needs it): expect slower steps")
+    return chosen
 
 
 def build_plan(spec: Spec) -> Plan:
@@ -271,7 +278,22 @@ def build_plan(spec: Spec) -> Plan:
             f"{forced_mb} does not divide the per-rank batch {per_rank} "
             f"(global_batch {gb} / world {world}); valid: {', '.join(map(str, _micro_batch_candidates(per_rank)))}",
         )
-    mb, ckpt, offload, est_mem = _fit_memory(spec, cfg, mc, gpu, world, per_rank, warnings)
+    host_gib, host_from = _host_memory(spec, gpu)
+    shape = fit.Shape(
+        model=preset.name,
+        cfg=cfg,
+        counts=mc,
+        seq_len=spec.training.seq_len,
+        gpu=gpu,
+        nodes=nodes,
+        per_node=per_node,
+        ep_size=ep,
+        host_memory_gib=host_gib,
+        host_memory_from=host_from,
+        loads_weights=weights_path is not None,
+    )
+    chosen = _fit_memory(spec, shape, per_rank, warnings)
+    mb, ckpt, offload = chosen.candidate.micro_batch, chosen.candidate.ckpt_every, chosen.candidate.offload
     peak = gpu.peak_tflops_bf16 if precision == "bf16" else gpu.peak_tflops_fp16
     storage = spec.storage
     # Relative paths mean "relative to where you rendered": make them absolute now, since jobs start
@@ -339,7 +361,8 @@ def build_plan(spec: Spec) -> Plan:
             nodes=nodes,
             procs_per_node=per_node,
             world_size=world,
-            memory_gib=gpu.memory_gib,
+            usable_memory_gib=gpu.usable_memory_gib,
+            host_memory_gib=host_gib,
             peak_tflops=peak,
         ),
         parallel=ParallelPlan(
@@ -387,7 +410,7 @@ def build_plan(spec: Spec) -> Plan:
             if spec.ray.storage_path
             else f"{run_root}/ray",
         ),
-        memory=est_mem.as_dict(),
+        memory=chosen.as_dict(),
         env=env,
         deepspeed=deepspeed_config(
             micro_batch=mb,

@@ -10,13 +10,19 @@ An estimate, not a promise: tests/test_plan.py checks it against the H200 baseli
   parallel group (world/ep), so both come to 16 * P / world per GPU. Optimizer offload moves the 12
   fp32 bytes to host memory.
 - the gathered working set: ZeRO-3 materialises about two layers' bf16 weights at once (the current and
-  the prefetched one), plus gradient buckets.
+  the prefetched one), plus gradient buckets. A MoE layer's local experts (1/ep of them) are part of
+  its gathered weights whenever ZeRO-3 shards them, i.e. when the expert-data-parallel group
+  (world / ep) has more than one rank: for V3 at EP 8 that is 32 experts, 2.6 GiB a layer.
 - activations: bytes saved per token per layer for backward, from the shapes of every tensor autograd
   keeps (inputs of each linear, of the activation function and of the norms), in bf16; with activation
   checkpointing only each checkpointed layer's input is kept, plus one layer being recomputed.
 - the loss: bf16 logits, their fp32 copy for the softmax and its gradient (batch x seq x vocab); at
   V2's 102400 vocabulary this is the largest activation (see DESIGN.md's profile).
 - a fixed overhead for the CUDA context, NCCL buffers and allocator fragmentation.
+
+`construction_gib` is the other GPU peak: building the model partitioned from birth (ZeRO-3
+`zero.Init`), before the optimizer exists. Host RAM is in `dskit/plan/host.py`; what "fits" means, and
+the error when nothing does, in `dskit/plan/fit.py`.
 """
 
 from __future__ import annotations
@@ -33,14 +39,28 @@ OVERHEAD_GIB = 2.5
 ACTIVATION_SLACK = 1.5
 
 
+# Construction (partitioned from birth under deepspeed.zero.Init; AutoEP then re-partitions the routed
+# experts one MoE layer at a time, DeepSpeed PR #8424). First-principles numbers, to be replaced by the
+# peak the trainer measures on GPUs (issue 11):
+#   each rank keeps its 1/world of the 16-bit weights;
+#   the largest single module is gathered whole while it is initialised (or loaded): for a MoE layer
+#   all its routed experts (transformers holds them as two fused tensors), e.g. DeepSeek-V3:
+#   256 x 3 x 7168 x 2048 x 2 B = 22.5 GB (21.0 GiB);
+#   AutoEP copies that layer's local experts (1/ep of them) out of the gathered tensors before the full
+#   ones are freed, so both are alive at once;
+#   the CUDA context and NCCL buffers (OVERHEAD_GIB, as for training).
+WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies on the GPU
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """Steady-state training memory per GPU."""
+
     states_gib: float
     working_set_gib: float
     activations_gib: float
     logits_gib: float
     overhead_gib: float
-    capacity_gib: float | None
 
     @property
     def total_gib(self) -> float:
@@ -52,16 +72,33 @@ class MemoryEstimate:
             + self.overhead_gib
         )
 
-    @property
-    def fits(self) -> bool:
-        # 90%: leave room for what an estimate cannot see (fragmentation spikes, NCCL growth)
-        return self.capacity_gib is None or self.total_gib <= 0.9 * self.capacity_gib
-
     def as_dict(self) -> dict[str, Any]:
-        d = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        d = {k: round(v, 2) for k, v in asdict(self).items()}
         d["total_gib"] = round(self.total_gib, 2)
-        d["fits"] = self.fits
         return d
+
+
+@dataclass(frozen=True)
+class ConstructionEstimate:
+    """Peak memory per GPU while the model is built partitioned, before the optimizer exists."""
+
+    shard_gib: float  # this rank's 1/world of the 16-bit weights
+    gathered_gib: float  # the largest module, gathered whole while it is initialised
+    autoep_copy_gib: float  # AutoEP's copy of one MoE layer's local experts
+    overhead_gib: float
+
+    @property
+    def total_gib(self) -> float:
+        return self.shard_gib + self.gathered_gib + self.autoep_copy_gib + self.overhead_gib
+
+
+def construction(c: ModelCounts, *, world: int, ep_size: int, on_gpu: bool) -> ConstructionEstimate:
+    return ConstructionEstimate(
+        shard_gib=WEIGHT_BYTES * c.total / world / GIB,
+        gathered_gib=WEIGHT_BYTES * c.largest_module / GIB,
+        autoep_copy_gib=WEIGHT_BYTES * c.experts_per_layer / ep_size / GIB,
+        overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
+    )
 
 
 def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
@@ -85,15 +122,19 @@ def estimate(
     c: ModelCounts,
     *,
     world: int,
+    ep_size: int,
     micro_batch: int,
     seq_len: int,
     ckpt_every: int,
     offload_optimizer: bool,
-    capacity_gib: float | None,
+    on_gpu: bool,
 ) -> MemoryEstimate:
     state_bytes = 4 if offload_optimizer else 16
     states = state_bytes * c.total / world
-    working = 2 * 2 * c.largest_layer + 2 * 2 * c.largest_layer  # two gathered layers + grad buckets
+    layer = c.largest_layer
+    if world // ep_size > 1:  # local experts sharded over the expert-data-parallel group: gathered too
+        layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)
+    working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
     tokens = micro_batch * seq_len
     L = cfg["num_hidden_layers"]
     dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
@@ -110,6 +151,5 @@ def estimate(
         working_set_gib=working / GIB,
         activations_gib=act / GIB,
         logits_gib=logits / GIB,
-        overhead_gib=OVERHEAD_GIB if capacity_gib is not None else 0.0,
-        capacity_gib=capacity_gib,
+        overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
     )

@@ -15,6 +15,9 @@ class ModelCounts:
     expert: int  # routed-expert parameters (sharded by AutoEP)
     active: int  # parameters touched per token, excluding the embedding lookup (for 6*N FLOPs)
     largest_layer: int  # largest decoder layer's non-expert parameters (ZeRO-3 gathers one at a time)
+    experts_per_layer: int  # routed-expert parameters of one MoE layer (0 if no MoE layer)
+    moe_layer_non_expert: int  # a MoE layer's attention, norms, shared experts and router (0 if none)
+    largest_module: int  # largest single module: one MoE layer's routed experts, the embedding, an MLP
     attn_flops_per_token: float  # causal attention score/value FLOPs per token, forward + backward
 
     @property
@@ -63,11 +66,18 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
     # causal: half the s x s scores; QK^T and PV are 2*(dqk+dv) FLOPs per (query, key); x3 for fwd+bwd
     attn_flops = L * cfg["num_attention_heads"] * 2 * (dqk + dv) * seq_len / 2 * 3
     largest = max(attn + (dense_mlp if dense_layers else moe_non_expert), embed // 2)
+    experts_per_layer = routed if moe_layers else 0
+    # transformers stores a MoE layer's routed experts as one module (fused gate_up/down tensors), so
+    # partitioned construction gathers all of them at once; the embedding and lm_head are V x h each.
+    largest_module = max(experts_per_layer, V * h, dense_mlp if dense_layers else 0, attention_params(cfg))
     return ModelCounts(
         total=total,
         expert=moe_layers * routed,
         active=active,
         largest_layer=largest,
+        experts_per_layer=experts_per_layer,
+        moe_layer_non_expert=attn + moe_non_expert if moe_layers else 0,
+        largest_module=largest_module,
         attn_flops_per_token=attn_flops,
     )
 

@@ -1,0 +1,272 @@
+"""What "fits" means, and the one-line error when nothing does.
+
+A plan fits when every estimate stays under its limit:
+- on each GPU, the steady-state training estimate and the construction peak (`dskit/plan/memory.py`)
+  under (1 - GPU_MEMORY_MARGIN) x the usable memory (the catalog's usable_memory_gib: what torch
+  reports, not the datasheet);
+- on each host, the RAM of its ranks while building and while training (`dskit/plan/host.py`) under
+  (1 - HOST_MEMORY_MARGIN) x hardware.host_memory_gib.
+A capacity that is unknown (the cpu profile) is not checked. When no candidate fits, `choose` raises
+SpecError (exit 2) naming what does not fit, the numbers and what to change, before anything is
+rendered or queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dskit.catalog import GPU
+from dskit.errors import SpecError
+from dskit.plan import host, memory
+from dskit.plan.model_math import ModelCounts
+
+# Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
+# communicators, the caching allocator's rounding. The steady-state model lands within 4% of the H200
+# baseline (tests/test_plan.py), so 10% covers its error with room to spare.
+GPU_MEMORY_MARGIN = 0.10
+# What the node needs besides the ranks: the OS, the filesystem client's cache, the container runtime,
+# slurmd or the kubelet (Kubernetes reserves system memory the same way).
+HOST_MEMORY_MARGIN = 0.10
+# "Use at least N nodes" searches up to this many nodes; beyond, no node count is suggested.
+MAX_NODES = 4096
+
+
+@dataclass(frozen=True)
+class Candidate:
+    micro_batch: int
+    ckpt_every: int
+    offload: bool
+
+    def describe(self) -> str:
+        ckpt = (
+            f"activation checkpointing every {self.ckpt_every}"
+            if self.ckpt_every
+            else "no activation checkpointing"
+        )
+        return (
+            f"micro-batch {self.micro_batch}, {ckpt}, {'optimizer offload' if self.offload else 'no offload'}"
+        )
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Everything the fit depends on besides the candidate."""
+
+    model: str
+    cfg: dict[str, Any]
+    counts: ModelCounts
+    seq_len: int
+    gpu: GPU
+    nodes: int
+    per_node: int
+    ep_size: int
+    host_memory_gib: float | None  # per node; None: unknown, not checked
+    host_memory_from: str  # where host_memory_gib came from, for messages
+    loads_weights: bool
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.per_node
+
+    @property
+    def where(self) -> str:
+        return f"{self.model} on {self.nodes}x{self.per_node} {self.gpu.name}"
+
+    @property
+    def gpu_limit(self) -> float | None:
+        u = self.gpu.usable_memory_gib
+        return None if u is None else u * (1 - GPU_MEMORY_MARGIN)
+
+    @property
+    def host_limit(self) -> float | None:
+        h = self.host_memory_gib
+        return None if h is None else h * (1 - HOST_MEMORY_MARGIN)
+
+
+@dataclass(frozen=True)
+class Fit:
+    candidate: Candidate
+    steady: memory.MemoryEstimate
+    construction: memory.ConstructionEstimate
+    host: host.HostEstimate
+    shape: Shape
+
+    @property
+    def gpu_ok(self) -> bool:
+        limit = self.shape.gpu_limit
+        return limit is None or max(self.steady.total_gib, self.construction.total_gib) <= limit
+
+    @property
+    def host_ok(self) -> bool:
+        limit = self.shape.host_limit
+        return limit is None or self.host.total_gib <= limit
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan's `memory` section: per GPU, then per node (GiB)."""
+        s = self.shape
+
+        def r(x: float | None) -> float | None:
+            return None if x is None else round(x, 2)
+
+        return {
+            **self.steady.as_dict(),
+            "construction_gib": r(self.construction.total_gib),
+            "construction": {k: r(v) for k, v in dataclasses.asdict(self.construction).items()},
+            "capacity_gib": s.gpu.usable_memory_gib,
+            "limit_gib": r(s.gpu_limit),
+            "host_gib": r(self.host.total_gib),
+            "host_construction_gib": r(self.host.construction_gib),
+            "host_training_gib": r(self.host.training_gib),
+            "host_capacity_gib": s.host_memory_gib,
+            "host_limit_gib": r(s.host_limit),
+        }
+
+
+def evaluate(s: Shape, c: Candidate) -> Fit:
+    on_gpu = not s.gpu.is_cpu
+    steady = memory.estimate(
+        s.cfg,
+        s.counts,
+        world=s.world,
+        ep_size=s.ep_size,
+        micro_batch=c.micro_batch,
+        seq_len=s.seq_len,
+        ckpt_every=c.ckpt_every,
+        offload_optimizer=c.offload,
+        on_gpu=on_gpu,
+    )
+    build = memory.construction(s.counts, world=s.world, ep_size=s.ep_size, on_gpu=on_gpu)
+    h = host.estimate(
+        s.counts,
+        world=s.world,
+        ranks_per_node=s.per_node,
+        offload_optimizer=c.offload,
+        loads_weights=s.loads_weights,
+        device_gib_per_rank=0.0 if on_gpu else steady.total_gib,
+        device_construction_gib_per_rank=0.0 if on_gpu else build.total_gib,
+    )
+    return Fit(c, steady, build, h, s)
+
+
+def choose(
+    s: Shape,
+    candidates: list[Candidate],
+    *,
+    unforced: list[Candidate],
+    forced: list[str],
+    ep_for: Callable[[int], int],
+) -> Fit:
+    """The first candidate that fits, or SpecError saying why none does.
+
+    `unforced`: the candidates without the user's overrides (`forced`: their spec keys), to tell "your
+    override does not fit" from "this cluster is too small". `ep_for(world)`: the EP size the planner
+    would pick at another world size, for the "use at least N nodes" hint.
+    """
+    fits = []
+    for c in candidates:
+        f = evaluate(s, c)
+        if f.gpu_ok and f.host_ok:
+            return f
+        fits.append(f)
+    field, message = _explain(s, fits, unforced, forced, ep_for)
+    raise SpecError(field, message)
+
+
+def _explain(
+    s: Shape, fits: list[Fit], unforced: list[Candidate], forced: list[str], ep_for: Callable[[int], int]
+) -> tuple[str, str]:
+    b = fits[0].construction
+    if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
+        return "hardware.nodes", (
+            f"{s.where} cannot be built: construction peaks at {b.total_gib:.1f} GiB/GPU ({b.shard_gib:.1f} weight "
+            f"shard + {b.gathered_gib:.1f} largest module gathered whole + {b.autoep_copy_gib:.1f} AutoEP copy of "
+            f"one layer's local experts + {b.overhead_gib:.1f} overhead), over {_gpu_limit(s)}; "
+            + _or(
+                _more_nodes(s, fits, ep_for),
+                f"a GPU with more memory (hardware.gpu): one module alone is {b.gathered_gib:.1f} GiB",
+            )
+        )
+    if forced:
+        for c in unforced:
+            ok = evaluate(s, c)
+            if ok.gpu_ok and ok.host_ok:
+                best = min(fits, key=lambda f: f.steady.total_gib)
+                return forced[0], (
+                    f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
+                    f"choice fits ({c.describe()}): remove {' and '.join(forced)}"
+                )
+    on_gpu = [f for f in fits if f.gpu_ok]
+    if on_gpu:
+        f = min(on_gpu, key=lambda f: f.host.total_gib)
+        h = f.host
+        need = h.total_gib / (1 - HOST_MEMORY_MARGIN)
+        what = (
+            f"{h.offload_gib:.1f} for optimizer offload: {host.OFFLOAD_STATE_BYTES} B fp32 states + "
+            f"{host.OFFLOAD_PINNED_BYTES} B pinned gradient buffers per parameter of each rank's shard, and the "
+            "optimizer's init buffer; "
+            if h.offload_gib
+            else ""
+        )
+        return "hardware.host_memory_gib", (
+            f"{s.where} needs {h.total_gib:.1f} GiB of host RAM per node ({what}{h.baseline_gib:.1f} for "
+            f"{h.ranks} rank(s) at {host.HOST_BASELINE_GIB} GiB each; {h.construction_gib:.1f} while building) but the "
+            f"limit is {s.host_limit:.1f} GiB ({1 - HOST_MEMORY_MARGIN:.0%} of {s.host_memory_gib} GiB, "
+            f"{s.host_memory_from}); "
+            + _or(
+                _more_nodes(s, fits, ep_for), f"hosts with at least {need:.0f} GiB (hardware.host_memory_gib)"
+            )
+        )
+    best = min(fits, key=lambda f: f.steady.total_gib)
+    return "hardware.nodes", (
+        f"{s.where} does not fit: {_numbers(best)}; "
+        + _or(
+            _more_nodes(s, fits, ep_for),
+            "a shorter training.seq_len",
+            "a GPU with more memory (hardware.gpu)",
+        )
+    )
+
+
+def _gpu_limit(s: Shape) -> str:
+    return f"the {s.gpu_limit:.1f} GiB limit ({1 - GPU_MEMORY_MARGIN:.0%} of {s.gpu.usable_memory_gib} GiB usable)"
+
+
+def _numbers(f: Fit) -> str:
+    e, s = f.steady, f.shape
+    if s.gpu_limit is not None and e.total_gib > s.gpu_limit:
+        return (
+            f"training needs {e.total_gib:.1f} GiB/GPU at {f.candidate.describe()} (states {e.states_gib:.1f}, "
+            f"working set {e.working_set_gib:.1f}, activations {e.activations_gib:.1f}, logits {e.logits_gib:.1f}, "
+            f"overhead {e.overhead_gib:.1f}), over {_gpu_limit(s)}"
+        )
+    return (
+        f"host RAM per node needs {f.host.total_gib:.1f} GiB at {f.candidate.describe()}, over the "
+        f"{s.host_limit:.1f} GiB limit ({s.host_memory_from})"
+    )
+
+
+def _or(*options: str | None) -> str:
+    """'use A, or B, or C' over the options that apply."""
+    return "use " + ", or ".join(o for o in options if o)
+
+
+def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], int]) -> str | None:
+    """'at least N nodes of G (hardware.nodes)', or None when no node count up to MAX_NODES fits."""
+    cands = [f.candidate for f in fits]
+
+    def ok(nodes: int) -> bool:
+        t = dataclasses.replace(s, nodes=nodes, ep_size=ep_for(nodes * s.per_node))
+        return any((f := evaluate(t, c)).gpu_ok and f.host_ok for c in cands)
+
+    lo, hi = s.nodes, s.nodes * 2
+    while hi <= MAX_NODES and not ok(hi):
+        lo, hi = hi, hi * 2
+    if hi > MAX_NODES:
+        return None
+    while hi - lo > 1:  # every estimate shrinks as nodes grow: bisect between a miss and a fit
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+    return f"at least {hi} nodes of {s.per_node} (hardware.nodes)"

@@ -1,0 +1,90 @@
+"""Host RAM per node: what the ranks of one node hold in CPU memory, while building and while training.
+
+Training with optimizer offload (ZeRO-Offload through DeepSpeed ZeRO-3, `offload_optimizer: cpu` with
+`pin_memory: true`, as `dskit/plan/deepspeed.py` writes it) keeps, per rank, for its 1/world shard of
+the parameters (ZeRO-3 shards non-expert states over all ranks and AutoEP's experts over the expert-data-
+parallel group: both come to P / world per rank):
+
+- OFFLOAD_STATE_BYTES: the fp32 master weights, Adam momentum and variance (ZeRO-Offload, Ren et al.
+  2021), 12 bytes per parameter;
+- OFFLOAD_PINNED_BYTES: the pinned buffers DeepSpeed 0.19.8 adds (runtime/zero/stage3.py): the fp32
+  gradient of each optimizer sub-group (`initialize_optimizer_states`, 4 B) and the flat gradient
+  partition in the gradient-accumulation dtype, bf16/fp16 under ZeRO (`grad_partitions_flat_buffer`,
+  2 B). Pinned pages cannot be swapped or reclaimed;
+- OFFLOAD_INIT_TRANSIENT_BYTES: while the optimizer initialises, an unpinned fp32 buffer the size of
+  the largest sub-group (`gradient_buffer`, at most DS_SUB_GROUP_SIZE elements) exists on the host too.
+
+Every process also carries HOST_BASELINE_GIB. Building the model from real weights adds one
+safetensors shard per rank (HF_SHARD_GIB) being copied into the partitioned parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dskit.plan.model_math import ModelCounts
+
+GIB = 2**30
+OFFLOAD_STATE_BYTES = 12
+OFFLOAD_PINNED_BYTES = 4 + 2
+OFFLOAD_INIT_TRANSIENT_BYTES = 4
+# DeepSpeed's zero_optimization.sub_group_size default (elements); dskit leaves it at the default.
+DS_SUB_GROUP_SIZE = 10**9
+# Resident memory of one rank before any model state: read on the H200 device machine (torch 2.11,
+# 2026-11-30): 1.23 GiB RSS after importing torch, a cuBLAS matmul, cuDNN attention, an NCCL
+# all-reduce and importing transformers. Rounded up to 4 GiB for what that reading did not load:
+# DeepSpeed and its CPU-Adam extension, the model's Python module tree, the tokenised data and the
+# checkpoint writer's buffers.
+HOST_BASELINE_GIB = 4.0
+# transformers' save_pretrained default max_shard_size "5GB" (DeepSeek-V3's published shards are
+# ~4.3 GB): each rank holds the shard it is copying from while weights load.
+HF_SHARD_GIB = 5e9 / GIB
+
+
+@dataclass(frozen=True)
+class HostEstimate:
+    """Host RAM per node (GiB), for the ranks of one node."""
+
+    ranks: int
+    baseline_gib: float  # ranks x HOST_BASELINE_GIB
+    construction_gib: float  # peak while building: baseline + weight shards loading (+ cpu device part)
+    offload_gib: float  # optimizer states + pinned buffers + init transient, 0 without offload
+    device_gib: float  # cpu profile: the training "GPU" estimate lives in host RAM too
+
+    @property
+    def training_gib(self) -> float:
+        return self.baseline_gib + self.offload_gib + self.device_gib
+
+    @property
+    def total_gib(self) -> float:
+        return max(self.construction_gib, self.training_gib)
+
+
+def estimate(
+    c: ModelCounts,
+    *,
+    world: int,
+    ranks_per_node: int,
+    offload_optimizer: bool,
+    loads_weights: bool,
+    device_gib_per_rank: float = 0.0,
+    device_construction_gib_per_rank: float = 0.0,
+) -> HostEstimate:
+    """The device_* arguments: on the cpu profile, the per-rank "GPU" estimates, which are host RAM."""
+    shard = c.total / world
+    offload = 0.0
+    if offload_optimizer:
+        per_rank = (OFFLOAD_STATE_BYTES + OFFLOAD_PINNED_BYTES) * shard
+        per_rank += OFFLOAD_INIT_TRANSIENT_BYTES * min(shard, DS_SUB_GROUP_SIZE)
+        offload = ranks_per_node * per_rank / GIB
+    baseline = ranks_per_node * HOST_BASELINE_GIB
+    construction = baseline + ranks_per_node * (
+        (HF_SHARD_GIB if loads_weights else 0.0) + device_construction_gib_per_rank
+    )
+    return HostEstimate(
+        ranks=ranks_per_node,
+        baseline_gib=baseline,
+        construction_gib=construction,
+        offload_gib=offload,
+        device_gib=ranks_per_node * device_gib_per_rank,
+    )
