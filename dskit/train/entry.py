@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,13 +74,22 @@ def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) 
 
     # DeepSpeed calls torch's deprecated collective names on every step; one line each, per rank.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    from dskit.train.balance import RouterTap
+    from dskit.train.loop import train
+
+    device, rank, world = start_distributed(plan)
+    log.info("data: %s, %d tokens", data.source, len(data.tokens))
+    engine = build_engine(plan, device, rank=rank)
+    score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
+    tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
+    return train(plan, engine, tap, sampler, rank=rank, world=world, device=device, reporter=reporter)
+
+
+def start_distributed(plan):
+    """(device, rank, world) once the process group is up; rank 0 records the launch env it saw."""
     import deepspeed
     import torch
     import torch.distributed as dist
-
-    from dskit.train.balance import RouterTap
-    from dskit.train.loop import train
-    from dskit.train.model import apply_sdpa_policy, build_model, resolve_attention
 
     on_gpu = plan.hardware.on_gpu
     if on_gpu:
@@ -97,31 +107,47 @@ def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) 
         Path(plan.run.output_dir, LAUNCH_ENV_FILE).write_text(
             json.dumps({n: os.environ.get(n) for n in names}, indent=1, sort_keys=True)
         )
+    return device, rank, world
+
+
+def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = None):
+    """The DeepSpeed engine for the plan, its model partitioned from the first parameter on. Records
+    what each rank holds and its memory peaks (`construction-rankN.json`). `deepspeed_config` replaces
+    the plan's only for benchmarks that measure construction without an optimizer."""
+    import deepspeed
+    import torch
+
+    from dskit.train.metrics import memory_gib
+    from dskit.train.model import apply_sdpa_policy, build_model, resolve_attention
+
+    ds_config = plan.deepspeed if deepspeed_config is None else deepspeed_config
     attention, why = resolve_attention(plan.parallel.attention, device)
     apply_sdpa_policy(attention)
     log.info("plan: %s", plan.summary())
-    log.info("attention: %s (%s); data: %s, %d tokens", attention, why, data.source, len(data.tokens))
-    dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
+    log.info("attention: %s (%s)", attention, why)
+    t0 = time.perf_counter()
     model = build_model(
         plan.model,
         attention=attention,
-        dtype=dtype,
+        dtype=torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16,
         seed=plan.run.seed,
         ckpt_every=plan.parallel.activation_checkpointing,
-        deepspeed_config=plan.deepspeed,
+        deepspeed_config=ds_config,
     )
-    log.info("model built under ZeRO-3 partitioning; starting the engine (AutoEP re-partitions experts)")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=plan.deepspeed)
-    _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir)
-    score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
-    tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
-    return train(plan, engine, tap, sampler, rank=rank, world=world, device=device, reporter=reporter)
+    built = {
+        "build_s": round(time.perf_counter() - t0, 2),
+        "build_peak_alloc_gib": round(memory_gib(device)[0], 3),
+    }
+    log.info("model built under ZeRO-3 partitioning in %.1f s; starting the engine", built["build_s"])
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir, built)
+    return engine
 
 
 CONSTRUCTION_FILE = "construction-rank{rank}.json"  # what each rank held once the model was built
 
 
-def _record_construction(engine, params_total: int, rank: int, device, output_dir: str) -> None:
+def _record_construction(engine, params_total: int, rank: int, device, output_dir: str, built: dict) -> None:
     """Measured, per rank: parameter elements held locally against the model's total, and memory at the
     end of construction. Tests compare the share with 1/world; the plan's construction estimate is
     checked against the peaks on GPUs (bench/)."""
@@ -134,6 +160,7 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
     alloc, reserved = memory_gib(device)
     rec = {
         "rank": rank,
+        **built,
         "params_local": local,
         "params_model": total,
         "peak_alloc_gib": round(alloc, 3),
@@ -162,6 +189,12 @@ def record_exit(code: int) -> int:
     return code
 
 
+def _error_line(e: SpecError) -> None:
+    # One write per line: ranks share the launcher's stderr, and print() may split text and newline.
+    sys.stderr.write(f"dskit: error: {e}\n")
+    sys.stderr.flush()
+
+
 def main() -> int:
     return record_exit(_main())
 
@@ -171,14 +204,14 @@ def _main() -> int:
     try:
         plan, data, sampler = read_contract()
     except SpecError as e:
-        print(f"dskit: error: {e}", file=sys.stderr)
+        _error_line(e)
         return EXIT_BAD_INPUT
     import torch.distributed as dist
 
     try:
         return run(plan, data, sampler)
     except SpecError as e:
-        print(f"dskit: error: {e}", file=sys.stderr)
+        _error_line(e)
         return EXIT_BAD_INPUT
     finally:
         # Without this a rank may abort at exit (DESIGN.md).
