@@ -169,7 +169,9 @@ def cmd_status(a: argparse.Namespace) -> int:
 def cmd_export(a: argparse.Namespace) -> int:
     from dskit.train.export import export
 
-    export(a.run, a.output, force=a.force, verify=not a.no_verify)
+    if a.shard_mib < 1:
+        raise SpecError("--shard-mib", f"must be a positive number of MiB, got {a.shard_mib}")
+    export(a.run, a.output, force=a.force, verify=not a.no_verify, shard_bytes=a.shard_mib * 2**20)
     return 0
 
 
@@ -244,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", required=True, help="directory for the Hugging Face model")
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.add_argument("--no-verify", action="store_true", help="skip the logits check against the trained model")
+    s.add_argument(
+        "--shard-mib",
+        type=int,
+        default=5120,
+        help="largest safetensors file in MiB (default 5120, transformers' 5 GiB); export streams shard by "
+        "shard, so its memory is one shard plus one tensor, whatever the model's size",
+    )
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser(

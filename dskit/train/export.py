@@ -4,14 +4,18 @@ DeepSpeed's `save_16bit_model` refuses this case (expert shards live in expert-r
 1. `deepspeed.checkpoint.ds_to_universal` consolidates the newest complete checkpoint into one fp32
    tensor per parameter, under AutoEP's module names;
 2. `HF_FROM_AUTOEP` maps those names back to transformers' (router, fused expert weights);
-3. the result is saved as safetensors in the plan's precision, and verified: the exported model's
-   logits on the probe batch must match the logits the trainer recorded at its final checkpoint.
+3. the result streams into safetensors shards in the plan's precision, one shard in memory at a time
+   (names and sizes are decided from the model's shapes first, so an index is written as for any
+   published checkpoint); export memory is one shard plus one fp32 tensor, not the model. Models
+   small enough to run here are verified: the exported model's logits on the probe batch must match
+   the logits the trainer recorded at its final checkpoint; larger ones say the check was skipped.
 Everything is written to a temporary sibling directory and renamed into place at the end.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -22,6 +26,7 @@ from pathlib import Path
 
 from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
+from dskit.hf_checkpoint import INDEX, SINGLE
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 VERIFY_MAX_PARAMS = 3 * 10**9  # the logits check runs the model on this machine's CPU
@@ -76,7 +81,9 @@ def _load_universal(udir: Path, name: str):
     return obj["param"] if isinstance(obj, dict) else obj
 
 
-def export(run: str, output: str, *, force: bool = False, verify: bool = True) -> Path:
+def export(
+    run: str, output: str, *, force: bool = False, verify: bool = True, shard_bytes: int = SHARD_BYTES
+) -> Path:
     import torch
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -121,27 +128,28 @@ def export(run: str, output: str, *, force: bool = False, verify: bool = True) -
         config.dtype = dtype
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-        target = skeleton.state_dict()
-        tensors: dict[str, torch.Tensor] = {}
-        for name, ref in tqdm(target.items(), desc="exporting", unit="tensor", disable=None):
-            sources, how = autoep_sources(name)
-            parts = [_load_universal(udir, s) for s in sources]
-            if any(p is None for p in parts):
-                if name.endswith("e_score_correction_bias"):
-                    # a buffer, never trained by AutoEP: keep the model's initial value (zeros)
-                    tensors[name] = torch.zeros(ref.shape, dtype=torch.float32)
-                    continue
-                raise RuntimeError(f"checkpoint {src} has no tensor for {name} (looked for {sources})")
-            t = torch.cat(parts, dim=1) if how == "cat1" else parts[0]
-            if t.numel() != ref.numel():
-                raise RuntimeError(
-                    f"{name}: checkpoint has {tuple(t.shape)}, model expects {tuple(ref.shape)}"
-                )
-            keep_fp32 = name.endswith("e_score_correction_bias")
-            tensors[name] = t.reshape(ref.shape).to(torch.float32 if keep_fp32 else dtype).contiguous()
+        shapes = {
+            name: (tuple(t.shape), _export_dtype(name, dtype)) for name, t in skeleton.state_dict().items()
+        }
+        del skeleton
+        shards = plan_shards(shapes, shard_bytes)
+        with tqdm(total=len(shapes), desc="exporting", unit="tensor", disable=None) as bar:
+            for fname, names in shards.items():
+                # one shard in memory at a time: the export's footprint is bounded by SHARD_BYTES plus
+                # one tensor in fp32, whatever the model's size
+                tensors = {}
+                for name in names:
+                    tensors[name] = _consolidated(udir, src, name, *shapes[name])
+                    bar.update()
+                save_file(tensors, str(work / fname), metadata={"format": "pt"})
+                del tensors
         shutil.rmtree(udir)
         (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
-        _save_sharded(tensors, work, save_file)
+        if len(shards) > 1:
+            total = sum(_nbytes(*shapes[n]) for n in shapes)
+            weight_map = {n: fname for fname, names in shards.items() for n in names}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (work / INDEX).write_text(json.dumps(index, indent=1) + "\n")
         config.save_pretrained(work)
         meta = {
             "source_checkpoint": str(src),
@@ -156,27 +164,50 @@ def export(run: str, output: str, *, force: bool = False, verify: bool = True) -
     return out
 
 
-def _save_sharded(tensors: dict, out: Path, save_file) -> None:
-    shards: list[dict] = [{}]
+def _export_dtype(name: str, dtype):
+    import torch
+
+    # DeepSeek-V3's routing bias is an fp32 buffer in the published checkpoints
+    return torch.float32 if name.endswith("e_score_correction_bias") else dtype
+
+
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def plan_shards(shapes: dict[str, tuple], limit: int) -> dict[str, list[str]]:
+    """File name -> tensor names, in model order, each file at most `limit` bytes (or one tensor).
+    Decided from shapes alone, before any data is read, so shard names are final when written."""
+    groups: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append({})
+    for name, (shape, dtype) in shapes.items():
+        n = _nbytes(shape, dtype)
+        if groups[-1] and size + n > limit:
+            groups.append([])
             size = 0
-        shards[-1][name] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(out / fname), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, fname))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+        groups[-1].append(name)
+        size += n
+    if len(groups) == 1:
+        return {SINGLE: groups[0]}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups, 1)}
+
+
+def _consolidated(udir: Path, src: Path, name: str, shape: tuple[int, ...], dtype):
+    """One Hugging Face tensor from the universal checkpoint (AutoEP names mapped back)."""
+    import torch
+
+    sources, how = autoep_sources(name)
+    parts = [_load_universal(udir, s) for s in sources]
+    if any(p is None for p in parts):
+        if name.endswith("e_score_correction_bias"):
+            # a buffer, never trained by AutoEP: keep the model's initial value (zeros)
+            return torch.zeros(shape, dtype=torch.float32)
+        raise RuntimeError(f"checkpoint {src} has no tensor for {name} (looked for {sources})")
+    t = torch.cat(parts, dim=1) if how == "cat1" else parts[0]
+    del parts
+    if t.numel() != math.prod(shape):
+        raise RuntimeError(f"{name}: checkpoint has {tuple(t.shape)}, model expects {shape}")
+    return t.reshape(shape).to(dtype).contiguous()
 
 
 def _verify(model_dir: Path, src: Path, plan, dtype) -> None:
