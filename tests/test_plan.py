@@ -240,7 +240,10 @@ def test_loading_weights_adds_a_shard_per_rank_to_host_construction(tmp_path):
     from dskit.plan import host
 
     (tmp_path / "config.json").write_text(json.dumps(catalog.model("tiny-v2").config))
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    save_file({"lm_head.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "model.safetensors"))
     sets = ["training.seq_len=128", f"model.path={tmp_path}"]
     p = plan_for(*sets, hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
     assert p.model.path == str(tmp_path.resolve())

@@ -8,6 +8,9 @@ check.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from dskit import catalog
@@ -15,6 +18,8 @@ from dskit.errors import SpecError
 from dskit.plan import build_plan, fit, host, memory
 from dskit.plan.model_math import counts
 from dskit.spec import load_spec
+
+REPO = Path(__file__).resolve().parent.parent
 
 MODELS = sorted(catalog.models())
 GPUS = sorted(g for g in catalog.gpus() if g != "cpu")
@@ -92,3 +97,14 @@ def test_the_catalog_is_not_refused_wholesale():
     assert ("h100-80gb", 4) not in fits["deepseek-v3"] and ("h100-80gb", 8) in fits["deepseek-v3"]
     # one V3 MoE layer's experts (21.0 GiB gathered while building) never fit a 24 GB card
     assert not [f for f in fits["deepseek-v3"] if f[0] == "rtx4090-24gb"]
+
+
+def test_construction_estimate_stays_above_the_measured_gpu_peak_and_close_to_it():
+    """Pinned to the committed H200 measurement: full-depth V2-Lite built on 2 GPUs (EP 2)."""
+    res = json.loads((REPO / "bench/results/h200x2-construction-2026-11-30.json").read_text())
+    measured = max(r["peak_alloc_gib"] for r in res["construction"]["ranks"])
+    flags = {"hardware.gpu": "h200-141gb", "hardware.gpus_per_node": 2, "model.preset": "deepseek-v2-lite"}
+    sets = ["training.seq_len=4096", "training.global_batch=8", "hardware.host_memory_gib=4096"]
+    plan = build_plan(load_spec(sets=sets, flags=flags))
+    assert plan.memory["construction_gib"] == res["construction"]["plan_construction_gib"]
+    assert measured <= plan.memory["construction_gib"] <= 1.25 * measured

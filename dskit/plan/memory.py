@@ -40,8 +40,9 @@ ACTIVATION_SLACK = 1.5
 
 
 # Construction (partitioned from birth under deepspeed.zero.Init; AutoEP then re-partitions the routed
-# experts one MoE layer at a time, DeepSpeed PR #8424). First-principles numbers, to be replaced by the
-# peak the trainer measures on GPUs (issue 11):
+# experts one MoE layer at a time, DeepSpeed PR #8424). First-principles numbers, checked against the
+# peaks the trainer measured on 2 x H200 with the full V2-Lite (bench/results/h200x2-construction-*.json:
+# 16.5 GiB measured, 18.7 estimated; tests/test_plan_fit.py keeps the estimate above the measurement):
 #   each rank keeps its 1/world of the 16-bit weights;
 #   the largest single module is gathered whole while it is initialised (or loaded): for a MoE layer
 #   all its routed experts (transformers holds them as two fused tensors), e.g. DeepSeek-V3:
