@@ -320,6 +320,12 @@ class PlanOverrides(_Section):
     offload_optimizer: Literal["auto", "none", "cpu"] = Field(
         "auto", description="ZeRO optimizer-state offload. auto: cpu only when the memory estimate needs it."
     )
+    loss: Literal["auto", "chunked", "full"] = Field(
+        "auto",
+        description="Language-model loss. chunked: output projection + cross-entropy a few thousand tokens "
+        "at a time, never the batch x seq x vocab logits; full: the plain logits path. auto: chunked where it "
+        "needs less memory (micro-steps of clearly more tokens than one 2048-token chunk).",
+    )
 
 
 class Spec(_Section):

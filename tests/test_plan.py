@@ -129,7 +129,7 @@ def test_issue_examples():
 
 def test_overrides_that_do_not_fit_are_refused():
     with pytest.raises(SpecError) as e:
-        plan_for("overrides.micro_batch=16", hardware__nodes=2)
+        plan_for("overrides.micro_batch=16", "overrides.loss=full", hardware__nodes=2)
     assert e.value.field == "overrides.micro_batch"
     assert "the planner's own choice fits (micro-batch 8" in e.value.message
     with pytest.raises(SpecError) as e:
@@ -209,6 +209,7 @@ def test_memory_estimate_matches_the_h200_baseline():
             ckpt_every=1 if "ckpt" in r["variant"] else 0,
             offload_optimizer=False,
             on_gpu=True,
+            loss="full",  # the baseline computes the plain logits
         )
         assert e.total_gib == pytest.approx(r["peak_alloc_gb"], rel=0.25), r
         seen += 1

@@ -63,6 +63,7 @@ def test_every_plan_fits_or_refuses(model, gpu):
             ckpt_every=par.activation_checkpointing,
             offload_optimizer=par.offload_optimizer,
             on_gpu=True,
+            loss="chunked" if par.loss_chunk_tokens else "full",
         ).total_gib
         build = memory.construction(c, world=world, ep_size=par.ep_size, on_gpu=True).total_gib
         node = host.estimate(

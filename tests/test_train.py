@@ -158,6 +158,23 @@ def test_export_round_trip(reference, model, tmp_path):
     assert again.returncode == 2 and "already exists" in again.stderr
 
 
+def test_chunked_loss_follows_the_plain_loss_curve(reference, tmp_path):
+    """The chunked linear + cross-entropy (no batch x seq x vocab logits) trains like the plain path:
+    same first loss, same curve within bf16 noise (the reference run uses the plain path: at 512
+    tokens per micro-step the planner keeps the logits, which are smaller than the chunked buffers)."""
+    ref = reference["tiny-v2"]
+    assert load_plan(ref / "run.yaml").parallel.loss_chunk_tokens == 0
+    extra = ["checkpoint.every=1", "checkpoint.keep=100", "overrides.loss=chunked"]
+    rd = render_tiny(tmp_path, "tiny-v2", steps=STEPS, extra=extra)
+    assert load_plan(rd / "run.yaml").parallel.loss_chunk_tokens == 2048
+    assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
+    got, want = losses(rd), losses(ref)
+    assert sorted(got) == sorted(want)
+    assert got[1] == pytest.approx(want[1], rel=1e-4)
+    drift = max(abs(got[s] - want[s]) / want[s] for s in want)
+    assert drift < CHUNKED_LOSS_RTOL, drift
+
+
 def test_export_streams_into_many_shards_with_an_index(reference, tmp_path, capsys):
     """Shard by shard, as for a model far larger than this machine: names decided from shapes first,
     an index like a published checkpoint, and transformers loads the result (export verifies it)."""
@@ -184,6 +201,9 @@ def test_export_streams_into_many_shards_with_an_index(reference, tmp_path, caps
 # from a periodic save. 1e-3 is 10x the largest drift seen over 25 resumed steps and 10x below the
 # typical step-to-step change in loss, so a wrong resume (lost step, wrong data, stale optimizer) fails.
 RESUME_RTOL = 1e-3
+# Chunked vs plain loss: the same GEMMs and fp32 softmax, but the weight gradient is summed in another
+# order; bf16 rounding differences then compound over 40 steps of lr 3e-3. Measured: see the test.
+CHUNKED_LOSS_RTOL = 2e-2
 
 
 def assert_same_run(got: dict[int, float], want: dict[int, float], exact_until: int) -> None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dskit import catalog, hf_checkpoint
 from dskit.contract import Env
 from dskit.errors import SpecError
-from dskit.plan import fit
+from dskit.plan import fit, memory
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.model_math import counts, flops_per_token
 from dskit.spec import Spec
@@ -67,6 +67,7 @@ class ParallelPlan(_Frozen):
     precision: Literal["bf16", "fp16"]
     attention: str
     offload_optimizer: bool
+    loss_chunk_tokens: int  # 0: full logits; N: output projection + cross-entropy N tokens at a time
 
 
 class OptimPlan(_Frozen):
@@ -291,6 +292,7 @@ def build_plan(spec: Spec) -> Plan:
         host_memory_gib=host_gib,
         host_memory_from=host_from,
         loads_weights=weights_path is not None,
+        loss=spec.overrides.loss,
     )
     chosen = _fit_memory(spec, shape, per_rank, warnings)
     mb, ckpt, offload = chosen.candidate.micro_batch, chosen.candidate.ckpt_every, chosen.candidate.offload
@@ -376,6 +378,7 @@ def build_plan(spec: Spec) -> Plan:
             precision=precision,
             attention=_attention(spec, gpu),
             offload_optimizer=offload,
+            loss_chunk_tokens=memory.loss_chunk_for(cfg, mb * spec.training.seq_len, spec.overrides.loss),
         ),
         optim=OptimPlan(
             steps=steps,

@@ -66,6 +66,7 @@ class Shape:
     host_memory_gib: float | None  # per node; None: unknown, not checked
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
+    loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
 
     @property
     def world(self) -> int:
@@ -137,6 +138,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         ckpt_every=c.ckpt_every,
         offload_optimizer=c.offload,
         on_gpu=on_gpu,
+        loss=s.loss,
     )
     build = memory.construction(s.counts, world=s.world, ep_size=s.ep_size, on_gpu=on_gpu)
     h = host.estimate(

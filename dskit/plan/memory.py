@@ -53,6 +53,33 @@ ACTIVATION_SLACK = 1.5
 WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies on the GPU
 
 
+# Chunked loss (dskit/train/loss.py): rows of the output projection computed at once. 2048 x 102400
+# fp32 logits are 0.84 GB: GEMMs large enough to run at full rate, memory independent of the batch.
+LOSS_CHUNK_TOKENS = 2048
+
+
+def loss_bytes(cfg: dict[str, Any], tokens: int, chunk_tokens: int) -> int:
+    """Peak bytes of the language-model loss beyond the model's other activations."""
+    V, h = cfg["vocab_size"], cfg["hidden_size"]
+    if not chunk_tokens:
+        return tokens * V * (2 + 4 + 4)  # bf16 logits, their fp32 upcast, the fp32 gradient
+    rows = min(tokens, chunk_tokens)
+    # one chunk: fp32 logits, their fp32 exp, the bf16 gradient; the weight's bf16 gradient
+    # (accumulated in place by addmm); the hidden states' bf16 gradient
+    return rows * V * (4 + 4 + 2) + V * h * 2 + tokens * h * 2
+
+
+def loss_chunk_for(cfg: dict[str, Any], tokens: int, choice: str) -> int:
+    """`overrides.loss` -> chunk size (0: full logits). auto: chunked where it needs less memory, i.e.
+    when a micro-step has clearly more tokens than one chunk (the weight's gradient is the fixed cost)."""
+    if choice == "full":
+        return 0
+    if choice == "chunked":
+        return LOSS_CHUNK_TOKENS
+    chunked = loss_bytes(cfg, tokens, LOSS_CHUNK_TOKENS)
+    return LOSS_CHUNK_TOKENS if chunked < loss_bytes(cfg, tokens, 0) else 0
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Steady-state training memory per GPU."""
@@ -129,6 +156,7 @@ def estimate(
     ckpt_every: int,
     offload_optimizer: bool,
     on_gpu: bool,
+    loss: str,
 ) -> MemoryEstimate:
     state_bytes = 4 if offload_optimizer else 16
     states = state_bytes * c.total / world
@@ -146,7 +174,7 @@ def estimate(
         kept = (L // ckpt_every + 1) * 2 * cfg["hidden_size"] * tokens
         act = kept + max(per_layer) * ckpt_every * tokens
     act *= ACTIVATION_SLACK
-    logits = tokens * cfg["vocab_size"] * (2 + 4 + 4)  # bf16 logits, fp32 upcast, fp32 grad
+    logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(
         states_gib=states / GIB,
         working_set_gib=working / GIB,

@@ -133,6 +133,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         seed=plan.run.seed,
         ckpt_every=plan.parallel.activation_checkpointing,
         deepspeed_config=ds_config,
+        loss_chunk_tokens=plan.parallel.loss_chunk_tokens,
     )
     built = {
         "build_s": round(time.perf_counter() - t0, 2),

@@ -115,9 +115,13 @@ def train(
             batch = torch.from_numpy(sampler.batch(first, par.micro_batch)).to(device, non_blocking=True)
             inputs, labels = batch[:, :-1], batch[:, 1:]
             tap.start()
-            logits = engine(input_ids=inputs).logits
-            tap.stop()
-            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            if par.loss_chunk_tokens:  # the model computes the loss without materialising the logits
+                ce = engine(input_ids=inputs, labels=labels).loss
+                tap.stop()
+            else:
+                logits = engine(input_ids=inputs).logits
+                tap.stop()
+                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
             aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
             engine.backward(ce + aux)
             engine.step()

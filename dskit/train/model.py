@@ -65,6 +65,7 @@ def build_model(
     seed: int,
     ckpt_every: int,
     deepspeed_config: dict[str, Any],
+    loss_chunk_tokens: int = 0,
 ):
     """The model, partitioned by ZeRO-3 from its first parameter; random init or local weights.
 
@@ -99,4 +100,8 @@ def build_model(
             # every N-th layer keeps checkpointing; the others store their activations
             layer.gradient_checkpointing = i % ckpt_every == 0
     model.config.use_cache = False
+    if loss_chunk_tokens:
+        from dskit.train.loss import use_chunked_loss
+
+        use_chunked_loss(model, loss_chunk_tokens)
     return model
