@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import jinja2
@@ -109,10 +109,15 @@ def run_files(plan: Plan) -> dict[str, str]:
 
 
 def write_output(
-    files: dict[str, str], out_dir: Path, *, force: bool = False, executable: tuple[str, ...] = ()
+    files: dict[str, str],
+    out_dir: Path,
+    *,
+    force: bool = False,
+    executable: tuple[str, ...] = (),
+    inputs: Iterable[str | Path | None] = (),
 ) -> Path:
-    """Write all files or none (see dskit.atomic)."""
-    with atomic_dir(out_dir, force=force) as tmp:
+    """Write all files or none (see dskit.atomic); `inputs` are paths the output must not contain."""
+    with atomic_dir(out_dir, force=force, inputs=inputs) as tmp:
         for rel, text in files.items():
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)
