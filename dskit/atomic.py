@@ -45,6 +45,9 @@ def check_replaceable(
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise SpecError(flag, f"cannot resolve {out}: {e}") from None
     if not os.path.lexists(out):
+        parent = next(p for p in out.parents if os.path.lexists(p))
+        if not parent.is_dir():
+            raise SpecError(flag, f"cannot create {out}: {parent} is not a directory")
         return out
     if not force:
         raise SpecError(flag, f"{out} already exists; pass --force to replace it")
