@@ -36,7 +36,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override any spec field, e.g. --set training.steps=100 --set slurm.time=48:00:00 "
         "(repeatable). VALUE is taken literally (no YAML: '#' and quotes are characters) unless it is "
-        "a number, true/false, null, or a [a, b] list",
+        "a number, true/false, null, a [a, b] list or a {k: v} mapping",
     )
     for dest, (_, typ, help_) in SPEC_FLAGS.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=help_)

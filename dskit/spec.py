@@ -394,11 +394,12 @@ class Spec(_Section):
 
 #: The `--set VALUE` rule (also in `--help` and the README): VALUE is a literal string unless it is
 #: clearly something else: an integer or decimal number ([0-9] digits, optional sign, point and
-#: exponent), true/false, null, or a [..] list (YAML flow syntax, one level of plain values).
-#: Nothing else is parsed: `48:00:00` stays a time, `#` is not a comment, quotes are characters.
+#: exponent), true/false, null, or a [a, b] list or {k: v} mapping (YAML flow syntax, one level of
+#: plain values). Nothing else is parsed: `48:00:00` stays a time, `#` is not a comment, quotes are
+#: characters.
 SET_RULE = (
-    "VALUE is taken literally (no YAML parsing: '#' and quotes are characters) unless it is a number, "
-    "true/false, null, or a [a, b] list"
+    "VALUE is taken literally (no YAML: '#' and quotes are characters) unless it is a number, "
+    "true/false, null, a [a, b] list or a {k: v} mapping"
 )
 _SET_INT = re.compile(r"[-+]?[0-9]{1,30}\Z")
 _SET_FLOAT = re.compile(r"[-+]?([0-9]{1,30}\.[0-9]{0,30}|\.[0-9]{1,30}|[0-9]{1,30})([eE][-+]?[0-9]{1,3})?\Z")
@@ -423,10 +424,11 @@ def set_value(raw: str, where: str = "--set") -> Any:
         return word == "true"
     if word == "null":
         return None
-    if word.startswith("[") and word.endswith("]"):
+    if (word[:1], word[-1:]) in (("[", "]"), ("{", "}")):
         items = yamlsafe.loads(word, where)
-        if not isinstance(items, list) or any(isinstance(i, (list, dict)) for i in items):
-            raise SpecError(where, f"{raw!r} is not a [a, b] list of plain values")
+        plain = items if isinstance(items, list) else [*items.keys(), *items.values()]
+        if any(isinstance(i, (list, dict)) for i in plain):
+            raise SpecError(where, f"{raw!r} is not a [a, b] list or {{k: v}} mapping of plain values")
         return items
     return raw
 

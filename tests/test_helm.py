@@ -255,9 +255,9 @@ def test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders(tmp_path
 def test_hostile_strings_reach_the_pod_literally():
     hostile = "/x y/$(HOME)/'q'/\"d\"/$$/`id`;rm -rf ~"
     values = values_for(
-        f"runtime.python={json.dumps(hostile)}",
-        f"network.interface={json.dumps(hostile)}",
-        f"runtime.image={json.dumps(hostile)}",
+        f"runtime.python={hostile}",
+        f"network.interface={hostile}",
+        f"runtime.image={hostile}",
     )
     job, container, kinds = job_parts(render_chart(values))
     env = pod_env(container)

@@ -7,7 +7,7 @@ from pathlib import Path
 from dskit import __version__
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, RUN_YAML, STOP_FILE
 from dskit.plan import Plan
-from dskit.render.common import env_lines, q, render_template, run_files, sq, torchrun_words
+from dskit.render.common import comment_block, env_lines, q, render_template, run_files, sq, torchrun_words
 
 SCRIPT = "job.sbatch"
 CHAIN_SCRIPT = "submit.sh"
@@ -69,10 +69,14 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
     directives += [f"--{k}={s[k]}" for k in ("partition", "account", "qos") if s[k]]
     directives += s["extra_args"]
     env = env_lines({**plan.env})
+    header = comment_block(
+        f"Rendered by dskit {__version__}. Do not edit: change the run spec and re-render.",
+        f"Plan: {plan.summary()}",
+        *(f"WARNING: {w}" for w in plan.warnings),
+    )
     script = render_template(
         "slurm/job.sbatch.j2",
-        version=__version__,
-        summary=plan.summary(),
+        header=header,
         directives=directives,
         env_begin=ENV_BEGIN,
         env_end=ENV_END,
@@ -88,7 +92,6 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
         exit_requeue=EXIT_REQUEUE,
         requeue_on_stop=chain == 1,
         chain=chain,
-        warnings=plan.warnings,
     )
     files = {**run_files(plan), SCRIPT: script}
     if chain > 1:
