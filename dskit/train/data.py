@@ -115,7 +115,7 @@ def _read_jsonl(p: str, path: Path) -> Iterator[str]:
                     raise SpecError(f"{p}:{n}", "'text' holds an unpaired surrogate escape") from None
                 yield rec["text"]
     except UnicodeDecodeError:
-        raise SpecError(f"{p}", f"not UTF-8 text after line {n} (JSONL must be UTF-8)") from None
+        raise SpecError(f"{p}", "not UTF-8 text (JSONL must be UTF-8)") from None
     except OSError as e:
         raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
 
