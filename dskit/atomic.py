@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dskit.errors import SpecError
+from dskit.text import describe, first_unsafe
 
 #: Left in every directory dskit publishes; `--force` replaces only directories that have it.
 MARKER = ".dskit-output"
@@ -44,6 +45,9 @@ def check_replaceable(
         out = Path(out).resolve()
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise SpecError(flag, f"cannot resolve {out}: {e}") from None
+    bad = first_unsafe(str(out))
+    if bad is not None:  # the path is baked into scripts and printed: keep it one line
+        raise SpecError(flag, f"{out} contains {describe(bad)}; choose a path without it")
     if not os.path.lexists(out):
         parent = next(p for p in out.parents if os.path.lexists(p))
         if not parent.is_dir():

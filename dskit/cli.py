@@ -192,9 +192,10 @@ def cmd_export(a: argparse.Namespace) -> int:
     check_replaceable(a.output, force=a.force, inputs=inputs)
     try:
         from dskit.train.export import export
+
+        export(a.run, a.output, force=a.force, verify=not a.no_verify)
     except ModuleNotFoundError as e:
         raise _needs_extra("export", "train", e) from None
-    export(a.run, a.output, force=a.force, verify=not a.no_verify)
     return 0
 
 
@@ -205,9 +206,10 @@ def cmd_data(a: argparse.Namespace) -> int:
     check_replaceable(a.output, force=a.force, inputs=[*a.inputs, tokenizer_dir])
     try:
         from dskit.train.data import prepare
-    except ModuleNotFoundError as e:
+
+        prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force)
+    except ModuleNotFoundError as e:  # numpy/tqdm, or transformers for a tokenizer dir
         raise _needs_extra("data prepare", "train", e) from None
-    prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force)
     return 0
 
 

@@ -229,6 +229,7 @@ CASES: dict[str, tuple[Setup, str]] = {
     ),
     # where the output goes
     "-o under a file": (output_under_file, "is not a directory"),
+    "newline in -o": (lambda d: ["render", "slurm", *CPU, "-o", str(d / "a\nb")], "a\\nb contains U+000A"),
     "init -o into a missing dir": (
         lambda d: ["init", "-o", str(d / "missing" / "s.yaml")],
         "--output: cannot write",
