@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dskit import yamlsafe
 from dskit.errors import SpecError
@@ -77,6 +77,16 @@ class _Section(BaseModel):
     @classmethod
     def _safe_values(cls, v: Any) -> Any:
         _check_value(v)
+        return v
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1: `nodes: true` is a mistake, not one node
+        if isinstance(v, bool) and info.field_name:
+            ann = cls.model_fields[info.field_name].annotation
+            if bool not in (get_args(ann) or (ann,)) and ({int, float} & set(get_args(ann) or (ann,))):
+                raise ValueError("must be a number, not true/false")
         return v
 
 

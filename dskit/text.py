@@ -41,9 +41,18 @@ def escape(text: str) -> str:
     return "".join(out)
 
 
+_CATEGORY_NAMES = {
+    "Cc": "a control character",
+    "Cf": "a format character",
+    "Cs": "a surrogate",
+    "Cn": "an unassigned code point",
+}
+
+
 def describe(ch: str) -> str:
-    """'U+2028 (LINE SEPARATOR)' for an error message."""
-    return f"U+{ord(ch):04X} ({unicodedata.name(ch, unicodedata.category(ch))})"
+    """'U+2028 (LINE SEPARATOR)' or 'U+0085 (a control character)' for an error message."""
+    cat = unicodedata.category(ch)
+    return f"U+{ord(ch):04X} ({unicodedata.name(ch, _CATEGORY_NAMES.get(cat, cat))})"
 
 
 def comment(text: str, prefix: str = "# ") -> str:

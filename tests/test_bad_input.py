@@ -173,6 +173,10 @@ CASES: dict[str, tuple[Setup, str]] = {
         spec("training: {aux_loss_coeff: .inf}\n"),
         "training.aux_loss_coeff: Input should",
     ),
+    "true as a node count": (
+        spec("hardware: {nodes: true}\n"),
+        "hardware.nodes: must be a number, not true/false",
+    ),
     "empty runtime.python": (
         sets("runtime.python="),
         "runtime.python: String should have at least 1 character",
