@@ -102,7 +102,10 @@ def cmd_render(a: argparse.Namespace) -> int:
     # what the render reads: --force must never replace a directory holding one of them
     inputs = [a.spec, spec.data.path, spec.model.path]
     out = check_replaceable(a.output or f"runs/{plan.name}-{a.target}", force=a.force, inputs=inputs)
-    for kept in (plan.run.checkpoint_dir, plan.run.output_dir):
+    kept_dirs = [plan.run.checkpoint_dir, plan.run.output_dir]
+    if a.target == "ray":
+        kept_dirs.append(plan.launch.ray_storage_path)  # Ray Train's checkpoints and results
+    for kept in kept_dirs:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
             raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
