@@ -5,7 +5,8 @@ Hypothesis draws hostile strings (shell and YAML syntax, `$(VAR)`, quotes, line 
 controls, non-ASCII digits) into several spec fields at once, then:
 - Slurm: job.sbatch passes `bash -n`; its contract block and launch array, run in bash in an empty
   directory (conftest.slurm_launch), export every contract value and pass the interpreter byte for byte
-  and create nothing;
+  and create nothing; the whole script, run with stub srun/scontrol, hands srun exactly that array and
+  creates only the checkpoint and output dirs (storage paths lie under the example's temporary dir);
 - Helm: values.yaml parses to exactly the chart's keys, carries the contract and the interpreter
   literally, validates against the chart's values.schema.json, and the chart's rendered Job (Helm's own
   engine) gives the pod, after Kubernetes' $(VAR) rule, the same env, STOP/COMPLETE paths and argv;
@@ -13,7 +14,7 @@ controls, non-ASCII digits) into several spec fields at once, then:
   byte for byte, the entrypoint splits (as a shell would) into exactly [python, -m, dskit.ray_train],
   and the RayJob's pods see the same env after $(VAR) expansion;
 - image: renders (only catalog names reach it).
-EXAMPLES (400) examples plus 200 for --set: about 35 s on 2 cores (the Helm engine dominates).
+EXAMPLES (400) examples plus 200 for --set: about 40 s on 2 cores (the Helm engine dominates).
 """
 
 from __future__ import annotations
@@ -58,24 +59,31 @@ hostile = st.lists(
     st.sampled_from(TOKENS * 4 + BREAKERS) | st.characters(exclude_categories=("Cs",)), min_size=1, max_size=6
 ).map("".join)
 
-#: Spec fields that hold text, and how a drawn string becomes their value.
+
+def _inside(s: str) -> str:
+    """No '..': the script creates these dirs, and they must stay inside the example's directory."""
+    return s.replace("..", ".,")
+
+
+#: Spec fields that hold text, and how a drawn string becomes their value. Storage paths lie under the
+#: example's own directory (BASE_DIR), since the whole job.sbatch runs and creates them.
 FIELDS = {
-    "runtime.python": lambda s: s,
-    "runtime.image": lambda s: s,
-    "runtime.mounts": lambda s: [s],
-    "storage.root": lambda s: "/" + s,
-    "storage.checkpoint_dir": lambda s: "/shared/dskit/" + s,
-    "storage.output_dir": lambda s: "/shared/dskit/" + s,
-    "data.path": lambda s: "/shared/dskit/" + s,
-    "network.interface": lambda s: s,
-    "name": lambda s: s,
-    "slurm.partition": lambda s: s,
-    "slurm.time": lambda s: s,
-    "slurm.extra_args": lambda s: [s],
-    "kubernetes.node_selector": lambda s: {s: s},
-    "kubernetes.tolerations": lambda s: [{"key": s, "operator": "Exists"}],
-    "kubernetes.memory": lambda s: s,
-    "kubernetes.secret_env": lambda s: {"HF_TOKEN": s},
+    "runtime.python": lambda s, base: s,
+    "runtime.image": lambda s, base: s,
+    "runtime.mounts": lambda s, base: [s],
+    "storage.root": lambda s, base: f"{base}/{_inside(s)}",
+    "storage.checkpoint_dir": lambda s, base: f"{base}/shared/{_inside(s)}",
+    "storage.output_dir": lambda s, base: f"{base}/shared/{_inside(s)}",
+    "data.path": lambda s, base: f"{base}/shared/{_inside(s)}",
+    "network.interface": lambda s, base: s,
+    "name": lambda s, base: s,
+    "slurm.partition": lambda s, base: s,
+    "slurm.time": lambda s, base: s,
+    "slurm.extra_args": lambda s, base: [s],
+    "kubernetes.node_selector": lambda s, base: {s: s},
+    "kubernetes.tolerations": lambda s, base: [{"key": s, "operator": "Exists"}],
+    "kubernetes.memory": lambda s, base: s,
+    "kubernetes.secret_env": lambda s, base: {"HF_TOKEN": s},
 }
 
 #: Fields with no pattern of their own: the drawn strings reach the renders.
@@ -95,17 +103,22 @@ BASE = {
     "network": {"fabric": "tcp"},
     "model": {"preset": "tiny-v2"},
     "training": {"seq_len": 128, "global_batch": 8},
-    "storage": {"root": "/shared/dskit"},
     "runtime": {"kind": "pyxis"},
+}
+#: srun records its argv (NUL-separated), scontrol names the one node: the script runs, nothing else.
+STUBS = {
+    "srun": '#!/bin/bash\nprintf "%s\\0" "$@" > "$SRUN_LOG"\n',
+    "scontrol": "#!/bin/sh\necho node1\n",
 }
 
 
-def _spec_data(fields: dict[str, str]) -> dict:
+def _spec_data(fields: dict[str, str], base: Path) -> dict:
     data = copy.deepcopy(BASE)
+    data["storage"] = {"root": f"{base}/shared"}
     for dotted, s in fields.items():
         section, _, key = dotted.rpartition(".")
         node = data.setdefault(section, {}) if section else data
-        node[key] = FIELDS[dotted](s)
+        node[key] = FIELDS[dotted](s, base)
     return data
 
 
@@ -137,6 +150,32 @@ def _check_slurm(plan, run_dir: Path, work: Path) -> None:
         root = plan.launch.storage_root
         mounts = ",".join([f"{root}:{root}", f"{run_dir}:{run_dir}", *plan.launch.mounts])
         assert f"--container-mounts={mounts}" in argv
+    _run_whole_script(script, plan, argv, work)
+
+
+def _run_whole_script(script: str, plan, argv: list[str], work: Path) -> None:
+    """job.sbatch end to end with stub srun/scontrol, in an empty dir: srun gets exactly the launch
+    array, the checkpoint and output dirs are created verbatim, and nothing else happens."""
+    stub = work / "bin"
+    stub.mkdir()
+    for name, text in STUBS.items():
+        (stub / name).write_text(text)
+        (stub / name).chmod(0o755)
+    (work / "job.sbatch").write_text(script)
+    cwd = work / "cwd-run"
+    cwd.mkdir()
+    log = work / "srun.argv"
+    env = {
+        "PATH": f"{stub}:/usr/bin:/bin",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_JOB_ID": "7",
+        "SRUN_LOG": str(log),
+    }
+    r = subprocess.run(["bash", str(work / "job.sbatch")], capture_output=True, env=env, cwd=cwd)
+    assert r.returncode == 0, r.stderr
+    assert log.read_bytes().decode().split("\0")[:-1] == argv[1:]
+    assert list(cwd.iterdir()) == [] and not list(work.rglob("pwned*")), "a hostile string ran"
+    assert Path(plan.run.checkpoint_dir).is_dir() and Path(plan.run.output_dir).is_dir()
 
 
 def _render_chart(values: dict) -> list[dict]:
@@ -213,17 +252,17 @@ def schema() -> dict:
     run_name=hostile.filter(lambda s: "/" not in s and "\x00" not in s and s not in (".", "..")),
 )
 def test_hostile_strings_are_refused_or_rendered_byte_exact(schema, fields, run_name):
-    try:
-        spec = validate_spec(_spec_data(fields))
-        plan = build_plan(spec)
-    except SpecError as e:
-        assert "\n" not in str(e) and "\u2028" not in str(e) and "\x85" not in str(e)
-        event(f"refused: {e.field.split('.')[0]}")
-        return
-    event("rendered")
-    image.render(spec.hardware.gpu, spec.network.fabric)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
+        try:
+            spec = validate_spec(_spec_data(fields, work))
+            plan = build_plan(spec)
+        except SpecError as e:
+            assert "\n" not in str(e) and "\u2028" not in str(e) and "\x85" not in str(e)
+            event(f"refused: {e.field.split('.')[0]}")
+            return
+        event("rendered")
+        image.render(spec.hardware.gpu, spec.network.fabric)
         _check_slurm(plan, work / f"runs/{run_name}", work)
         _check_helm(plan, schema)
         _check_ray(plan, work)
@@ -245,10 +284,10 @@ def test_set_values_are_literal_text(value):
 
 def test_examples_exercise_both_outcomes():
     """The strategy reaches both branches (a drawn field value is sometimes accepted)."""
-    plan = build_plan(validate_spec(_spec_data({"runtime.python": "/x y/$(HOME)/'q'/`id`;é"})))
     with tempfile.TemporaryDirectory() as d:
+        plan = build_plan(validate_spec(_spec_data({"runtime.python": "/x y/$(HOME)/'q'/`id`;é"}, Path(d))))
         _check_slurm(plan, Path(d) / "runs/r \u00e9", Path(d))
         _check_helm(plan, values_schema())
-    with pytest.raises(SpecError):
-        validate_spec(_spec_data({"storage.root": "a\u2028b"}))
+        with pytest.raises(SpecError):
+            validate_spec(_spec_data({"storage.root": "a\u2028b"}, Path(d)))
     assert json.loads(json.dumps(plan.deepspeed)) == plan.deepspeed
