@@ -1,37 +1,167 @@
-"""Publish a directory all at once: build it beside its destination, then rename it into place.
+"""Publish a directory all at once: build it beside its destination, then swap it into place.
 
 Used by every command that writes a directory (render, data prepare, export): a failure at any point
 leaves the old directory or nothing, never half of the new one.
+
+`--force` replaces only what dskit itself wrote: every directory published here carries MARKER, and an
+existing destination without it, a file, the current directory or one of its parents, or a directory
+that contains one of the command's inputs is refused (one line, exit 2) before anything is written.
+
+The swap: on Linux, renameat2(RENAME_EXCHANGE) swaps the new and the old directory in one step, so the
+destination always names one of them. Elsewhere (or on a filesystem without it) the old directory is
+renamed aside to `.NAME.dskit-old-*` and the new one renamed in; a crash between those two renames
+leaves no NAME but the complete old directory at `.NAME.dskit-old-*`: rename it back, or run again.
+
+A build killed mid-way (kill -9) leaves a hidden `.NAME.dskit-tmp-*` sibling; the next run for the
+same destination removes those whose writer (host and pid, recorded in their MARKER) is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import json
 import os
 import shutil
+import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dskit.errors import SpecError
+from dskit.text import describe, first_unsafe
+
+#: Left in every directory dskit publishes; `--force` replaces only directories that have it.
+MARKER = ".dskit-output"
+TMP_TAG, OLD_TAG = ".dskit-tmp-", ".dskit-old-"
+
+
+def check_replaceable(
+    out: str | Path, *, force: bool, inputs: Iterable[str | Path | None] = (), flag: str = "--output"
+) -> Path:
+    """The resolved destination, if the command may write it; SpecError otherwise (nothing written)."""
+    try:
+        out = Path(out).resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise SpecError(flag, f"cannot resolve {out}: {e}") from None
+    bad = first_unsafe(str(out))
+    if bad is not None:  # the path is baked into scripts and printed: keep it one line
+        raise SpecError(flag, f"{out} contains {describe(bad)}; choose a path without it")
+    if not os.path.lexists(out):
+        parent = next(p for p in out.parents if os.path.lexists(p))
+        if not parent.is_dir():
+            raise SpecError(flag, f"cannot create {out}: {parent} is not a directory")
+        return out
+    if not force:
+        raise SpecError(flag, f"{out} already exists; pass --force to replace it")
+    if not out.is_dir():
+        raise SpecError(flag, f"{out} is not a directory; --force replaces only a directory dskit wrote")
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:
+        cwd = None
+    if cwd is not None and (out == cwd or out in cwd.parents):
+        raise SpecError(flag, f"{out} is the current directory or contains it; --force never replaces that")
+    if not (out / MARKER).is_file():
+        raise SpecError(
+            flag,
+            f"{out} was not written by dskit (no {MARKER} in it); --force replaces only dskit's own "
+            "output: choose another directory or remove it yourself",
+        )
+    for p in inputs:
+        if p is None:
+            continue
+        with contextlib.suppress(OSError, RuntimeError):
+            if Path(p).resolve().is_relative_to(out):
+                raise SpecError(
+                    flag, f"{out} contains {p}, an input of this command; --force would delete it"
+                )
+    return out
+
+
+def _marker_text() -> str:
+    return json.dumps({"written_by": "dskit", "host": socket.gethostname(), "pid": os.getpid()}) + "\n"
+
+
+def _writer_gone(d: Path) -> bool:
+    """Whether the dskit process that was building `d` (per its MARKER) no longer runs on this host."""
+    try:
+        info = json.loads((d / MARKER).read_text())
+        if info.get("host") != socket.gethostname():
+            return False  # another host's build: its process table is not ours to read
+        os.kill(int(info["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return False
+
+
+def _clean_stale(out: Path) -> None:
+    """Remove our own leftovers beside `out`: builds whose writer died, and (if `out` exists) an old
+    directory left aside by an interrupted non-atomic swap."""
+    for d in out.parent.glob(f".{out.name}{TMP_TAG}*"):
+        if d.is_dir() and not d.is_symlink() and _writer_gone(d):
+            shutil.rmtree(d, ignore_errors=True)
+    if out.is_dir():
+        for d in out.parent.glob(f".{out.name}{OLD_TAG}*"):
+            if d.is_dir() and not d.is_symlink() and (d / MARKER).is_file():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (Linux renameat2); False where the system cannot."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _swap_in(new: Path, out: Path) -> Path:
+    """Put `new` at `out`, which exists; returns where the old directory now is (to delete)."""
+    if _exchange(new, out):
+        return new
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}{OLD_TAG}", dir=out.parent))
+    os.rename(out, aside)  # onto the empty dir mkdtemp made: replaces it
+    os.rename(new, out)
+    return aside
 
 
 @contextlib.contextmanager
-def atomic_dir(out: str | Path, *, force: bool = False, flag: str = "--output") -> Iterator[Path]:
-    """Yield a temporary sibling of `out` to fill; on success it replaces `out` (only with `force`)."""
-    out = Path(out).resolve()
-    if out.exists() and not force:
-        raise SpecError(flag, f"{out} already exists; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+def atomic_dir(
+    out: str | Path,
+    *,
+    force: bool = False,
+    flag: str = "--output",
+    inputs: Iterable[str | Path | None] = (),
+) -> Iterator[Path]:
+    """Yield a temporary sibling of `out` to fill; on success it replaces `out` (see the module doc)."""
+    inputs = list(inputs)
+    out = check_replaceable(out, force=force, inputs=inputs, flag=flag)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_TAG}", dir=out.parent))
+    except OSError as e:
+        raise SpecError(flag, f"cannot create {out}: {e.strerror or e}") from None
+    try:
+        (tmp / MARKER).write_text(_marker_text())
         yield tmp
+        (tmp / MARKER).write_text(_marker_text())
         tmp.chmod(0o755)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out, old)
-            os.rename(tmp, out)
+        if os.path.lexists(out):
+            check_replaceable(out, force=force, inputs=inputs, flag=flag)  # it may have appeared meanwhile
+            old = _swap_in(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, out)

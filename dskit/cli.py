@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.text import escape
 
 TARGETS = ("slurm", "helm", "ray", "image")
 
@@ -33,7 +34,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any spec field, e.g. --set training.steps=100 (repeatable)",
+        help="override any spec field, e.g. --set training.steps=100 --set slurm.time=48:00:00 "
+        "(repeatable). VALUE is taken literally (no YAML: '#' and quotes are characters) unless it is "
+        "a number, true/false, null, a [a, b] list or a {k: v} mapping",
     )
     for dest, (_, typ, help_) in SPEC_FLAGS.items():
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=help_)
@@ -52,7 +55,12 @@ def cmd_init(a: argparse.Namespace) -> int:
     out = Path(a.output)
     if out.exists() and not a.force:
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
-    out.write_text(starter_yaml())
+    if out.is_dir() or out.is_symlink():
+        raise SpecError("--output", f"{out} is a directory or a link; give a file name")
+    try:
+        out.write_text(starter_yaml())
+    except OSError as e:
+        raise SpecError("--output", f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote {out}: edit it, then `dskit plan {out}`")
     return 0
 
@@ -85,15 +93,19 @@ def _print_summary(plan: Any, out_dir: Path | None = None) -> None:
 
 
 def cmd_render(a: argparse.Namespace) -> int:
+    from dskit.atomic import check_replaceable
     from dskit.plan import build_plan
     from dskit.render import common
 
     spec = _spec_from_args(a)
     plan = build_plan(spec)
-    out = Path(a.output or f"runs/{plan.name}-{a.target}").resolve()
-    if out.exists() and not a.force:
-        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
-    for kept in (plan.run.checkpoint_dir, plan.run.output_dir):
+    # what the render reads: --force must never replace a directory holding one of them
+    inputs = [a.spec, spec.data.path, spec.model.path]
+    out = check_replaceable(a.output or f"runs/{plan.name}-{a.target}", force=a.force, inputs=inputs)
+    kept_dirs = [plan.run.checkpoint_dir, plan.run.output_dir]
+    if a.target == "ray":
+        kept_dirs.append(plan.launch.ray_storage_path)  # Ray Train's checkpoints and results
+    for kept in kept_dirs:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
             raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
@@ -128,7 +140,7 @@ def cmd_render(a: argparse.Namespace) -> int:
         next_step = f"docker build -f {out / image.DOCKERFILE} -t {image.image_tag_for(spec.hardware.gpu, spec.network.fabric)} ."
     else:  # argparse restricts choices; kept for new targets
         raise SpecError("target", f"unknown target {a.target!r}")
-    common.write_output(files, out, force=a.force, executable=executable)
+    common.write_output(files, out, force=a.force, executable=executable, inputs=inputs)
     _print_summary(plan, out)
     print(f"next: {next_step}")
     return 0
@@ -166,24 +178,56 @@ def cmd_status(a: argparse.Namespace) -> int:
     return status(a.release, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
 
 
-def cmd_export(a: argparse.Namespace) -> int:
-    from dskit.train.export import export
+def _needs_extra(command: str, extra: str, e: ModuleNotFoundError) -> SpecError:
+    return SpecError(command, f"needs the {extra} extra (missing {e.name}): pip install 'dskit[{extra}]'")
 
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from dskit.atomic import check_replaceable
+    from dskit.contract import RUN_YAML
+    from dskit.plan import load_plan
+
+    run_yaml = Path(a.run) / RUN_YAML if Path(a.run).is_dir() else Path(a.run)
+    # export reads the run dir, its run.yaml and the checkpoints: -o --force must not replace them
+    inputs: list[str | Path] = [run_yaml]
+    if run_yaml.is_file():
+        inputs.append(load_plan(run_yaml).run.checkpoint_dir)
+    check_replaceable(a.output, force=a.force, inputs=inputs)
     if a.shard_mib < 1:
         raise SpecError("--shard-mib", f"must be a positive number of MiB, got {a.shard_mib}")
-    export(a.run, a.output, force=a.force, verify=not a.no_verify, shard_bytes=a.shard_mib * 2**20)
+    try:
+        from dskit.train.export import export
+
+        export(a.run, a.output, force=a.force, verify=not a.no_verify, shard_bytes=a.shard_mib * 2**20)
+    except ModuleNotFoundError as e:
+        raise _needs_extra("export", "train", e) from None
     return 0
 
 
 def cmd_data(a: argparse.Namespace) -> int:
-    from dskit.train.data import prepare
+    from dskit.atomic import check_replaceable
 
-    prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force)
+    tokenizer_dir = None if a.tokenizer == "byte" else a.tokenizer
+    check_replaceable(a.output, force=a.force, inputs=[*a.inputs, tokenizer_dir])
+    try:
+        from dskit.train.data import prepare
+
+        prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force)
+    except ModuleNotFoundError as e:  # numpy/tqdm, or transformers for a tokenizer dir
+        raise _needs_extra("data prepare", "train", e) from None
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line promise: a bad flag or value is `dskit: error: ...`, exit 2, without
+    the usage block (`--help` still shows it). Sub-commands inherit this class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"dskit: error: {escape(self.prog)}: {escape(message)} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="dskit",
         description="Train DeepSeek-style MoE models (AutoEP + ZeRO-3) from one run spec: plan it, render it "
         "for Slurm, Kubernetes (Helm) or Ray, and run the in-container trainer.",

@@ -86,8 +86,8 @@ def _clients(kubeconfig: str | None, context: str | None):
         raise SpecError("dskit status", "needs the Kubernetes client: pip install 'dskit[k8s]'") from None
     try:
         config.load_kube_config(config_file=kubeconfig, context=context)
-    except (ConfigException, FileNotFoundError, TypeError) as e:
-        if kubeconfig or context:
+    except Exception as e:  # noqa: BLE001 - the client's parser raises anything on a garbage file
+        if kubeconfig or context or not isinstance(e, (ConfigException, FileNotFoundError)):
             raise SpecError("--kubeconfig", f"cannot load it: {e}") from None
         try:
             config.load_incluster_config()
@@ -100,17 +100,19 @@ def _clients(kubeconfig: str | None, context: str | None):
 
 
 def status(release: str, namespace: str, *, kubeconfig: str | None = None, context: str | None = None) -> int:
-    from kubernetes.client.exceptions import ApiException
-
     core, batch = _clients(kubeconfig, context)
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
     selector = f"app.kubernetes.io/name=dskit,app.kubernetes.io/instance={release}"
     try:
-        jobs = batch.list_namespaced_job(namespace, label_selector=selector).items
-        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+        jobs = batch.list_namespaced_job(namespace, label_selector=selector, _request_timeout=30).items
+        pods = core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=30).items
     except ApiException as e:
         raise SpecError("dskit status", f"Kubernetes API: {e.status} {e.reason}") from None
-    except OSError as e:  # urllib3 connection errors
-        raise SpecError("dskit status", f"cannot reach the Kubernetes API: {e}") from None
+    except (OSError, HTTPError) as e:  # urllib3 connection errors, retries exhausted
+        reason = getattr(e, "reason", None) or e
+        raise SpecError("dskit status", f"cannot reach the Kubernetes API: {reason}") from None
     if not jobs:
         raise SpecError("RELEASE", f"no dskit job for release {release!r} in namespace {namespace!r}")
     for j in jobs:

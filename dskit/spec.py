@@ -10,28 +10,33 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
+from dskit import yamlsafe
 from dskit.errors import SpecError
+from dskit.text import describe, first_unsafe
 
 # Identifiers land in #SBATCH lines, Kubernetes names and file names: keep them to a safe alphabet.
-NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?$")
-SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.,-]+$")
-SLURM_TIME_RE = re.compile(r"^(\d+-)?\d{1,3}:\d{2}(:\d{2})?$")
-SBATCH_ARG_RE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# Every pattern ends in \Z, not $ (which also matches before a trailing newline), and spells digits
+# [0-9] (\d also matches non-ASCII digits). helm_values.portable() turns \Z into $ for JSON Schema.
+NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?\Z")
+SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.,-]+\Z")
+SLURM_TIME_RE = re.compile(r"^([0-9]+-)?[0-9]{1,3}:[0-9]{2}(:[0-9]{2})?\Z")
+SBATCH_ARG_RE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?\Z")
 # Kubernetes object names (RFC 1123 labels), quantities ("500m", "64Gi") and label keys.
-K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-K8S_QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+K8S_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\Z")
+K8S_QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?\Z")
 K8S_LABEL_KEY_RE = re.compile(
-    r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$"
+    r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?\Z"
 )
-K8S_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-SECRET_KEY_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+K8S_LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?)?\Z")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+SECRET_KEY_RE = re.compile(r"^[A-Za-z0-9._-]+\Z")
+#: Integers beyond this are refused everywhere (they only overflow the float arithmetic of the plan).
+MAX_INT = 2**53
 
 
 def split_secret_ref(ref: str) -> tuple[str, str]:
@@ -40,17 +45,48 @@ def split_secret_ref(ref: str) -> tuple[str, str]:
     return secret, key
 
 
+def _check_value(v: Any) -> None:
+    """Strings (list items, mapping keys and values included) and numbers every field must obey."""
+    if isinstance(v, str):
+        bad = first_unsafe(v)
+        if bad is not None:
+            # Any string may reach a shell or a YAML file; quoting handles the rest, but a newline, NUL,
+            # line separator or C1 control in a path is always a mistake and breaks line-oriented
+            # formats (#SBATCH, env files, YAML readers that end lines at U+2028/U+0085).
+            raise ValueError(
+                f"must not contain control characters or line separators (found {describe(bad)})"
+            )
+    elif isinstance(v, bool):
+        pass
+    elif isinstance(v, int) and abs(v) > MAX_INT:
+        raise ValueError(f"must be between -2**53 and 2**53, got a {len(str(abs(v)))}-digit number")
+    elif isinstance(v, list):
+        for item in v:
+            _check_value(item)
+    elif isinstance(v, dict):
+        for key, item in v.items():
+            _check_value(key)
+            _check_value(item)
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: .inf/.nan would reach deepspeed.json as Infinity/NaN (not JSON) or the trainer.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
-    def _no_control_chars(cls, v: Any) -> Any:
-        # Any string may reach a shell or a YAML file; quoting handles the rest, but a newline or NUL
-        # in a path is always a mistake and breaks line-oriented formats (#SBATCH, env files).
-        for s in v if isinstance(v, list) else [v]:
-            if isinstance(s, str) and _CONTROL.search(s):
-                raise ValueError("must not contain control characters (newline, tab, NUL)")
+    def _safe_values(cls, v: Any) -> Any:
+        _check_value(v)
+        return v
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1: `nodes: true` is a mistake, not one node
+        if isinstance(v, bool) and info.field_name:
+            ann = cls.model_fields[info.field_name].annotation
+            if bool not in (get_args(ann) or (ann,)) and ({int, float} & set(get_args(ann) or (ann,))):
+                raise ValueError("must be a number, not true/false")
         return v
 
 
@@ -70,8 +106,10 @@ class ModelSpec(_Section):
 
 class HardwareSpec(_Section):
     gpu: str = Field("h100-80gb", description="GPU profile from the catalog (`cpu` for tests and demos).")
-    gpus_per_node: int = Field(8, ge=1, description="GPUs (or, for the cpu profile, processes) per node.")
-    nodes: int = Field(1, ge=1, description="Number of nodes.")
+    gpus_per_node: int = Field(
+        8, ge=1, le=1024, description="GPUs (or, for the cpu profile, processes) per node."
+    )
+    nodes: int = Field(1, ge=1, le=10000, description="Number of nodes.")
     cpus_per_node: int | None = Field(
         None,
         ge=1,
@@ -100,6 +138,7 @@ class RuntimeSpec(_Section):
     )
     image: str = Field(
         "dskit:latest",
+        min_length=1,
         description="Container image (pyxis: registry ref or .sqsh; apptainer: .sif path). Build it with "
         "`dskit render image`.",
     )
@@ -107,7 +146,9 @@ class RuntimeSpec(_Section):
         default_factory=list, description="Extra bind mounts 'SRC:DST' (the storage root is always mounted)."
     )
     python: str = Field(
-        "python3", description="Python interpreter inside the runtime (an absolute venv path for none)."
+        "python3",
+        min_length=1,
+        description="Python interpreter inside the runtime (an absolute venv path for none).",
     )
 
 
@@ -122,7 +163,7 @@ class TrainingSpec(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
-    seed: int = Field(1234, description="Seed for init and data order.")
+    seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed for init and data order.")
     log_every: int = Field(10, ge=1, description="Steps between log lines / metrics records.")
     aux_loss_coeff: float | None = Field(
         None, ge=0, description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha."
@@ -138,7 +179,9 @@ class DataSpec(_Section):
 
 
 class StorageSpec(_Section):
-    root: str = Field("/shared/dskit", description="Shared filesystem root; run dirs go under ROOT/NAME.")
+    root: str = Field(
+        "/shared/dskit", min_length=1, description="Shared filesystem root; run dirs go under ROOT/NAME."
+    )
     checkpoint_dir: str | None = Field(None, description="Default: ROOT/NAME/checkpoints.")
     output_dir: str | None = Field(None, description="Default: ROOT/NAME/outputs (metrics, exports).")
 
@@ -212,6 +255,20 @@ class Toleration(_Section):
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         None, description="Taint effect; omit to match all effects."
     )
+
+    @field_validator("key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_LABEL_KEY_RE.match(v):
+            raise ValueError(f"{v!r} is not a Kubernetes label key")
+        return v
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_LABEL_VALUE_RE.match(v):
+            raise ValueError(f"{v!r} is not a Kubernetes label value")
+        return v
 
 
 class KubernetesSpec(_Section):
@@ -358,20 +415,56 @@ class Spec(_Section):
 # --------------------------------------------------------------------------- loading
 
 
+#: The `--set VALUE` rule (also in `--help` and the README): VALUE is a literal string unless it is
+#: clearly something else: an integer or decimal number ([0-9] digits, optional sign, point and
+#: exponent), true/false, null, or a [a, b] list or {k: v} mapping (YAML flow syntax, one level of
+#: plain values). Nothing else is parsed: `48:00:00` stays a time, `#` is not a comment, quotes are
+#: characters.
+SET_RULE = (
+    "VALUE is taken literally (no YAML: '#' and quotes are characters) unless it is a number, "
+    "true/false, null, a [a, b] list or a {k: v} mapping"
+)
+_SET_INT = re.compile(r"[-+]?[0-9]{1,30}\Z")
+_SET_FLOAT = re.compile(r"[-+]?([0-9]{1,30}\.[0-9]{0,30}|\.[0-9]{1,30}|[0-9]{1,30})([eE][-+]?[0-9]{1,3})?\Z")
+
+
 def parse_set(expr: str) -> tuple[str, Any]:
-    """'a.b=v' -> ('a.b', v), v parsed as a YAML scalar/flow value so numbers and lists keep their type."""
+    """'a.b=v' -> ('a.b', v), v per SET_RULE."""
     key, sep, raw = expr.partition("=")
     if not sep or not key.strip():
         raise SpecError("--set", f"{expr!r} is not KEY=VALUE (e.g. training.steps=100)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip(), value
+    return key.strip(), set_value(raw, key.strip())
 
 
-def apply_override(data: dict, dotted: str, value: Any) -> None:
-    """Set data[a][b] = value for 'a.b', refusing keys the spec does not have."""
+def set_value(raw: str, where: str = "--set") -> Any:
+    """One --set VALUE per SET_RULE."""
+    word = raw.strip()
+    if _SET_INT.match(word):
+        return int(word)
+    if _SET_FLOAT.match(word):
+        return float(word)
+    if word in ("true", "false"):
+        return word == "true"
+    if word == "null":
+        return None
+    if (word[:1], word[-1:]) in (("[", "]"), ("{", "}")):
+        items = yamlsafe.loads(word, where)
+        plain = items if isinstance(items, list) else [*items.keys(), *items.values()]
+        if any(isinstance(i, (list, dict)) for i in plain):
+            raise SpecError(where, f"{raw!r} is not a [a, b] list or {{k: v}} mapping of plain values")
+        return items
+    return raw
+
+
+def _takes_text(annotation: Any) -> bool:
+    """Whether a field holds text (str, str | None), so a number-looking --set value stays a string."""
+    args = get_args(annotation) or (annotation,)
+    return str in args and not any(a in (int, float, bool) for a in args)
+
+
+def apply_override(data: dict, dotted: str, value: Any, *, raw: str | None = None) -> None:
+    """Set data[a][b] = value for 'a.b', refusing keys the spec does not have. `raw`: the --set text,
+    used as is when the field holds text (`--set slurm.partition=123` is the partition '123')."""
     parts = dotted.split(".")
     model: type[BaseModel] | None = Spec
     node = data
@@ -383,6 +476,8 @@ def apply_override(data: dict, dotted: str, value: Any) -> None:
         ann = fields[part].annotation
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
         if i == len(parts) - 1:
+            if raw is not None and isinstance(value, (int, float)) and _takes_text(ann):
+                value = raw
             node[part] = value
         else:
             if model is None:
@@ -398,20 +493,15 @@ def load_spec(
     """Spec from an optional YAML file, then --set expressions, then CLI flags (highest priority)."""
     data: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise SpecError(str(path), "spec file not found")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise SpecError(str(path), f"not valid YAML: {str(e).splitlines()[0]}") from None
+        loaded = yamlsafe.load_file(path, "spec file")
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
             raise SpecError(str(path), "the spec must be a YAML mapping")
         data = loaded
     for expr in sets or []:
-        apply_override(data, *parse_set(expr))
+        key, value = parse_set(expr)
+        apply_override(data, key, value, raw=expr.partition("=")[2])
     for dotted, value in (flags or {}).items():
         if value is not None:
             apply_override(data, dotted, value)

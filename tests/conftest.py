@@ -97,12 +97,14 @@ def slurm_launch(script: str, cwd: Path) -> tuple[dict[str, str], list[str]]:
 
     block = script.split(slurm.ENV_BEGIN)[1].split(slurm.ENV_END)[0]
     launch = script[script.index("launch=(") : script.index("\n)\n") + 3]
-    probe = f"{block}\nMASTER_ADDR=node1 MASTER_PORT=29500 SLURM_JOB_ID=7\n{launch}\nenv -0\necho -n '|'\n"
+    # env -0 ends every NAME=VALUE with NUL; one more NUL (an empty entry, which env never prints)
+    # separates it from the argv, so no value can be mistaken for the separator.
+    probe = f"{block}\nMASTER_ADDR=node1 MASTER_PORT=29500 SLURM_JOB_ID=7\n{launch}\nenv -0\nprintf '\\0'\n"
     probe += 'printf "%s\\0" "${launch[@]}"\n'
     out = subprocess.run(
         ["bash", "-euc", probe], capture_output=True, env={"PATH": os.environ["PATH"]}, cwd=cwd
     )
     assert out.returncode == 0, out.stderr
-    env_part, argv_part = out.stdout.decode().split("|", 1)
+    env_part, argv_part = out.stdout.decode().split("\0\0", 1)
     env = dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)
     return env, argv_part.split("\0")[:-1]

@@ -171,9 +171,15 @@ def test_every_catalog_combination_lints_renders_and_validates_strictly(gpu, fab
     limits = container.get("resources", {}).get("limits", {})
     assert limits.get("nvidia.com/gpu") == (per_node if gpu != "cpu" else None)
     assert limits.get(fab.k8s_resource or "-") == (1 if fab.rdma else None)
-    caps = container["securityContext"].get("capabilities", {}).get("add", [])
+    (init,) = job["spec"]["template"]["spec"]["initContainers"]
+    for c in (container, init):
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    caps = container["securityContext"]["capabilities"].get("add", [])
     assert caps == (["IPC_LOCK"] if fab.rdma else []), "IPC_LOCK only where RDMA needs it"
-    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert "add" not in init["securityContext"]["capabilities"]
+    assert "securityContext" not in job["spec"]["template"]["spec"]  # root unless the values ask
     shm = next(v for v in job["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": str(plan["launch"]["shm_bytes"])}
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 2
@@ -252,12 +258,37 @@ def test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders(tmp_path
     assert kinds["Service"]["spec"]["ports"][0]["port"] == plan.launch.rdzv_port
 
 
+def test_pods_can_run_as_non_root_through_values():
+    values = values_for()
+    values["podSecurityContext"] = {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+    }
+    assert lint_problems(values) == []
+    job, _, _ = job_parts(render_chart(values))
+    assert job["spec"]["template"]["spec"]["securityContext"] == values["podSecurityContext"]
+    values["podSecurityContext"] = {"privileged": True}
+    assert lint_problems(values), "the schema admits only the non-root settings"
+
+
+def test_contract_paths_with_dollar_reach_the_entrypoint_literally():
+    root = "/shared/dskit/$(MASTER_ADDR)/$$x"
+    values = values_for(f"storage.root={root}")
+    _, container, _ = job_parts(render_chart(values))
+    env = pod_env(container)
+    argv = [expand(w, env) for w in container["command"]]
+    assert argv[2] == f"{root}/dskit-run/checkpoints/STOP" == f"{env['DSKIT_CHECKPOINT_DIR']}/STOP"
+    assert argv[3] == f"{root}/dskit-run/outputs/COMPLETE" == f"{env['DSKIT_OUTPUT_DIR']}/COMPLETE"
+
+
 def test_hostile_strings_reach_the_pod_literally():
     hostile = "/x y/$(HOME)/'q'/\"d\"/$$/`id`;rm -rf ~"
     values = values_for(
-        f"runtime.python={json.dumps(hostile)}",
-        f"network.interface={json.dumps(hostile)}",
-        f"runtime.image={json.dumps(hostile)}",
+        f"runtime.python={hostile}",
+        f"network.interface={hostile}",
+        f"runtime.image={hostile}",
     )
     job, container, kinds = job_parts(render_chart(values))
     env = pod_env(container)

@@ -87,12 +87,38 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, field)
 
 def test_existing_output_is_kept_unless_forced(tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
+    dskit("render", "slurm", "-o", str(out), check=True)
     (out / "mine").write_text("keep")
     assert dskit("render", "slurm", "-o", str(out)).returncode == 2
     assert (out / "mine").read_text() == "keep"
     dskit("render", "slurm", "-o", str(out), "--force", check=True)
     assert not (out / "mine").exists() and (out / "job.sbatch").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary or old dir left beside it
+
+
+def test_force_replaces_only_a_directory_dskit_wrote(tmp_path):
+    """Not a directory without dskit's marker, a file, the cwd or its parents, or one holding an input."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes").write_text("keep")
+    note = tmp_path / "notes.txt"
+    note.write_text("keep")
+    project = tmp_path / "project"
+    dskit("render", "slurm", "-o", str(project), check=True)
+    spec = project / "spec.yaml"
+    spec.write_text("training: {steps: 5}\n")
+    (project / "sub").mkdir()
+    cases = [
+        (["-o", str(mine)], tmp_path, "was not written by dskit"),
+        (["-o", str(note)], tmp_path, "not a directory"),
+        (["-o", "."], project, "current directory"),
+        (["-o", ".."], project / "sub", "current directory"),
+        ([str(spec), "-o", str(project)], tmp_path, "an input of this command"),
+    ]
+    for args, cwd, words in cases:
+        r = dskit("render", "slurm", *args, "--force", cwd=cwd)
+        assert r.returncode == 2 and words in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
+    assert (mine / "notes").read_text() == "keep" and note.read_text() == "keep" and spec.is_file()
 
 
 def test_a_failed_write_leaves_nothing(tmp_path, monkeypatch):

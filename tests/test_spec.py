@@ -45,7 +45,7 @@ def test_cli_flags_win_over_set_and_file(tmp_path):
         (["name=Bad Name"], "name", "lowercase"),
         (["slurm.time=forever"], "slurm.time", "HH:MM:SS"),
         (["slurm.extra_args=['--comment=$(id)']"], "slurm.extra_args", "no spaces, quotes or $"),
-        (['storage.root="/a\\nb"'], "storage.root", "control characters"),
+        (["storage.root=/a\nb"], "storage.root", "control characters"),
         (["training.steps=many"], "training.steps", "integer"),
     ],
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,16 +96,86 @@ def model(name: str, field_name: str = "model.preset") -> ModelPreset:
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek")
 
 
+#: config.json keys the planner computes with: (key, smallest value, required). Each is an integer.
+CONFIG_INTS = (
+    ("vocab_size", 1, True),
+    ("hidden_size", 1, True),
+    ("intermediate_size", 1, True),
+    ("moe_intermediate_size", 1, True),
+    ("num_hidden_layers", 1, True),
+    ("num_attention_heads", 1, True),
+    ("n_routed_experts", 1, True),
+    ("num_experts_per_tok", 1, True),
+    ("n_shared_experts", 0, False),
+    ("first_k_dense_replace", 0, False),
+    ("kv_lora_rank", 0, False),
+    ("q_lora_rank", 0, False),
+    ("qk_nope_head_dim", 1, False),
+    ("qk_rope_head_dim", 1, False),
+    ("v_head_dim", 1, False),
+    ("max_position_embeddings", 1, False),
+)
+CONFIG_MAX = {"num_hidden_layers": 10_000}
+CONFIG_INT_MAX = 2**31
+
+
+def _finite(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    if isinstance(v, list):
+        return all(_finite(x) for x in v)
+    return True
+
+
+def check_config(cfg: Any, where: str, field_name: str = "model.path") -> dict[str, Any]:
+    """A config.json's content, checked for what the planner needs: one line naming the key otherwise."""
+    if not isinstance(cfg, dict):
+        raise SpecError(field_name, f"{where} must hold a JSON object, not a {type(cfg).__name__}")
+    for key, low, required in CONFIG_INTS:
+        v = cfg.get(key)
+        if v is None and not required:
+            continue
+        high = CONFIG_MAX.get(key, CONFIG_INT_MAX)
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+            need = "required, " if required else ""
+            raise SpecError(
+                field_name, f"{key} in {where} is {v!r}; {need}an integer from {low} to {high} expected"
+            )
+    if not _finite(cfg):
+        raise SpecError(field_name, f"{where} holds NaN or Infinity; every number must be finite")
+    if cfg["num_experts_per_tok"] > cfg["n_routed_experts"]:
+        raise SpecError(field_name, f"num_experts_per_tok in {where} exceeds n_routed_experts")
+    if cfg.get("kv_lora_rank"):
+        for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if cfg.get(key) is None:
+                raise SpecError(field_name, f"{key} in {where} is required with kv_lora_rank (MLA)")
+    elif cfg["hidden_size"] % cfg["num_attention_heads"]:
+        raise SpecError(field_name, f"hidden_size in {where} is not a multiple of num_attention_heads")
+    return cfg
+
+
 def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
     """A local Hugging Face model dir or config.json, as a preset. Nothing is downloaded."""
     p = Path(path)
-    cfg_file = p / "config.json" if p.is_dir() else p
-    if not cfg_file.is_file():
-        raise SpecError(field_name, f"{cfg_file} not found (expected a model directory with config.json)")
     try:
-        cfg = json.loads(cfg_file.read_text())
+        cfg_file = p / "config.json" if p.is_dir() else p
+        if not cfg_file.is_file():
+            raise SpecError(field_name, f"{cfg_file} not found (expected a model directory with config.json)")
+        if cfg_file.stat().st_size > 16 << 20:
+            raise SpecError(field_name, f"{cfg_file} is larger than 16 MiB: not a config.json")
+        cfg = json.loads(cfg_file.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise SpecError(field_name, f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise SpecError(field_name, f"{cfg_file} is not UTF-8 text") from None
     except json.JSONDecodeError as e:
         raise SpecError(field_name, f"{cfg_file} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # a number beyond Python's digit limit, deep nesting
+        raise SpecError(field_name, f"{cfg_file} is not a usable config.json: {e}") from None
+    if not isinstance(cfg, dict):
+        raise SpecError(field_name, f"{cfg_file} must hold a JSON object, not a {type(cfg).__name__}")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise SpecError(
@@ -114,12 +185,10 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
     if cfg.get("quantization_config"):
         from dskit.hf_checkpoint import FP8_HOWTO
 
-        method = (
-            cfg["quantization_config"].get("quant_method", "?")
-            if isinstance(cfg["quantization_config"], dict)
-            else "?"
-        )
+        qc = cfg["quantization_config"]
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         raise SpecError(field_name, f"{cfg_file} describes {method}-quantized weights; {FP8_HOWTO}")
+    check_config(cfg, str(cfg_file), field_name)
     keep = {
         k: v
         for k, v in cfg.items()
@@ -127,6 +196,9 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
         and k not in ("architectures", "auto_map", "transformers_version", "torch_dtype", "dtype")
     }
     balance = {k: cfg[k] for k in ("aux_loss_alpha", "seq_aux") if k in cfg}
+    aux = balance.get("aux_loss_alpha", 0.0)
+    if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux < float("inf"):
+        raise SpecError(field_name, f"aux_loss_alpha in {cfg_file} is {aux!r}; a finite number >= 0 expected")
     trainable = mt != "deepseek"
     return ModelPreset(
         name=p.name if p.is_dir() else p.parent.name,

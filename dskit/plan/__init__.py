@@ -14,13 +14,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dskit import catalog, hf_checkpoint
+from dskit import catalog, hf_checkpoint, yamlsafe
 from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import fit, memory
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.model_math import counts, flops_per_token
 from dskit.spec import Spec
+from dskit.text import describe, first_unsafe
 
 DEFAULT_MODEL = "deepseek-v2-lite"
 PLAN_VERSION = 1
@@ -307,6 +308,15 @@ def build_plan(spec: Spec) -> Plan:
     )
     out_dir = os.path.abspath(storage.output_dir) if storage.output_dir else f"{run_root}/outputs"
     data_path = os.path.abspath(spec.data.path) if spec.data.path else None
+    for field, path in (
+        ("storage.root", root),
+        ("storage.checkpoint_dir", ckpt_dir),
+        ("storage.output_dir", out_dir),
+        ("data.path", data_path),
+    ):
+        bad = first_unsafe(path or "")
+        if bad is not None:  # the spec's strings are checked; the current directory may add one
+            raise SpecError(field, f"{path} contains {describe(bad)}; use a path without it")
     balance = preset.balance or {}
     aux = (
         spec.training.aux_loss_coeff
@@ -445,10 +455,7 @@ def load_plan(path: str | Path) -> Plan:
     p = Path(path)
     if not p.is_file():
         raise SpecError(str(p), "run.yaml not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise SpecError(str(p), f"not valid YAML: {str(e).splitlines()[0]}") from None
+    data = yamlsafe.load_file(p, "run.yaml")
     if not isinstance(data, dict):
         raise SpecError(str(p), "run.yaml must be a mapping (render it with `dskit render`)")
     if data.get("version") != PLAN_VERSION:

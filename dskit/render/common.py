@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import jinja2
+import yaml
 
 from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.plan import Plan, dump_plan
 from dskit.spec import ENV_NAME_RE
+from dskit.text import comment
 
 
 def package_data_dir(installed: str, checkout: str) -> Path:
@@ -66,6 +68,38 @@ def env_lines(env: dict[str, str]) -> list[str]:
     return out
 
 
+def shell_words(words: list[str]) -> str:
+    """A command line for a shell, every word quoted (Ray entrypoints, KubeRay submitters)."""
+    return shlex.join(str(w) for w in words)
+
+
+class _YamlDumper(yaml.SafeDumper):
+    """Rendered YAML (values.yaml, rayjob.yaml, runtime_env.yaml): multi-line strings (the plan) as
+    literal blocks so they stay readable and diffable. Output is ASCII (allow_unicode off): every other
+    character is a \\u escape inside a double-quoted scalar, so no reader (PyYAML's YAML 1.1 or Helm's
+    Go YAML 1.2) can take U+2028, U+0085 or a C1 control for a line break or refuse the file."""
+
+
+_YamlDumper.add_representer(
+    str,
+    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+)
+
+
+def dump_yaml(data: object) -> str:
+    return yaml.dump(data, Dumper=_YamlDumper, sort_keys=False, width=120, allow_unicode=False)
+
+
+def dump_yaml_all(docs: list[object]) -> str:
+    return yaml.dump_all(docs, Dumper=_YamlDumper, sort_keys=False, width=120, allow_unicode=False)
+
+
+def comment_block(*lines: str) -> str:
+    """Comment lines for a rendered shell script or YAML file; each line stays one line whatever it
+    holds (dskit.text.comment)."""
+    return "".join(comment(line) + "\n" for line in lines)
+
+
 def k8s_literal(word: str) -> str:
     """Escape a value for a container's command, args or env, where Kubernetes expands $(VAR) and
     reads $$ as '$'."""
@@ -109,10 +143,15 @@ def run_files(plan: Plan) -> dict[str, str]:
 
 
 def write_output(
-    files: dict[str, str], out_dir: Path, *, force: bool = False, executable: tuple[str, ...] = ()
+    files: dict[str, str],
+    out_dir: Path,
+    *,
+    force: bool = False,
+    executable: tuple[str, ...] = (),
+    inputs: Iterable[str | Path | None] = (),
 ) -> Path:
-    """Write all files or none (see dskit.atomic)."""
-    with atomic_dir(out_dir, force=force) as tmp:
+    """Write all files or none (see dskit.atomic); `inputs` are paths the output must not contain."""
+    with atomic_dir(out_dir, force=force, inputs=inputs) as tmp:
         for rel, text in files.items():
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)

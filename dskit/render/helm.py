@@ -11,13 +11,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import yaml
+from pydantic import ValidationError
 
 from dskit import __version__, catalog
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, K8S_CONFIG_MOUNT, RUN_YAML, STOP_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan, dump_plan
-from dskit.render.common import k8s_literal, package_data_dir, run_files, torchrun_words
+from dskit.render.common import (
+    comment_block,
+    dump_yaml,
+    k8s_literal,
+    package_data_dir,
+    run_files,
+    torchrun_words,
+)
 from dskit.render.helm_values import ChartValues
 from dskit.spec import split_secret_ref
 
@@ -49,13 +56,24 @@ def _under_root(plan: Plan) -> None:
 def values(plan: Plan) -> ChartValues:
     _under_root(plan)
     k = plan.spec["kubernetes"]
-    hw, la = plan.hardware, plan.launch
-    fabric = catalog.fabric(la.fabric, "network.fabric")
+    fabric = catalog.fabric(plan.launch.fabric, "network.fabric")
     requests = {name: k[name] for name in ("cpu", "memory") if k[name]}
     secret_env = []
     for name, ref in k["secret_env"].items():
         secret, key = split_secret_ref(ref)
         secret_env.append({"name": name, "secretName": secret, "key": key})
+    try:
+        return _chart_values(plan, k, fabric, requests, secret_env)
+    except ValidationError as e:  # what the spec admits but the chart does not: one line, not a traceback
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "values"
+        raise SpecError(f"chart values {where}", err["msg"]) from None
+
+
+def _chart_values(
+    plan: Plan, k: dict, fabric: catalog.Fabric, requests: dict, secret_env: list
+) -> ChartValues:
+    hw, la = plan.hardware, plan.launch
     return ChartValues.model_validate(
         {
             "plan": dump_plan(plan),
@@ -105,24 +123,14 @@ def values(plan: Plan) -> ChartValues:
     )
 
 
-class _BlockStrings(yaml.SafeDumper):
-    """Multi-line strings (the plan) as literal blocks, so values.yaml stays readable and diffable."""
-
-
-_BlockStrings.add_representer(
-    str,
-    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
-)
-
-
 def values_yaml(plan: Plan) -> str:
     data = values(plan).model_dump(mode="json", by_alias=True, exclude_none=True)
-    header = (
-        f"# Rendered by dskit {__version__} for: {plan.summary()}\n"
-        "# Do not edit the plan here: change the spec and re-render. Site settings (affinity, annotations,\n"
-        "# limits) go in a second values file: helm install NAME CHART -f values.yaml -f site.yaml\n"
+    header = comment_block(
+        f"Rendered by dskit {__version__} for: {plan.summary()}",
+        "Do not edit the plan here: change the spec and re-render. Site settings (affinity, annotations,",
+        "limits) go in a second values file: helm install NAME CHART -f values.yaml -f site.yaml",
     )
-    return header + yaml.dump(data, Dumper=_BlockStrings, sort_keys=False, width=120, allow_unicode=True)
+    return header + dump_yaml(data)
 
 
 def chart_files() -> dict[str, str]:

@@ -16,15 +16,21 @@ from pydantic.alias_generators import to_camel
 from dskit.spec import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
 
 
+def portable(pattern: re.Pattern) -> str:
+    """A spec.py pattern for pydantic's Rust engine and JSON Schema: both read `$` as the very end
+    (Python's re also matches it before a trailing newline, hence spec.py's \\Z)."""
+    return pattern.pattern.removesuffix(r"\Z") + "$"
+
+
 def _optional(pattern: re.Pattern) -> str:
     """The same pattern, or the empty string (the chart's 'not set')."""
-    return f"^({pattern.pattern.removeprefix('^').removesuffix('$')})?$"
+    return f"^({portable(pattern).removeprefix('^').removesuffix('$')})?$"
 
 
-K8sName = Annotated[str, StringConstraints(pattern=K8S_NAME_RE.pattern)]
+K8sName = Annotated[str, StringConstraints(pattern=portable(K8S_NAME_RE))]
 OptionalK8sName = Annotated[str, StringConstraints(pattern=_optional(K8S_NAME_RE))]
-EnvName = Annotated[str, StringConstraints(pattern=ENV_NAME_RE.pattern)]
-Quantity = Annotated[str, StringConstraints(pattern=K8S_QUANTITY_RE.pattern)]
+EnvName = Annotated[str, StringConstraints(pattern=portable(ENV_NAME_RE))]
+Quantity = Annotated[str, StringConstraints(pattern=portable(K8S_QUANTITY_RE))]
 AbsPath = Annotated[str, StringConstraints(pattern=r"^/")]
 ExitCode = Annotated[int, Field(ge=1, le=255)]
 
@@ -42,7 +48,7 @@ class Image(_Values):
 class SecretEnv(_Values):
     name: EnvName
     secret_name: K8sName
-    key: Annotated[str, StringConstraints(pattern=SECRET_KEY_RE.pattern)]
+    key: Annotated[str, StringConstraints(pattern=portable(SECRET_KEY_RE))]
 
 
 class Trainer(_Values):
@@ -96,6 +102,15 @@ class Failure(_Values):
     active_deadline_seconds: int | None = Field(None, ge=1)
 
 
+class PodSecurityContext(_Values):
+    """The pod's securityContext (subset): make the pods non-root where the image allows it."""
+
+    run_as_non_root: bool | None = None
+    run_as_user: int | None = Field(None, ge=0)
+    run_as_group: int | None = Field(None, ge=0)
+    fs_group: int | None = Field(None, ge=0)
+
+
 class ChartValues(_Values):
     plan: str
     nodes: int = Field(ge=1)
@@ -119,6 +134,7 @@ class ChartValues(_Values):
     spread_over_nodes: bool = True
     priority_class_name: OptionalK8sName = ""
     service_account_name: OptionalK8sName = ""
+    pod_security_context: PodSecurityContext = Field(default_factory=PodSecurityContext)
     pod_annotations: dict[str, str] = Field(default_factory=dict)
     pod_labels: dict[str, str] = Field(default_factory=dict)
     failure: Failure = Field(default_factory=Failure)

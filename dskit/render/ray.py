@@ -6,14 +6,21 @@ relative to that dir (dskit.ray_train makes it absolute for the workers).
 
 from __future__ import annotations
 
-import yaml
-
 from dskit import __version__
 from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.contract import RUN_YAML, Env
 from dskit.errors import SpecError
 from dskit.plan import Plan, dump_plan
-from dskit.render.common import k8s_literal, q, render_template, run_files
+from dskit.render.common import (
+    comment_block,
+    dump_yaml,
+    dump_yaml_all,
+    k8s_literal,
+    q,
+    render_template,
+    run_files,
+    shell_words,
+)
 
 RUNTIME_ENV, SUBMIT, RAYJOB = "runtime_env.yaml", "submit.sh", "rayjob.yaml"
 ENTRY_MODULE = "dskit.ray_train"
@@ -27,7 +34,10 @@ def runtime_env(plan: Plan) -> dict:
 
 def _no_dollar(plan: Plan) -> None:
     """Ray expands $VAR and ${VAR} in runtime_env env_vars (os.path.expandvars, no escape), so a
-    contract value with '$' cannot reach the workers unchanged: refuse it rather than run altered."""
+    contract value with '$' cannot reach the workers unchanged: refuse it rather than run altered.
+    The interpreter too: KubeRay pastes the entrypoint into a submitter's `bash -c` (where Kubernetes
+    expands $(VAR) first) in one mode and hands it to the dashboard's shell as is in another, and no
+    one escaping of '$' is right for both."""
     for name, value in plan.env.items():
         if "$" in value:
             raise SpecError(
@@ -35,6 +45,17 @@ def _no_dollar(plan: Plan) -> None:
                 f"{value!r} contains '$', which Ray's runtime_env expands and cannot escape; "
                 "remove it from the spec (network.*, storage.*) for the ray target",
             )
+    if "$" in plan.launch.python:
+        raise SpecError(
+            "runtime.python",
+            f"{plan.launch.python!r} contains '$', which KubeRay's entrypoint cannot carry literally; "
+            "use a path without '$' for the ray target",
+        )
+
+
+def entrypoint(plan: Plan) -> str:
+    """The job's command line. Ray runs it through a shell: every word is quoted (shlex)."""
+    return shell_words([plan.launch.python, "-m", ENTRY_MODULE])
 
 
 def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
@@ -73,7 +94,7 @@ def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
 
 
 def rayjob(plan: Plan) -> str:
-    hw, la = plan.hardware, plan.launch
+    hw = plan.hardware
     _no_dollar(plan)
     config_map = {
         "apiVersion": "v1",
@@ -86,8 +107,8 @@ def rayjob(plan: Plan) -> str:
         "kind": "RayJob",
         "metadata": {"name": plan.name, "labels": {"app.kubernetes.io/managed-by": "dskit"}},
         "spec": {
-            "entrypoint": f"{la.python} -m {ENTRY_MODULE}",
-            "runtimeEnvYAML": yaml.safe_dump(
+            "entrypoint": entrypoint(plan),
+            "runtimeEnvYAML": dump_yaml(
                 {"env_vars": {**plan.env, Env.RUN_FILE.value: f"{CONFIG_MOUNT}/{RUN_YAML}"}}
             ),
             "shutdownAfterJobFinishes": True,
@@ -113,26 +134,26 @@ def rayjob(plan: Plan) -> str:
             },
         },
     }
-    header = (
-        f"# Rendered by dskit {__version__}: KubeRay RayJob for {plan.summary()}.\n"
-        f"# Needs the KubeRay operator and a ReadWriteMany PVC named {plan.name}-storage for checkpoints.\n"
-        "# kubectl apply -f rayjob.yaml\n"
+    header = comment_block(
+        f"Rendered by dskit {__version__}: KubeRay RayJob for {plan.summary()}.",
+        f"Needs the KubeRay operator and a ReadWriteMany PVC named {plan.name}-storage for checkpoints.",
+        "kubectl apply -f rayjob.yaml",
     )
-    return header + yaml.safe_dump_all([config_map, job], sort_keys=False)
+    return header + dump_yaml_all([config_map, job])
 
 
 def render(plan: Plan) -> dict[str, str]:
+    _no_dollar(plan)
     submit = render_template(
         "ray/submit.sh.j2",
-        version=__version__,
+        header=comment_block(f"Rendered by dskit {__version__}. Plan: {plan.summary()}"),
         python=q(plan.launch.python),
         module=ENTRY_MODULE,
         runtime_env=RUNTIME_ENV,
-        summary=plan.summary(),
     )
     return {
         **run_files(plan),
-        RUNTIME_ENV: yaml.safe_dump(runtime_env(plan), sort_keys=False),
+        RUNTIME_ENV: dump_yaml(runtime_env(plan)),
         SUBMIT: submit,
         RAYJOB: rayjob(plan),
     }

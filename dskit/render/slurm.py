@@ -6,8 +6,9 @@ from pathlib import Path
 
 from dskit import __version__
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, RUN_YAML, STOP_FILE
+from dskit.errors import SpecError
 from dskit.plan import Plan
-from dskit.render.common import env_lines, q, render_template, run_files, sq, torchrun_words
+from dskit.render.common import comment_block, env_lines, q, render_template, run_files, sq, torchrun_words
 
 SCRIPT = "job.sbatch"
 CHAIN_SCRIPT = "submit.sh"
@@ -15,9 +16,25 @@ CHAIN_SCRIPT = "submit.sh"
 ENV_BEGIN, ENV_END = "# >>> dskit launch contract", "# <<< dskit launch contract"
 
 
+def _check_mounts(plan: Plan, run_dir: Path) -> None:
+    """pyxis (--container-mounts) and apptainer (--bind) split mount lists at ',' and each mount at
+    ':': a path with those characters would mount something else than it says, so refuse it."""
+    la = plan.launch
+    for field, path in (("storage.root", la.storage_root), ("--output", str(run_dir))):
+        if "," in path or ":" in path:
+            raise SpecError(
+                field, f"{path!r} contains ',' or ':', which {la.runtime}'s mount list cannot carry"
+            )
+    for m in la.mounts:
+        if "," in m:
+            raise SpecError("runtime.mounts", f"{m!r} contains ',', which {la.runtime} reads as two mounts")
+
+
 def _container_words(plan: Plan, run_dir: Path) -> list[str]:
     """srun options / wrapper that put the trainer inside the runtime, each already shell-quoted."""
     la = plan.launch
+    if la.runtime != "none":
+        _check_mounts(plan, run_dir)
     mounts = [f"{la.storage_root}:{la.storage_root}", f"{run_dir}:{run_dir}", *la.mounts]
     if la.runtime == "pyxis":
         return [
@@ -69,10 +86,14 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
     directives += [f"--{k}={s[k]}" for k in ("partition", "account", "qos") if s[k]]
     directives += s["extra_args"]
     env = env_lines({**plan.env})
+    header = comment_block(
+        f"Rendered by dskit {__version__}. Do not edit: change the run spec and re-render.",
+        f"Plan: {plan.summary()}",
+        *(f"WARNING: {w}" for w in plan.warnings),
+    )
     script = render_template(
         "slurm/job.sbatch.j2",
-        version=__version__,
-        summary=plan.summary(),
+        header=header,
         directives=directives,
         env_begin=ENV_BEGIN,
         env_end=ENV_END,
@@ -88,7 +109,6 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
         exit_requeue=EXIT_REQUEUE,
         requeue_on_stop=chain == 1,
         chain=chain,
-        warnings=plan.warnings,
     )
     files = {**run_files(plan), SCRIPT: script}
     if chain > 1:

@@ -28,6 +28,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dskit.errors import SpecError
+
 log = logging.getLogger("dskit.train")
 TAG_RE = re.compile(r"^step(\d{8})$")
 DONE = "dskit.json"
@@ -157,9 +159,13 @@ class Checkpointer:
             d = self.root / tag
             done = json.loads((d / DONE).read_text())
             if done["world_size"] != self.world:
-                raise RuntimeError(
-                    f"checkpoint {d} was written by {done['world_size']} ranks, this run has {self.world}: "
-                    "convert it with `python -m deepspeed.checkpoint.ds_to_universal` or keep the node count"
+                # No retry can fix this (AutoEP + ZeRO-3 loads do not support a topology change upstream):
+                # a SpecError exits 2, which Slurm does not requeue and the Job's podFailurePolicy fails.
+                raise SpecError(
+                    "hardware",
+                    f"checkpoint {d} was written by world size {done['world_size']}, this run has world size "
+                    f"{self.world}: render the run with the world size of the checkpoint (hardware.nodes x "
+                    "hardware.gpus_per_node), or point storage.checkpoint_dir at an empty dir to start fresh",
                 )
             problem = self._verify_own_files(d)
             if problem:

@@ -87,19 +87,37 @@ def _read_documents(paths: list[str]) -> Iterator[str]:
         if not path.is_file():
             raise SpecError("inputs", f"{p} not found")
         if path.suffix == ".jsonl":
-            with path.open() as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError:
-                        raise SpecError(f"{p}:{n}", "not a JSON line") from None
-                    if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                        raise SpecError(f"{p}:{n}", "each JSON line needs a string 'text' field")
-                    yield rec["text"]
+            yield from _read_jsonl(p, path)
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            try:
+                text = path.read_text(encoding="utf-8", errors="replace")
+            except OSError as e:
+                raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
+            yield text
+
+
+def _read_jsonl(p: str, path: Path) -> Iterator[str]:
+    n = 0
+    try:
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):  # noqa: B007 - n names the line in the error below
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except (json.JSONDecodeError, ValueError, RecursionError):
+                    raise SpecError(f"{p}:{n}", "not a JSON line") from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                    raise SpecError(f"{p}:{n}", "each JSON line needs a string 'text' field")
+                try:
+                    rec["text"].encode("utf-8")
+                except UnicodeEncodeError:  # a "\ud800" escape: no UTF-8 bytes to tokenize
+                    raise SpecError(f"{p}:{n}", "'text' holds an unpaired surrogate escape") from None
+                yield rec["text"]
+    except UnicodeDecodeError:
+        raise SpecError(f"{p}", "not UTF-8 text (JSONL must be UTF-8)") from None
+    except OSError as e:
+        raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
 
 
 def pack(docs: Iterable[str], tok) -> Iterator[np.ndarray]:

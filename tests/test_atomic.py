@@ -1,0 +1,68 @@
+"""dskit.atomic: the destination always names a whole directory, leftovers of killed builds go away."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from dskit import atomic
+from dskit.atomic import MARKER, atomic_dir
+from tests.conftest import REPO
+
+
+def _build(out: Path, text: str, **kw) -> None:
+    with atomic_dir(out, **kw) as tmp:
+        (tmp / "f").write_text(text)
+
+
+def test_force_swaps_in_place_and_leaves_only_the_new_dir(tmp_path):
+    out = tmp_path / "out"
+    _build(out, "old")
+    assert (out / MARKER).is_file()
+    _build(out, "new", force=True)
+    assert (out / "f").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_without_renameat2_the_fallback_swap_also_leaves_only_the_new_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    out = tmp_path / "out"
+    _build(out, "old")
+    _build(out, "new", force=True)
+    assert (out / "f").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def _leftover(parent: Path, name: str, pid: int) -> Path:
+    d = parent / name
+    d.mkdir()
+    info = {"written_by": "dskit", "host": socket.gethostname(), "pid": pid}
+    (d / MARKER).write_text(json.dumps(info))
+    return d
+
+
+def test_a_killed_builds_leftover_is_removed_by_the_next_run(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    stale = _leftover(tmp_path, ".out.dskit-tmp-abc", int(dead.stdout))
+    running = _leftover(tmp_path, ".out.dskit-tmp-def", os.getpid())  # a build still in progress
+    foreign = tmp_path / ".out.dskit-tmp-ghi"  # no marker: not provably ours
+    foreign.mkdir()
+    _build(tmp_path / "out", "x")
+    assert not stale.exists() and running.is_dir() and foreign.is_dir()
+
+
+def test_kill_9_mid_render_leaves_the_target_absent_and_the_next_render_cleans_up(tmp_path):
+    out = tmp_path / "out"
+    code = (
+        "import os, signal; from dskit.atomic import atomic_dir\n"
+        f"with atomic_dir({str(out)!r}) as tmp:\n"
+        "    (tmp / 'half').write_text('x'); os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == -9 and not out.exists()
+    assert [p.name.startswith(".out.dskit-tmp-") for p in tmp_path.iterdir()] == [True]
+    _build(out, "whole")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]

@@ -1,0 +1,280 @@
+"""Every class of bad input, through the real CLI: exit 2, exactly one line on stderr, nothing written.
+
+One row per class (issue 19's reproducers and their neighbours). Each row prepares its files in a
+fresh directory, runs `dskit` there, and the directory must be exactly as it was afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import dskit
+
+TINY = ["--gpu", "cpu", "--gpus-per-node", "2", "--model", "tiny-v2", "--set", "training.seq_len=128"]
+CPU = [*TINY, "--set", "storage.root=/shared/dskit"]
+TINY_CONFIG = {
+    "model_type": "deepseek_v2",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+}
+
+
+def spec(content: bytes | str, *extra: str) -> Callable[[Path], list[str]]:
+    """A row that renders a spec file with this content."""
+
+    def setup(d: Path) -> list[str]:
+        f = d / "s.yaml"
+        f.write_bytes(content.encode() if isinstance(content, str) else content)
+        return ["render", "slurm", str(f), *TINY, "-o", str(d / "out"), *extra]
+
+    return setup
+
+
+def sets(*exprs: str, target: str = "slurm") -> Callable[[Path], list[str]]:
+    def setup(d: Path) -> list[str]:
+        args = ["render", target, *TINY]
+        for e in exprs:
+            args += ["--set", e]
+        return [*args, "-o", str(d / "out")]
+
+    return setup
+
+
+def model_config(cfg: object | bytes) -> Callable[[Path], list[str]]:
+    def setup(d: Path) -> list[str]:
+        (d / "m").mkdir()
+        data = cfg if isinstance(cfg, bytes) else json.dumps(cfg).encode()
+        (d / "m" / "config.json").write_bytes(data)
+        return ["plan", *TINY[:4], "--set", "training.seq_len=128", "--set", f"model.path={d / 'm'}"]
+
+    return setup
+
+
+def rendered(d: Path, name: str = "run") -> Path:
+    out = d / name
+    dskit("render", "slurm", *CPU, "-o", str(out), check=True)
+    return out
+
+
+def force_into_cwd(d: Path) -> list[str]:
+    os.chdir(rendered(d))
+    return ["render", "slurm", *CPU, "-o", ".", "--force"]
+
+
+def force_into_parent(d: Path) -> list[str]:
+    (rendered(d) / "sub").mkdir()
+    os.chdir(d / "run" / "sub")
+    return ["render", "slurm", *CPU, "-o", "..", "--force"]
+
+
+def force_onto_file(d: Path) -> list[str]:
+    (d / "notes.txt").write_text("mine")
+    return ["render", "slurm", *CPU, "-o", str(d / "notes.txt"), "--force"]
+
+
+def force_onto_foreign_dir(d: Path) -> list[str]:
+    (d / "project").mkdir()
+    (d / "project" / "main.py").write_text("mine")
+    return ["render", "slurm", *CPU, "-o", str(d / "project"), "--force"]
+
+
+def force_onto_data_path(d: Path) -> list[str]:
+    run = rendered(d)
+    (run / "shards").mkdir()
+    return ["render", "slurm", *CPU, "--set", f"data.path={run / 'shards'}", "-o", str(run), "--force"]
+
+
+def prepare_onto_input(d: Path) -> list[str]:
+    (d / "a.txt").write_text("text")
+    return ["data", "prepare", str(d / "a.txt"), "-o", str(d / "a.txt"), "--force"]
+
+
+def prepare_jsonl(data: bytes) -> Callable[[Path], list[str]]:
+    def setup(d: Path) -> list[str]:
+        (d / "a.jsonl").write_bytes(data)
+        return ["data", "prepare", str(d / "a.jsonl"), "-o", str(d / "shards")]
+
+    return setup
+
+
+def export_onto_run(d: Path) -> list[str]:
+    run = rendered(d)
+    return ["export", str(run), "-o", str(run), "--force"]
+
+
+def output_under_file(d: Path) -> list[str]:
+    (d / "f").write_text("x")
+    return ["render", "slurm", *CPU, "-o", str(d / "f" / "out")]
+
+
+def kubeconfig(content: str) -> Callable[[Path], list[str]]:
+    def setup(d: Path) -> list[str]:
+        (d / "kc").write_text(content)
+        return ["status", "run", "--kubeconfig", str(d / "kc")]
+
+    return setup
+
+
+UNREACHABLE = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "https://127.0.0.1:1"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+NO_TRAIN = "needs the train extra"
+NO_K8S = "needs the Kubernetes client"
+ALIASES = "a: &a [" + ",".join(["x"] * 1000) + "]\nb: [" + ",".join(["*a"] * 500) + "]\n"
+
+Setup = Callable[[Path], list[str]]
+#: name -> (setup returning the CLI args, words the one line must contain; '|' separates alternatives)
+CASES: dict[str, tuple[Setup, str]] = {
+    # spec files that cannot be read as a spec
+    "latin-1 spec": (spec(b"name: caf\xe9\n"), "s.yaml: spec file is not UTF-8 text"),
+    "UTF-16 spec": (spec("name: x\n".encode("utf-16")), "s.yaml: spec file is not UTF-8 text"),
+    "deeply nested YAML": (spec("[" * 5000 + "]" * 5000), "nested deeper than 64 levels"),
+    "5000-digit integer": (spec("hardware: {nodes: " + "9" * 5000 + "}\n"), "4300 digits"),
+    "integer beyond 2**53": (spec(f"training: {{steps: {2**70}}}\n"), "training.steps: must be between"),
+    "alias amplification": (spec(ALIASES), "through aliases"),
+    "spec over 1 MiB": (spec("# " + "x" * (1 << 20) + "\n"), "spec file is larger than 1024 KiB"),
+    "spec is a directory": (lambda d: ["plan", str(d)], "spec file is not a file"),
+    "newline in the spec's name": (
+        lambda d: ["plan", str(d / "no\nsuch.yaml")],
+        "no\\nsuch.yaml: spec file not found",
+    ),
+    "spec not a mapping": (spec("- a\n"), "the spec must be a YAML mapping"),
+    # accepted nonsense
+    ".inf learning rate": (spec("training: {lr: .inf}\n"), "training.lr: Input should be a finite number"),
+    ".nan weight decay": (
+        spec("training: {weight_decay: .nan}\n"),
+        "training.weight_decay: Input should be a finite",
+    ),
+    "inf grad clip via --set": (
+        sets("training.grad_clip=inf"),
+        "training.grad_clip: Input should be a finite",
+    ),
+    "infinite aux coefficient": (
+        spec("training: {aux_loss_coeff: .inf}\n"),
+        "training.aux_loss_coeff: Input should",
+    ),
+    "true as a node count": (
+        spec("hardware: {nodes: true}\n"),
+        "hardware.nodes: must be a number, not true/false",
+    ),
+    "empty runtime.python": (
+        sets("runtime.python="),
+        "runtime.python: String should have at least 1 character",
+    ),
+    "non-ASCII digits in slurm.time": (sets("slurm.time=٤٨:00:00"), "slurm.time: must look like HH:MM:SS"),
+    "newline after a node-selector key": (
+        spec('kubernetes: {node_selector: {"a\\n": b}}\n'),
+        "kubernetes.node_selector: must not contain control characters",
+    ),
+    "newline after a node-selector value": (
+        spec('kubernetes: {node_selector: {a: "b\\n"}}\n'),
+        "kubernetes.node_selector: must not contain control characters",
+    ),
+    "U+2028 in model.path": (
+        spec('model: {path: "/m\\u2028x"}\n'),
+        "model.path: must not contain control characters or line separators (found U+2028",
+    ),
+    "NEL in storage.root": (
+        spec('storage: {root: "/s\\x85x"}\n'),
+        "storage.root: must not contain control characters or line separators (found U+0085",
+    ),
+    "C1 control in runtime.image": (
+        spec('runtime: {image: "i\\x9b1m"}\n'),
+        "runtime.image: must not contain control characters or line separators (found U+009B",
+    ),
+    "bidi override in a mount": (
+        spec('runtime: {mounts: ["/a:/b\\u202e"]}\n'),
+        "runtime.mounts: must not contain control characters or line separators (found U+202E",
+    ),
+    "newline in a --set key": (sets("training.st\neps=1"), "training.st\\neps: unknown key"),
+    "nested list in --set": (sets("runtime.mounts=[[a]]"), "is not a [a, b] list"),
+    "'$' in runtime.python for ray": (
+        sets("runtime.python=/opt/$HOME/python", target="ray"),
+        "runtime.python: '/opt/$HOME/python' contains '$'",
+    ),
+    # config.json under model.path
+    "config.json is a list": (model_config([1, 2]), "must hold a JSON object, not a list"),
+    "config.json with nulls": (
+        model_config({**TINY_CONFIG, "hidden_size": None}),
+        "model.path: hidden_size in",
+    ),
+    "config.json missing keys": (model_config({"model_type": "deepseek_v2"}), "model.path: vocab_size in"),
+    "n_routed_experts: 0": (
+        model_config({**TINY_CONFIG, "n_routed_experts": 0}),
+        "model.path: n_routed_experts in",
+    ),
+    "config.json with NaN": (
+        model_config(json.dumps({**TINY_CONFIG, "rope_theta": float("nan")}).encode()),
+        "NaN or Infinity",
+    ),
+    "config.json not UTF-8": (
+        model_config(b'{"model_type": "deepseek_v2", "x": "\xff"}'),
+        "is not UTF-8 text",
+    ),
+    # where the output goes
+    "-o under a file": (output_under_file, "is not a directory"),
+    "newline in -o": (lambda d: ["render", "slurm", *CPU, "-o", str(d / "a\nb")], "a\\nb contains U+000A"),
+    "init -o into a missing dir": (
+        lambda d: ["init", "-o", str(d / "missing" / "s.yaml")],
+        "--output: cannot write",
+    ),
+    "init -o onto a directory": (lambda d: ["init", "-o", str(d), "--force"], "is a directory or a link"),
+    "--force onto the cwd": (force_into_cwd, "is the current directory or contains it"),
+    "--force onto a parent of the cwd": (force_into_parent, "is the current directory or contains it"),
+    "--force onto a file": (force_onto_file, "is not a directory; --force replaces only"),
+    "--force onto a dir dskit did not write": (force_onto_foreign_dir, "was not written by dskit"),
+    "--force onto a dir holding data.path": (force_onto_data_path, "an input of this command"),
+    "data prepare onto its own input": (prepare_onto_input, "is not a directory; --force replaces only"),
+    "export onto its own run dir": (export_onto_run, "an input of this command"),
+    # data prepare inputs (without the train extra: the line names the extra instead)
+    "latin-1 JSONL": (prepare_jsonl('{"text": "café"}\n'.encode("latin-1")), f"not UTF-8 text|{NO_TRAIN}"),
+    "binary JSONL": (prepare_jsonl(bytes(range(256)) * 4), f"not UTF-8 text|{NO_TRAIN}"),
+    # flags
+    "non-integer --nodes": (lambda d: ["plan", "--nodes", "two"], "argument --nodes: invalid int value"),
+    "unknown target": (lambda d: ["render", "k8s"], "invalid choice: 'k8s'"),
+    "unknown flag": (lambda d: ["plan", "--nodez", "2"], "unrecognized arguments: --nodez"),
+    # dskit status (without the k8s extra: the line names the extra instead)
+    "garbage kubeconfig": (kubeconfig("garbage: [\n"), f"--kubeconfig: cannot load it|{NO_K8S}"),
+    "kubeconfig that is a string": (kubeconfig("just words\n"), f"--kubeconfig: cannot load it|{NO_K8S}"),
+    "unreachable API server": (kubeconfig(UNREACHABLE), f"cannot reach the Kubernetes API|{NO_K8S}"),
+}
+
+
+def _snapshot(d: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(d)): (None if p.is_dir() else p.read_bytes()) for p in sorted(d.rglob("*"))}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch, case):
+    d = tmp_path / "w"
+    d.mkdir()
+    monkeypatch.chdir(d)
+    setup, words = CASES[case]
+    args = setup(d)
+    before = _snapshot(tmp_path)
+    r = dskit(*args, cwd=Path.cwd(), timeout=120)
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith("dskit: error: "), r.stderr
+    assert any(w in lines[0] for w in words.split("|")), lines[0]
+    assert _snapshot(tmp_path) == before, "something was written"
