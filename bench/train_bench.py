@@ -20,26 +20,39 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-# name -> extra spec overrides. Shape of the reference baseline: 4 layers, seq 4096, micro-batch 2.
-VARIANTS = {
-    "dskit (plan default)": [],
-    "dskit (activation ckpt every layer)": ["overrides.activation_checkpointing=1"],
+# name -> (extra spec overrides, DeepSpeed AutoEP knobs patched into run.yaml). Shape of the reference
+# baseline: 4 layers, seq 4096, micro-batch 2. AutoEP knobs are measured here before any becomes a
+# plan default (dskit/plan/deepspeed.py); see deepspeed/module_inject/auto_ep_config.py.
+VARIANTS: dict[str, tuple[list[str], dict]] = {
+    "dskit, full-logits loss (previous default)": (["overrides.loss=full"], {}),
+    "dskit, plan default": ([], {}),
+    "dskit, plan default (repeat: run-to-run spread)": ([], {}),
+    "dskit + AutoEP gate_up_impl=fused": ([], {"gate_up_impl": "fused"}),
+    "dskit + AutoEP combine_impl=fused_weighted_sum": ([], {"combine_impl": "fused_weighted_sum"}),
+    "dskit + both AutoEP knobs": ([], {"gate_up_impl": "fused", "combine_impl": "fused_weighted_sum"}),
+    "dskit, activation ckpt every layer": (["overrides.activation_checkpointing=1"], {}),
+}
+PROFILED = {  # profiled separately: the profiler slows the steps it watches
+    "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
+    "profile: plan default": (["training.profile_steps=3"], {}),
 }
 BASE = [
     "model.num_layers=4",
     "training.seq_len=4096",
-    "training.steps=12",
-    "training.log_every=3",
+    "training.steps=20",
+    "training.log_every=1",
     "checkpoint.every=1000",
     "checkpoint.final=false",
 ]
 WARMUP_STEPS = 3
 
 
-def run_dskit(name: str, sets: list[str], work: Path, gpus: int) -> dict:
+def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int) -> dict:
     from dskit.plan import build_plan, load_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
@@ -50,12 +63,17 @@ def run_dskit(name: str, sets: list[str], work: Path, gpus: int) -> dict:
         "model.preset": "deepseek-v2-lite",
         "runtime.kind": "none",
         "storage.root": str(work / "storage"),
-        "name": re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:40],
+        "name": re.sub(r"[^a-z0-9]+", "-", name.lower())[:40].strip("-"),
     }
     # micro-batch 2 per GPU, as the baseline; EP = GPUs (the planner's choice inside one node)
     plan = build_plan(load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags))
     run_dir = work / flags["name"]
     common.write_output(slurm.render(plan, run_dir), run_dir)
+    if ds_patch:  # a lever under measurement, not yet a plan decision
+        run_yaml = run_dir / "run.yaml"
+        data = yaml.safe_load(run_yaml.read_text())
+        data["deepspeed"]["expert_parallel"].update(ds_patch)
+        run_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     log = proc.stdout + proc.stderr
@@ -70,7 +88,7 @@ def run_dskit(name: str, sets: list[str], work: Path, gpus: int) -> dict:
     ]
     steady = [r for r in recs if r["step"] > WARMUP_STEPS]
     attention = re.search(r"attention: (\S+)", log)
-    return {
+    out = {
         "variant": name,
         "step_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
         "tok_s_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
@@ -82,7 +100,13 @@ def run_dskit(name: str, sets: list[str], work: Path, gpus: int) -> dict:
         "attention": attention.group(1) if attention else None,
         "plan": plan.summary(),
         "overrides": sets,
+        "autoep_knobs": ds_patch,
+        "losses": [r["loss"] for r in recs],
     }
+    profile = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "profile.json"
+    if profile.is_file():
+        out["profile"] = json.loads(profile.read_text())
+    return out
 
 
 def run_baseline(script: Path, variant: str, sdpa: str, gpus: int) -> dict:
@@ -118,21 +142,13 @@ def run_baseline(script: Path, variant: str, sdpa: str, gpus: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", required=True, help="JSON file to write (rewritten after every variant)")
     ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
     ap.add_argument("--work", type=Path, help="keep run dirs and logs here (default: a temporary dir)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this machine to use (EP = this)")
+    ap.add_argument("--only", help="run only variants whose name contains this text")
+    ap.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
     a = ap.parse_args()
-    rows = []
-    if a.work:
-        a.work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-        if a.baseline:
-            if a.gpus == 1:
-                rows.append(run_baseline(a.baseline, "z3leaf", "cudnn", a.gpus))
-            rows.append(run_baseline(a.baseline, "autoep", "default", a.gpus))
-        for name, sets in VARIANTS.items():
-            rows.append(run_dskit(name, sets, Path(tmp), a.gpus))
     import torch
 
     result = {
@@ -147,21 +163,48 @@ def main() -> None:
             **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
         },
         "shape": f"DeepSeek-V2-Lite, 4 layers, seq 4096, micro-batch 2 per GPU, {a.gpus} GPU(s), EP {a.gpus}, bf16, ZeRO-3",
-        "rows": rows,
+        "rows": [],
     }
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+
+    def record(row: dict) -> None:
+        # written after every variant: a call cut short by its time limit keeps what it measured
+        result["rows"].append(row)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(_row_line(row), flush=True)
+
+    if a.work:
+        a.work.mkdir(parents=True, exist_ok=True)
+    variants = {**VARIANTS, **({} if a.no_profile else PROFILED)}
+    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+        if a.baseline and not a.only:
+            if a.gpus == 1:
+                record(run_baseline(a.baseline, "z3leaf", "cudnn", a.gpus))
+            record(run_baseline(a.baseline, "autoep", "default", a.gpus))
+        for name, (sets, ds_patch) in variants.items():
+            if a.only and a.only not in name:
+                continue
+            record(run_dskit(name, sets, ds_patch, Path(tmp), a.gpus))
     print(f"\n{result['hardware']} | {result['date']} | {result['versions']}")
     print(
-        f"{'variant':44s} {'step s':>7s} {'tok/s/GPU':>10s} {'MFU':>7s} {'alloc GiB':>10s} {'resv GiB':>9s}"
+        f"{'variant':52s} {'step s':>7s} {'tok/s/GPU':>10s} {'MFU':>7s} {'alloc GiB':>10s} {'resv GiB':>9s}"
     )
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:44s} ERROR: {r['error'][-400:]}")
-            continue
-        print(
-            f"{r['variant']:44s} {r['step_s']:7.3f} {r['tok_s_gpu']:10d} {r['mfu']:7.4f} {r['peak_alloc_gb']:10.2f} {r['peak_reserved_gb']:9.2f}"
-        )
+    for r in result["rows"]:
+        print(_row_line(r))
+    for r in result["rows"]:
+        if "profile" in r:
+            print(f"\n{r['variant']}: {r['profile']['ms_per_step']} ms/step of GPU kernel time")
+            for k, v in r["profile"]["categories"].items():
+                print(f"  {k:40s} {v['ms_per_step']:8.2f} ms  {100 * v['share']:5.1f}%")
+
+
+def _row_line(r: dict) -> str:
+    if "error" in r:
+        return f"{r['variant']:52s} ERROR: {r['error'][-400:]}"
+    return (
+        f"{r['variant']:52s} {r['step_s']:7.3f} {r['tok_s_gpu']:10d} {r['mfu']:7.4f} "
+        f"{r['peak_alloc_gb']:10.2f} {r['peak_reserved_gb']:9.2f}"
+    )
 
 
 if __name__ == "__main__":

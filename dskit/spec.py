@@ -165,6 +165,13 @@ class TrainingSpec(_Section):
     grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed for init and data order.")
     log_every: int = Field(10, ge=1, description="Steps between log lines / metrics records.")
+    profile_steps: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="Profile this many steps on rank 0 after a 5-step warm-up: OUTPUT_DIR/profile.json "
+        "(time per step by kernel category) and a Chrome trace. 0: off.",
+    )
     aux_loss_coeff: float | None = Field(
         None, ge=0, description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha."
     )

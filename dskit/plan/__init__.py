@@ -89,6 +89,7 @@ class RunPlan(_Frozen):
     checkpoint_every: int
     checkpoint_keep: int
     checkpoint_final: bool
+    profile_steps: int  # 0: off (dskit/train/profile.py)
 
 
 class LaunchPlan(_Frozen):
@@ -407,6 +408,7 @@ def build_plan(spec: Spec) -> Plan:
             checkpoint_every=spec.checkpoint.every,
             checkpoint_keep=spec.checkpoint.keep,
             checkpoint_final=spec.checkpoint.final,
+            profile_steps=spec.training.profile_steps,
         ),
         launch=LaunchPlan(
             runtime=spec.runtime.kind,

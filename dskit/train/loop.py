@@ -20,6 +20,7 @@ from dskit.train.balance import RouterTap, load_stats
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.data import Sampler, sample_index
 from dskit.train.metrics import MemoryWatch, MetricsLog, current_gib, memory_gib, mfu
+from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
 
 log = logging.getLogger("dskit.train")
@@ -78,6 +79,7 @@ def train(
     metrics = MetricsLog(run.output_dir, enabled=rank == 0)
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
+    profiler = StepProfiler(run.profile_steps, opt.steps, run.output_dir, rank, device)
 
     # ---------------------------------------------------------------- resume
     meta = ckpt.load_latest(engine)
@@ -129,6 +131,7 @@ def train(
             aux_sum += aux.detach() / par.grad_accum
         done = step + 1
         window_steps += 1
+        profiler.after_step(done)
 
         # ------------------------------------------------------------ log
         if done % run.log_every == 0 or done == opt.steps:
