@@ -388,7 +388,7 @@ class PlanOverrides(_Section):
         "auto",
         description="Language-model loss. chunked: output projection + cross-entropy a few thousand tokens "
         "at a time, never the batch x seq x vocab logits; full: the plain logits path. auto: chunked where it "
-        "needs less memory (micro-steps of clearly more tokens than one 2048-token chunk).",
+        "needs less memory (micro-steps of more than one 4096-token chunk, roughly).",
     )
 
 

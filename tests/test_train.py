@@ -21,6 +21,7 @@ import torch
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan import load_plan
+from dskit.plan.memory import LOSS_CHUNK_TOKENS
 from tests.conftest import dskit, render_tiny
 
 pytestmark = pytest.mark.train
@@ -166,7 +167,7 @@ def test_chunked_loss_follows_the_plain_loss_curve(reference, tmp_path):
     assert load_plan(ref / "run.yaml").parallel.loss_chunk_tokens == 0
     extra = ["checkpoint.every=1", "checkpoint.keep=100", "overrides.loss=chunked"]
     rd = render_tiny(tmp_path, "tiny-v2", steps=STEPS, extra=extra)
-    assert load_plan(rd / "run.yaml").parallel.loss_chunk_tokens == 2048
+    assert load_plan(rd / "run.yaml").parallel.loss_chunk_tokens == LOSS_CHUNK_TOKENS
     assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
     got, want = losses(rd), losses(ref)
     assert sorted(got) == sorted(want)

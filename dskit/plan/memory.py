@@ -53,9 +53,10 @@ ACTIVATION_SLACK = 1.5
 WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies on the GPU
 
 
-# Chunked loss (dskit/train/loss.py): rows of the output projection computed at once. 2048 x 102400
-# fp32 logits are 0.84 GB: GEMMs large enough to run at full rate, memory independent of the batch.
-LOSS_CHUNK_TOKENS = 2048
+# Chunked loss (dskit/train/loss.py): rows of the output projection computed at once. 4096 x 102400
+# bf16 logits and their gradient are 1.7 GB: GEMMs large enough to run at full rate, memory
+# independent of the batch.
+LOSS_CHUNK_TOKENS = 4096
 
 
 def loss_bytes(cfg: dict[str, Any], tokens: int, chunk_tokens: int) -> int:
@@ -64,14 +65,14 @@ def loss_bytes(cfg: dict[str, Any], tokens: int, chunk_tokens: int) -> int:
     if not chunk_tokens:
         return tokens * V * (2 + 4 + 4)  # bf16 logits, their fp32 upcast, the fp32 gradient
     rows = min(tokens, chunk_tokens)
-    # one chunk: fp32 logits, their fp32 exp, the bf16 gradient; the weight's bf16 gradient
-    # (accumulated in place by addmm); the hidden states' bf16 gradient
-    return rows * V * (4 + 4 + 2) + V * h * 2 + tokens * h * 2
+    # one chunk: bf16 logits and their bf16 gradient (the softmax between them is fused on GPUs);
+    # the weight's bf16 gradient (accumulated in place by addmm); the hidden states' bf16 gradient
+    return rows * V * (2 + 2) + V * h * 2 + tokens * h * 2
 
 
 def loss_chunk_for(cfg: dict[str, Any], tokens: int, choice: str) -> int:
     """`overrides.loss` -> chunk size (0: full logits). auto: chunked where it needs less memory, i.e.
-    when a micro-step has clearly more tokens than one chunk (the weight's gradient is the fixed cost)."""
+    when a micro-step has more tokens than a chunk plus the weight's gradient (the fixed cost) are worth."""
     if choice == "full":
         return 0
     if choice == "chunked":

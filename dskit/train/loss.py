@@ -6,8 +6,10 @@ largest activation of the step (DESIGN.md's profile: the fp32 softmax alone ~6.5
 projection runs inside one autograd function, `chunk_tokens` rows at a time: each chunk's logits
 exist only while its softmax and both gradients are computed, in the forward pass (the loss is the
 graph's last node, so its gradients are known then, as in Liger-Kernel's fused linear cross-entropy);
-backward only scales them. Memory: one chunk's fp32 logits plus the weight's gradient in its own
-dtype, whatever the batch (the planner picks this path only where that is less than the logits).
+backward only scales them. On GPUs the per-chunk softmax and gradient are one torch.compile'd pair of
+kernels over the bf16 logits (no fp32 copy). Memory: one chunk's bf16 logits and their gradient plus
+the weight's gradient in its own dtype, whatever the batch (the planner picks this path only where
+that is less than the full logits).
 
 Under ZeRO-3 the function runs inside the output layer's own forward: DeepSpeed gathers the weight
 for it and reduce-scatters the gradient it returns, exactly as for a plain linear layer.
@@ -24,34 +26,56 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100  # labels with this value carry no loss (transformers' convention)
 
 
+def _chunk_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor, scale: torch.Tensor):
+    """One chunk: summed loss and d loss / d logits = (softmax - onehot) * scale on kept rows, in the
+    logits' dtype. Written as plain tensor ops so torch.compile fuses them into two passes over the
+    bf16 logits (a row reduction, then one pointwise kernel); eager mode runs the same ops."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    lse = torch.logsumexp(x, dim=-1)
+    target = x.gather(1, y.unsqueeze(1)).squeeze(1)
+    loss = ((lse - target) * m).sum()
+    onehot = torch.arange(x.shape[1], device=x.device).unsqueeze(0) == y.unsqueeze(1)
+    g = (torch.exp(x - lse.unsqueeze(1)) - onehot.to(x.dtype)) * (m * scale).unsqueeze(1)
+    return loss, g.to(logits.dtype)
+
+
+_compiled_chunk = None
+
+
+def _chunk_fn(device: torch.device):
+    """The fused (compiled) chunk on GPUs; eager elsewhere (CPU test runs would pay a C++ compile)."""
+    global _compiled_chunk
+    if device.type != "cuda":
+        return _chunk_loss_and_grad
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=True)
+    return _compiled_chunk
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk):  # noqa: ANN001 (autograd signature)
         n = hidden.shape[0]
         valid = labels != IGNORE_INDEX
-        count = valid.sum().clamp(min=1)
         acc = torch.promote_types(hidden.dtype, torch.float32)  # softmax and sums: fp32 at least
+        count = valid.sum().clamp(min=1).to(acc)
+        kept, scale = valid.to(acc), 1.0 / count
+        y_all = labels.clamp(min=0)
         loss = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         # in the weight's dtype: addmm_ accumulates each chunk inside the GEMM (fp32 on tensor cores)
         # and rounds once per chunk, with no fp32 copy of a vocabulary-sized matrix
         grad_weight = torch.zeros_like(weight)
+        chunk_fn = _chunk_fn(hidden.device)
         for s in range(0, n, chunk):
-            h, y, m = hidden[s : s + chunk], labels[s : s + chunk], valid[s : s + chunk]
-            logits = (h @ weight.t()).to(acc)
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, y.clamp(min=0).unsqueeze(1)).squeeze(1)
-            loss += ((lse - target) * m).sum()
-            # d loss / d logits = (softmax - onehot) / count, zero on ignored rows
-            probs = torch.exp(logits.sub_(lse.unsqueeze(1)))
-            probs.scatter_add_(1, y.clamp(min=0).unsqueeze(1), -torch.ones_like(lse).unsqueeze(1))
-            probs.mul_((m.to(acc) / count).unsqueeze(1))
-            g = probs.to(hidden.dtype)
-            del logits, probs
+            h = hidden[s : s + chunk]
+            part, g = chunk_fn(h @ weight.t(), y_all[s : s + chunk], kept[s : s + chunk], scale)
+            loss += part
             grad_hidden[s : s + chunk] = g @ weight
             grad_weight.addmm_(g.t(), h)
+            del g
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss / count
+        return loss * scale
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
@@ -61,7 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 2048
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 4096
 ) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `labels` (IGNORE_INDEX rows excluded), in fp32."""
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
