@@ -52,7 +52,13 @@ def breakdown(events, steps: int, *, on_gpu: bool) -> dict:
     (kernel) time on a GPU, operator self time on the CPU."""
     per_cat: dict[str, float] = {}
     kernels: list[tuple[float, str]] = []
+    from torch.autograd import DeviceType
+
     for e in events:
+        # On a GPU only the kernels themselves (device events): an operator's own entry also carries
+        # the device time of the kernels it launched, which would count them twice.
+        if on_gpu and e.device_type != DeviceType.CUDA:
+            continue
         us = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) or 0
         if us <= 0:
             continue
