@@ -215,6 +215,7 @@ def _main() -> int:
         _error_line(e)
         return EXIT_BAD_INPUT
     finally:
-        # Without this a rank may abort at exit (DESIGN.md).
+        # Without this a rank may abort at exit (torch warns of a leaked process group and gloo/NCCL
+        # teardown can race the interpreter's).
         if dist.is_initialized():
             dist.destroy_process_group()
