@@ -104,7 +104,7 @@ def cmd_render(a: argparse.Namespace) -> int:
     out = check_replaceable(a.output or f"runs/{plan.name}-{a.target}", force=a.force, inputs=inputs)
     kept_dirs = [plan.run.checkpoint_dir, plan.run.output_dir]
     if a.target == "ray":
-        kept_dirs.append(plan.launch.ray_storage_path)  # Ray Train's checkpoints and results
+        kept_dirs.append(plan.ray.storage_path)  # Ray Train's checkpoints and results
     for kept in kept_dirs:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
