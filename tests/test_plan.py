@@ -293,3 +293,17 @@ def test_plan_steps_run_alone():
     env = launch_env(spec, gpu, fabric, run, launch)
     assert env["DSKIT_CHECKPOINT_DIR"] == run.checkpoint_dir
     assert build_plan(spec).env == env
+
+
+def test_a_cpu_plan_has_no_rdma_fabric():
+    """The spec's default fabric is InfiniBand; a CPU plan has no RDMA device, so it resolves to tcp."""
+    for fabric in ("infiniband", "roce", "efa"):
+        plan = build_plan(load_spec(None, [], {"hardware.gpu": "cpu", "network.fabric": fabric}))
+        assert (plan.launch.fabric, plan.launch.fabric_rdma, plan.launch.fabric_k8s_resource) == (
+            "tcp",
+            False,
+            None,
+        )
+        assert plan.env["NCCL_IB_DISABLE"] == "1"
+    with pytest.raises(SpecError, match="network.ib_hca"):
+        build_plan(load_spec(None, ["network.ib_hca=mlx5_0"], {"hardware.gpu": "cpu"}))

@@ -276,6 +276,8 @@ def build_plan(spec: Spec) -> Plan:
 def resolve_fabric(spec: Spec, gpu: catalog.GPU) -> catalog.Fabric:
     """The spec's fabric; a CPU plan has no RDMA device, so an RDMA fabric (the default) becomes tcp."""
     fabric = catalog.fabric(spec.network.fabric)
+    if gpu.is_cpu and fabric.rdma:
+        fabric = catalog.fabric("tcp")
     if spec.network.ib_hca and not fabric.rdma:
         raise SpecError("network.ib_hca", f"only applies to RDMA fabrics; {fabric.name} is not one")
     return fabric
