@@ -219,7 +219,7 @@ def _check_helm(plan, schema: dict) -> None:
 
 def _check_ray(plan, work: Path) -> None:
     try:
-        files = ray.render(plan)
+        files = ray.render(plan, work / "ray")
     except SpecError:
         assert "$" in plan.launch.python or any("$" in v for v in plan.env.values())
         return
@@ -262,7 +262,7 @@ def test_hostile_strings_are_refused_or_rendered_byte_exact(schema, fields, run_
             event(f"refused: {e.field.split('.')[0]}")
             return
         event("rendered")
-        image.render(spec.hardware.gpu, spec.network.fabric)
+        image.render(plan, work / "image")
         _check_slurm(plan, work / f"runs/{run_name}", work)
         _check_helm(plan, schema)
         _check_ray(plan, work)

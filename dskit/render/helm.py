@@ -139,7 +139,8 @@ def chart_files() -> dict[str, str]:
     }
 
 
-def render(plan: Plan) -> dict[str, str]:
+def render(plan: Plan, out_dir: Path) -> dict[str, str]:
+    """The run directory's files; nothing in them depends on where it lives (`out_dir`)."""
     return {**run_files(plan), VALUES: values_yaml(plan), **chart_files()}
 
 

@@ -6,6 +6,8 @@ relative to that dir (dskit.ray_train makes it absolute for the workers).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dskit import __version__
 from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.contract import RUN_YAML, Env
@@ -142,7 +144,8 @@ def rayjob(plan: Plan) -> str:
     return header + dump_yaml_all([config_map, job])
 
 
-def render(plan: Plan) -> dict[str, str]:
+def render(plan: Plan, out_dir: Path) -> dict[str, str]:
+    """The job directory's files; it is Ray's working_dir, so nothing in them names `out_dir`."""
     _no_dollar(plan)
     submit = render_template(
         "ray/submit.sh.j2",
