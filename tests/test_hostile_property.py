@@ -225,7 +225,8 @@ def _check_ray(plan, work: Path) -> None:
         return
     _bash_n(files[ray.SUBMIT], work)
     assert yaml.safe_load(files[ray.RUNTIME_ENV])["env_vars"] == {**plan.env, Env.RUN_FILE.value: RUN_YAML}
-    config_map, job = yaml.safe_load_all(files[ray.RAYJOB])
+    docs = {d["kind"]: d for d in yaml.safe_load_all(files[ray.RAYJOB])}
+    config_map, job = docs["ConfigMap"], docs["RayJob"]
     assert config_map["data"][RUN_YAML] == files[RUN_YAML]
     assert shlex.split(job["spec"]["entrypoint"]) == [plan.launch.python, "-m", ray.ENTRY_MODULE]
     runtime_env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]

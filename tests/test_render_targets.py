@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import yaml
+
+from dskit.contract import RUN_YAML
+from dskit.plan import build_plan
+from dskit.render import TARGETS, ray
+from dskit.spec import load_spec
 from tests.golden_cases import TARGET_CASES, TARGET_GOLDEN, render_target_case
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+KUBE_VERSION = "1.34"  # as tests/test_helm.py
 
 CASES = [(target, name) for target, cases in TARGET_CASES.items() for name in sorted(cases)]
 
@@ -20,3 +30,46 @@ def test_golden(target, case):
         assert text == (want_dir / rel).read_text(), (
             f"examples/{target}/{case}/{rel} differs: review, then python -m tests.regen_examples"
         )
+
+
+def _rayjob(*sets: str) -> tuple[object, dict[str, dict]]:
+    plan = build_plan(load_spec(None, list(sets), {"hardware.nodes": 2, "hardware.gpu": "h100-80gb"}))
+    files = TARGETS["ray"].render(plan, Path("/runs/r"))
+    docs = list(yaml.safe_load_all(files[ray.RAYJOB]))
+    kinds = {d["kind"]: d for d in docs}
+    assert len(kinds) == len(docs), "one object of each kind"
+    return plan, kinds
+
+
+def _claims(job: dict) -> set[str]:
+    cluster = job["spec"]["rayClusterSpec"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    return {
+        v["persistentVolumeClaim"]["claimName"]
+        for t in templates
+        for v in t["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+
+
+def test_rayjob_mounts_the_claim_it_creates():
+    plan, kinds = _rayjob("kubernetes.storage_size=2Ti", "kubernetes.storage_class=nfs")
+    assert set(kinds) == {"ConfigMap", "PersistentVolumeClaim", "RayJob"}
+    pvc = kinds["PersistentVolumeClaim"]
+    assert _claims(kinds["RayJob"]) == {pvc["metadata"]["name"]}
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "2Ti"}},
+        "storageClassName": "nfs",
+    }
+    for obj in (kinds["ConfigMap"], pvc):
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    assert kinds["ConfigMap"]["data"][RUN_YAML] == TARGETS["ray"].render(plan, Path("/r"))[RUN_YAML]
+    workers = kinds["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert [w["replicas"] for w in workers] == [plan.hardware.nodes]
+
+
+def test_rayjob_mounts_the_existing_claim_the_spec_names():
+    _, kinds = _rayjob("kubernetes.existing_claim=team-ckpt")
+    assert set(kinds) == {"ConfigMap", "RayJob"}
+    assert _claims(kinds["RayJob"]) == {"team-ckpt"}
