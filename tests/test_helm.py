@@ -491,6 +491,7 @@ def test_a_configuration_error_fails_the_job_instead_of_retrying(pods_for):
     assert "DSKIT_GPU_PROFILE" in pods.log(0)
 
 
+@pytest.mark.slow  # waits out the peer DNS timeout (~10 s)
 def test_a_pod_whose_peers_never_appear_fails_its_init_step_with_the_reason(pods_for):
     pods, _ = pods_for(steps=4, every=2, dns_timeout=10)
     pods.publish([0])  # pod 1 is never scheduled
