@@ -1,5 +1,7 @@
 """Rewrite the rendered examples from the current code: slurm/ and examples/ (the golden files of the
-render tests), images/ (a Dockerfile per catalog GPU) and helm/dskit/values.schema.json (from the values model). Run by hand only: `make examples`; then review the diff."""
+render tests), images/ (a Dockerfile per catalog GPU), helm/dskit/values.schema.json (from the values
+model) and helm/dskit/files/launch.sh (from templates/helm/launch.sh.j2). Run by hand only:
+`make examples`; then review the diff."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def write_tree(root: Path, files: dict[str, str]) -> None:
 
 
 def main() -> None:
-    from dskit.render import image
+    from dskit.render import helm, image
     from dskit.render.helm_values import values_schema_json
 
     for name in CASES:
@@ -35,6 +37,7 @@ def main() -> None:
     for name, files in image.catalog_images().items():
         write_tree(IMAGES / name, files)
     VALUES_SCHEMA.write_text(values_schema_json())
+    (helm.chart_dir() / helm.LAUNCH_SCRIPT).write_text(helm.launch_script())
     print(f"wrote {GOLDEN} ({len(CASES)} jobs), {TARGET_GOLDEN}, {IMAGES} and {VALUES_SCHEMA}")
 
 

@@ -73,3 +73,12 @@ def test_rayjob_mounts_the_existing_claim_the_spec_names():
     _, kinds = _rayjob("kubernetes.existing_claim=team-ckpt")
     assert set(kinds) == {"ConfigMap", "RayJob"}
     assert _claims(kinds["RayJob"]) == {"team-ckpt"}
+
+
+def test_the_charts_launch_script_is_generated_from_the_shared_template():
+    """launch.sh and job.sbatch share their stop/reap logic (templates/shell/stop.sh.j2)."""
+    from dskit.render import helm
+
+    assert (helm.chart_dir() / helm.LAUNCH_SCRIPT).read_text() == helm.launch_script(), (
+        "helm/dskit/files/launch.sh is stale: python -m tests.regen_examples"
+    )

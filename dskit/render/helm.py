@@ -22,6 +22,7 @@ from dskit.render.common import (
     dump_yaml,
     k8s_literal,
     package_data_dir,
+    render_template,
     run_files,
     torchrun_words,
 )
@@ -128,6 +129,15 @@ def values_yaml(plan: Plan) -> str:
         "limits) go in a second values file: helm install NAME CHART -f values.yaml -f site.yaml",
     )
     return header + dump_yaml(data)
+
+
+LAUNCH_SCRIPT = "files/launch.sh"
+
+
+def launch_script() -> str:
+    """The pods' entrypoint, generated into the chart (make examples) from templates/helm/launch.sh.j2,
+    which shares its stop/reap logic with Slurm's job.sbatch; a test checks the chart's copy is current."""
+    return render_template("helm/launch.sh.j2")
 
 
 def chart_files() -> dict[str, str]:
