@@ -21,6 +21,11 @@ from dskit.errors import SpecError
 log = logging.getLogger("dskit.train")
 
 
+def torch_dtype(precision: str) -> torch.dtype:
+    """The dtype of a plan's precision: the trainer builds the model in it and export writes it."""
+    return torch.bfloat16 if precision == "bf16" else torch.float16
+
+
 def hf_config(cfg: dict[str, Any], attention: str):
     from transformers import AutoConfig
 
