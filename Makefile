@@ -1,10 +1,10 @@
-# Two entry points for newcomers (README): `make demo` and `make test`. Both set up .venv first.
+# Entry points for newcomers (README): `make demo`, `make test-fast` and `make test`. All set up .venv first.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   := runs/demo
 
-.PHONY: setup demo test examples lint clean
+.PHONY: setup demo test test-fast examples lint clean
 
 # torch first, pinned: 2.13.0 is a CPU build on the development/CI machines; an unpinned torch
 # pulled in by deepspeed would be a multi-GB CUDA download.
@@ -28,15 +28,21 @@ demo: setup
 	$(BIN)/dskit train --local $(DEMO)
 	$(BIN)/dskit export $(DEMO) -o runs/demo-hf --force
 
+# Everything (what CI runs, ~20 minutes on 2 cores): trainer, Slurm, Ray, pods, network.
 test: setup
 	$(BIN)/python -m pytest
 
-# Regenerate the rendered examples in slurm/ (they double as the golden files of the tests).
+# Unit + render + golden tests (under 2 minutes on 2 cores): no trainer, cluster, pod run or network.
+FAST := not train and not slurm and not ray and not network and not slow
+test-fast: setup
+	DSKIT_PROPERTY_EXAMPLES=100 $(BIN)/python -m pytest -m "$(FAST)"
+
+# Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests).
 examples: setup
 	$(BIN)/python -m tests.regen_examples
 
 lint: setup
-	$(BIN)/ruff check dskit tests && $(BIN)/ruff format --check dskit tests
+	$(BIN)/ruff check dskit tests bench && $(BIN)/ruff format --check dskit tests bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -11,8 +11,6 @@ from typing import Any
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
-TARGETS = ("slurm", "helm", "ray", "image")
-
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
 SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
     "job_name": ("name", str, "run/job name (spec: name)"),
@@ -95,54 +93,22 @@ def _print_summary(plan: Any, out_dir: Path | None = None) -> None:
 def cmd_render(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
     from dskit.plan import build_plan
-    from dskit.render import common
+    from dskit.render import TARGETS, common
 
+    target = TARGETS[a.target]
     spec = _spec_from_args(a)
     plan = build_plan(spec)
     # what the render reads: --force must never replace a directory holding one of them
     inputs = [a.spec, spec.data.path, spec.model.path]
     out = check_replaceable(a.output or f"runs/{plan.name}-{a.target}", force=a.force, inputs=inputs)
-    kept_dirs = [plan.run.checkpoint_dir, plan.run.output_dir]
-    if a.target == "ray":
-        kept_dirs.append(plan.launch.ray_storage_path)  # Ray Train's checkpoints and results
-    for kept in kept_dirs:
+    for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
             raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
-    if a.target == "slurm":
-        from dskit.render import slurm
-
-        files = slurm.render(plan, out)
-        executable: tuple[str, ...] = (slurm.SCRIPT, slurm.CHAIN_SCRIPT)
-        next_step = (
-            f"bash {out / slurm.CHAIN_SCRIPT}"
-            if slurm.CHAIN_SCRIPT in files
-            else f"sbatch {out / slurm.SCRIPT}"
-        )
-    elif a.target == "helm":
-        from dskit.render import helm
-
-        files = helm.render(plan)
-        executable = ()
-        chart = out / helm.CHART
-        next_step = f"helm install {plan.name} {chart} -f {out / helm.VALUES}"
-    elif a.target == "ray":
-        from dskit.render import ray
-
-        files = ray.render(plan)
-        executable = (ray.SUBMIT,)
-        next_step = f"bash {out / ray.SUBMIT}   (or: kubectl apply -f {out / ray.RAYJOB})"
-    elif a.target == "image":
-        from dskit.render import image
-
-        files = image.render(spec.hardware.gpu, spec.network.fabric)
-        executable = (image.INSTALL, image.ENROOT)
-        next_step = f"docker build -f {out / image.DOCKERFILE} -t {image.image_tag_for(spec.hardware.gpu, spec.network.fabric)} ."
-    else:  # argparse restricts choices; kept for new targets
-        raise SpecError("target", f"unknown target {a.target!r}")
-    common.write_output(files, out, force=a.force, executable=executable, inputs=inputs)
+    files = target.render(plan, out)
+    common.write_output(files, out, force=a.force, executable=target.executable, inputs=inputs)
     _print_summary(plan, out)
-    print(f"next: {next_step}")
+    print(f"next: {target.next_step(plan, out, files)}")
     return 0
 
 
@@ -257,11 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Resolve the spec and write run.yaml, deepspeed.json and the target's files "
         "into a new directory (atomically: all files or none).",
     )
+    from dskit.render import TARGETS
+
     s.add_argument(
         "target",
-        choices=TARGETS,
-        help="slurm: job.sbatch for `sbatch`; helm: values.yaml + chart for `helm install`; ray: a job for "
-        "`ray job submit` (+ KubeRay RayJob); image: Dockerfile + install script + lock for the GPU",
+        choices=list(TARGETS),
+        help="; ".join(f"{t.name}: {t.help}" for t in TARGETS.values()),
     )
     _add_spec_args(s)
     s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-TARGET)")

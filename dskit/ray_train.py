@@ -68,8 +68,8 @@ def main() -> int:
         ),
         run_config=RunConfig(
             name=plan.name,
-            storage_path=plan.launch.ray_storage_path,
-            failure_config=FailureConfig(max_failures=plan.launch.ray_max_failures),
+            storage_path=plan.ray.storage_path,
+            failure_config=FailureConfig(max_failures=plan.ray.max_failures),
         ),
     )
     result = trainer.fit()

@@ -282,9 +282,10 @@ class KubernetesSpec(_Section):
     existing_claim: str | None = Field(
         None,
         description="ReadWriteMany PersistentVolumeClaim mounted at storage.root for checkpoints. Default: "
-        "the chart creates RELEASE-storage (kept on `helm uninstall`).",
+        "the chart creates RELEASE-storage (kept on `helm uninstall`); the Ray target's rayjob.yaml creates "
+        "NAME-storage.",
     )
-    storage_size: str = Field("1Ti", description="Size of the claim the chart creates.")
+    storage_size: str = Field("1Ti", description="Size of the claim the chart (or rayjob.yaml) creates.")
     storage_class: str | None = Field(None, description="StorageClass of the created claim (ReadWriteMany).")
     cpu: str | None = Field(None, description="CPU request per pod, e.g. '96'. Default: none.")
     memory: str | None = Field(

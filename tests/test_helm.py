@@ -167,7 +167,9 @@ def test_every_catalog_combination_lints_renders_and_validates_strictly(gpu, fab
 
     job, container, kinds = job_parts(objs)
     plan = yaml.safe_load(values["plan"])
-    fab = catalog.fabric(fabric)
+    fab = catalog.fabric(plan["launch"]["fabric"])
+    # a CPU plan has no RDMA device: whatever the fabric asked, it runs on tcp (no rdma/*, no IPC_LOCK)
+    assert fab.name == ("tcp" if gpu == "cpu" and catalog.fabric(fabric).rdma else fabric)
     limits = container.get("resources", {}).get("limits", {})
     assert limits.get("nvidia.com/gpu") == (per_node if gpu != "cpu" else None)
     assert limits.get(fab.k8s_resource or "-") == (1 if fab.rdma else None)
@@ -489,6 +491,7 @@ def test_a_configuration_error_fails_the_job_instead_of_retrying(pods_for):
     assert "DSKIT_GPU_PROFILE" in pods.log(0)
 
 
+@pytest.mark.slow  # waits out the peer DNS timeout (~10 s)
 def test_a_pod_whose_peers_never_appear_fails_its_init_step_with_the_reason(pods_for):
     pods, _ = pods_for(steps=4, every=2, dns_timeout=10)
     pods.publish([0])  # pod 1 is never scheduled

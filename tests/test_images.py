@@ -72,6 +72,8 @@ def test_install_scripts_are_shellcheck_clean(name):
         assert r.returncode == 0, r.stdout
 
 
+@pytest.mark.network
+@pytest.mark.slow
 def test_cpu_install_script_installs_and_prebuilds_deepspeed_ops(tmp_path):
     """The same file the CPU Dockerfile runs, in a fresh venv: pins resolve, CPU ops are compiled."""
     env_dir = tmp_path / "venv"
@@ -100,6 +102,7 @@ def test_cpu_install_script_installs_and_prebuilds_deepspeed_ops(tmp_path):
     assert cpu_adam and shm  # compiled at install time: no JIT at worker start
 
 
+@pytest.mark.network
 @pytest.mark.parametrize("toolchain", ["cu130", "cu126"])
 def test_cuda_locks_resolve_against_the_index(toolchain, tmp_path):
     """pip's resolver, run for the images' platform with --dry-run: it reads wheel metadata from the

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from dskit import catalog
 from dskit.errors import SpecError
-from dskit.plan import build_plan, dump_plan, load_plan
+from dskit.plan import (
+    PLAN_VERSION,
+    build_plan,
+    dump_plan,
+    launch_env,
+    load_plan,
+    plan_hardware,
+    plan_launch,
+    plan_model,
+    plan_storage,
+    resolve_fabric,
+)
 from dskit.plan.memory import estimate
 from dskit.plan.model_math import counts
 from dskit.spec import load_spec
@@ -176,9 +188,9 @@ def test_run_yaml_round_trips(tmp_path):
     ("content", "words"),
     [
         ("[1, 2]", "must be a mapping"),
-        ("version: 1\nname: x\n", "Field required"),
+        (f"version: {PLAN_VERSION}\nname: x\n", "Field required"),
         ("a: [", "not valid YAML"),
-        ("version: 99\n", "expected 1"),
+        ("version: 99\n", f"expected {PLAN_VERSION}"),
     ],
 )
 def test_bad_run_yaml_is_one_clear_error(tmp_path, content, words):
@@ -254,3 +266,44 @@ def test_loading_weights_adds_a_shard_per_rank_to_host_construction(tmp_path):
     with pytest.raises(SpecError) as e:
         plan_for(*sets, "hardware.host_memory_gib=64", hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
     assert e.value.field == "hardware.host_memory_gib" and "69.3 while building" in e.value.message
+
+
+def test_nothing_outside_the_planner_reads_the_spec_record():
+    """run.yaml keeps `spec` for the record; renderers and the trainer read the typed sections."""
+    root = Path(__file__).resolve().parent.parent / "dskit"
+    readers = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.relative_to(root).parts[0] != "plan" and re.search(r"plan\.spec\b|\.spec\[", p.read_text())
+    ]
+    assert readers == []
+
+
+def test_plan_steps_run_alone():
+    spec = load_spec(None, ["storage.root=/s"], {"hardware.nodes": 2})
+    model, model_counts = plan_model(spec)
+    assert model.params_total == model_counts.total
+    run, root = plan_storage(spec)
+    assert root == "/s" and run.checkpoint_dir == "/s/dskit-run/checkpoints"
+    gpu = catalog.gpu(spec.hardware.gpu)
+    hardware = plan_hardware(spec, gpu, "bf16")
+    assert hardware.world_size == 16
+    fabric = resolve_fabric(spec, gpu)
+    launch = plan_launch(spec, gpu, fabric, root)
+    env = launch_env(spec, gpu, fabric, run, launch)
+    assert env["DSKIT_CHECKPOINT_DIR"] == run.checkpoint_dir
+    assert build_plan(spec).env == env
+
+
+def test_a_cpu_plan_has_no_rdma_fabric():
+    """The spec's default fabric is InfiniBand; a CPU plan has no RDMA device, so it resolves to tcp."""
+    for fabric in ("infiniband", "roce", "efa"):
+        plan = build_plan(load_spec(None, [], {"hardware.gpu": "cpu", "network.fabric": fabric}))
+        assert (plan.launch.fabric, plan.launch.fabric_rdma, plan.launch.fabric_k8s_resource) == (
+            "tcp",
+            False,
+            None,
+        )
+        assert plan.env["NCCL_IB_DISABLE"] == "1"
+    with pytest.raises(SpecError, match="network.ib_hca"):
+        build_plan(load_spec(None, ["network.ib_hca=mlx5_0"], {"hardware.gpu": "cpu"}))

@@ -18,8 +18,8 @@ import pytest
 
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan import load_plan
+from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE
-from dskit.train.export import newest_verified_tag
 from tests.conftest import dskit, render_tiny
 
 pytestmark = pytest.mark.ray

@@ -22,8 +22,8 @@ from dskit import catalog
 from dskit.plan import build_plan, load_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
+from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE
-from dskit.train.export import newest_verified_tag
 from tests.conftest import render_tiny
 from tests.slurm_cluster import SlurmCluster, missing_tools
 

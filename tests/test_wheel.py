@@ -8,10 +8,15 @@ import venv
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from dskit.plan import build_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
 from tests.conftest import REPO
+
+# builds the wheel (pip fetches the build backend) and installs its dependencies into a fresh venv
+pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
 def test_wheel_installs_and_renders_in_a_fresh_venv(tmp_path):

@@ -29,7 +29,6 @@ class GPU:
     peak_tflops_bf16: float | None
     peak_tflops_fp16: float | None
     memory_bw_gbs: float | None
-    interconnect: str
     flash_attn: str
     attention: str
     source: str

@@ -19,13 +19,12 @@ from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import fit, memory
 from dskit.plan.deepspeed import deepspeed_config
-from dskit.plan.model_math import counts, flops_per_token
-from dskit.spec import Spec
+from dskit.plan.model_math import ModelCounts, counts, flops_per_token
+from dskit.spec import KubernetesSpec, SlurmSpec, Spec
 from dskit.text import describe, first_unsafe
 
 DEFAULT_MODEL = "deepseek-v2-lite"
-PLAN_VERSION = 1
-AUTOEP_PRESETS = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+PLAN_VERSION = 2  # 2: typed slurm/kubernetes/ray sections
 
 
 class _Frozen(BaseModel):
@@ -100,10 +99,14 @@ class LaunchPlan(_Frozen):
     storage_root: str
     rdzv_port: int
     shm_bytes: int
-    fabric: str
+    fabric: str  # the catalog fabric the plan resolved (a CPU plan: tcp, whatever the spec's default)
     fabric_rdma: bool
-    ray_max_failures: int
-    ray_storage_path: str
+    fabric_k8s_resource: str | None  # the device-plugin resource pods request for it (None: none)
+
+
+class RayPlan(_Frozen):
+    max_failures: int
+    storage_path: str  # absolute: Ray Train's checkpoints and results
 
 
 class Plan(_Frozen):
@@ -115,11 +118,15 @@ class Plan(_Frozen):
     optim: OptimPlan
     run: RunPlan
     launch: LaunchPlan
+    # Target settings, validated by the spec and passed through unchanged: each renderer reads its own.
+    slurm: SlurmSpec
+    kubernetes: KubernetesSpec
+    ray: RayPlan
     memory: dict[str, Any]
     env: dict[str, str]  # the launch contract, minus RUN_FILE (each target adds its own path)
     deepspeed: dict[str, Any]
     warnings: list[str]
-    spec: dict[str, Any]  # the validated spec, for the record
+    spec: dict[str, Any]  # the validated spec, for the record only: nothing outside dskit/plan reads it
 
     def summary(self) -> str:
         p, h = self.parallel, self.hardware
@@ -131,16 +138,6 @@ class Plan(_Frozen):
 
 
 # --------------------------------------------------------------------------- decisions
-
-
-def _resolve_model(spec: Spec) -> tuple[catalog.ModelPreset, str | None]:
-    if spec.model.path:
-        preset = catalog.model_from_path(spec.model.path)
-        if not hf_checkpoint.has_weights(spec.model.path):
-            return preset, None  # a config alone: random init from it
-        hf_checkpoint.check_checkpoint(spec.model.path)  # a broken checkpoint fails here, not in the job
-        return preset, str(Path(spec.model.path).resolve())
-    return catalog.model(spec.model.preset or DEFAULT_MODEL), None
 
 
 def _pick_ep(n_experts: int, world: int, per_node: int, forced: int | None) -> int:
@@ -246,23 +243,113 @@ def _fit_memory(spec: Spec, shape: fit.Shape, per_rank: int, warnings: list[str]
 
 
 def build_plan(spec: Spec) -> Plan:
+    """The plan in named steps, each a function of the spec and the steps before it."""
+    warnings: list[str] = []
     gpu = catalog.gpu(spec.hardware.gpu)
+    fabric = resolve_fabric(spec, gpu)
+    model, model_counts = plan_model(spec)
+    precision = _precision(spec, gpu)
+    hardware = plan_hardware(spec, gpu, precision)
+    parallel, chosen = plan_parallel(spec, model, model_counts, gpu, hardware, precision, warnings)
+    optim = plan_optim(spec)
+    run, storage_root = plan_storage(spec)
+    launch = plan_launch(spec, gpu, fabric, storage_root)
+    return Plan(
+        version=PLAN_VERSION,
+        name=spec.name,
+        model=model,
+        hardware=hardware,
+        parallel=parallel,
+        optim=optim,
+        run=run,
+        launch=launch,
+        slurm=spec.slurm,
+        kubernetes=spec.kubernetes,
+        ray=plan_ray(spec),
+        memory=chosen.as_dict(),
+        env=launch_env(spec, gpu, fabric, run, launch),
+        deepspeed=deepspeed_config(model, hardware, parallel, optim),
+        warnings=warnings,
+        spec=spec.model_dump(mode="json"),
+    )
+
+
+def resolve_fabric(spec: Spec, gpu: catalog.GPU) -> catalog.Fabric:
+    """The spec's fabric; a CPU plan has no RDMA device, so an RDMA fabric (the default) becomes tcp."""
     fabric = catalog.fabric(spec.network.fabric)
-    preset, weights_path = _resolve_model(spec)
+    if gpu.is_cpu and fabric.rdma:
+        fabric = catalog.fabric("tcp")
+    if spec.network.ib_hca and not fabric.rdma:
+        raise SpecError("network.ib_hca", f"only applies to RDMA fabrics; {fabric.name} is not one")
+    return fabric
+
+
+def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
+    """The model: preset or local checkpoint, layers truncated, parameter and FLOP counts."""
+    if spec.model.path:
+        preset = catalog.model_from_path(spec.model.path)
+        weights_path = None  # a config alone: random init from it
+        if hf_checkpoint.has_weights(spec.model.path):
+            hf_checkpoint.check_checkpoint(spec.model.path)  # a broken checkpoint fails here, not in the job
+            weights_path = str(Path(spec.model.path).resolve())
+    else:
+        preset, weights_path = catalog.model(spec.model.preset or DEFAULT_MODEL), None
     cfg = dict(preset.config)
     if spec.model.num_layers is not None:
         if spec.model.num_layers > cfg["num_hidden_layers"]:
             raise SpecError("model.num_layers", f"{preset.name} has only {cfg['num_hidden_layers']} layers")
         cfg["num_hidden_layers"] = spec.model.num_layers
-    warnings: list[str] = []
-    if spec.training.seq_len > cfg.get("max_position_embeddings", spec.training.seq_len):
+    seq_len = spec.training.seq_len
+    if seq_len > cfg.get("max_position_embeddings", seq_len):
         raise SpecError(
             "training.seq_len",
-            f"{spec.training.seq_len} exceeds the model's max_position_embeddings ({cfg['max_position_embeddings']})",
+            f"{seq_len} exceeds the model's max_position_embeddings ({cfg['max_position_embeddings']})",
         )
+    balance = preset.balance or {}
+    aux = spec.training.aux_loss_coeff
+    mc = counts(cfg, seq_len)
+    model = ModelPlan(
+        name=preset.name,
+        source=preset.source,
+        trainable=preset.trainable,
+        untrainable_reason=preset.untrainable_reason,
+        path=weights_path,
+        config=cfg,
+        aux_loss_coeff=aux if aux is not None else float(balance.get("aux_loss_alpha", 0.0)),
+        seq_aux=bool(balance.get("seq_aux", True)),
+        params_total=mc.total,
+        params_active=mc.active,
+        flops_per_token=flops_per_token(mc),
+    )
+    return model, mc
 
+
+def plan_hardware(spec: Spec, gpu: catalog.GPU, precision: str) -> HardwarePlan:
     nodes, per_node = spec.hardware.nodes, spec.hardware.gpus_per_node
-    world = nodes * per_node
+    host_gib, _ = _host_memory(spec, gpu)
+    return HardwarePlan(
+        gpu=gpu.name,
+        on_gpu=not gpu.is_cpu,
+        nodes=nodes,
+        procs_per_node=per_node,
+        world_size=nodes * per_node,
+        usable_memory_gib=gpu.usable_memory_gib,
+        host_memory_gib=host_gib,
+        peak_tflops=gpu.peak_tflops_bf16 if precision == "bf16" else gpu.peak_tflops_fp16,
+    )
+
+
+def plan_parallel(
+    spec: Spec,
+    model: ModelPlan,
+    model_counts: ModelCounts,
+    gpu: catalog.GPU,
+    hardware: HardwarePlan,
+    precision: str,
+    warnings: list[str],
+) -> tuple[ParallelPlan, fit.Fit]:
+    """EP size, batch split, the memory fit (`dskit/plan/fit.py`) and the attention backend."""
+    cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
     ep = _pick_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
     gb = spec.training.global_batch
     if gb % world:
@@ -272,8 +359,6 @@ def build_plan(spec: Spec) -> Plan:
             f"{gb} is not divisible by the world size {world}; nearest: {lo or hi}, {hi}",
         )
     per_rank = gb // world
-    precision = _precision(spec, gpu)
-    mc = counts(cfg, spec.training.seq_len)
     forced_mb = spec.overrides.micro_batch
     if forced_mb is not None and per_rank % forced_mb:
         raise SpecError(
@@ -283,27 +368,60 @@ def build_plan(spec: Spec) -> Plan:
         )
     host_gib, host_from = _host_memory(spec, gpu)
     shape = fit.Shape(
-        model=preset.name,
+        model=model.name,
         cfg=cfg,
-        counts=mc,
+        counts=model_counts,
         seq_len=spec.training.seq_len,
         gpu=gpu,
-        nodes=nodes,
+        nodes=hardware.nodes,
         per_node=per_node,
         ep_size=ep,
         host_memory_gib=host_gib,
         host_memory_from=host_from,
-        loads_weights=weights_path is not None,
+        loads_weights=model.path is not None,
         loss=spec.overrides.loss,
     )
     chosen = _fit_memory(spec, shape, per_rank, warnings)
-    mb, ckpt, offload = chosen.candidate.micro_batch, chosen.candidate.ckpt_every, chosen.candidate.offload
-    peak = gpu.peak_tflops_bf16 if precision == "bf16" else gpu.peak_tflops_fp16
+    mb = chosen.candidate.micro_batch
+    parallel = ParallelPlan(
+        ep_size=ep,
+        expert_dp_size=world // ep,
+        micro_batch=mb,
+        grad_accum=per_rank // mb,
+        global_batch=gb,
+        seq_len=spec.training.seq_len,
+        activation_checkpointing=chosen.candidate.ckpt_every,
+        precision=precision,
+        attention=_attention(spec, gpu),
+        offload_optimizer=chosen.candidate.offload,
+        loss_chunk_tokens=memory.loss_chunk_for(cfg, mb * spec.training.seq_len, spec.overrides.loss),
+    )
+    return parallel, chosen
+
+
+def plan_optim(spec: Spec) -> OptimPlan:
+    t = spec.training
+    return OptimPlan(
+        steps=t.steps,
+        lr=t.lr,
+        min_lr=t.lr * t.min_lr_ratio,
+        warmup_steps=round(t.steps * t.warmup_ratio),
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+    )
+
+
+def _run_root(spec: Spec) -> tuple[str, str]:
+    """(storage root, ROOT/NAME). Relative paths mean "relative to where you rendered": absolute now,
+    since jobs start elsewhere (the Slurm spool, a container's workdir)."""
+    root = os.path.abspath(spec.storage.root)
+    return root, f"{root.rstrip('/')}/{spec.name}"
+
+
+def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
+    """Where the run reads and writes, all absolute; returns the run section and the storage root."""
     storage = spec.storage
-    # Relative paths mean "relative to where you rendered": make them absolute now, since jobs start
-    # elsewhere (the Slurm spool, a container's workdir).
-    root = os.path.abspath(storage.root)
-    run_root = f"{root.rstrip('/')}/{spec.name}"
+    root, run_root = _run_root(spec)
     ckpt_dir = (
         os.path.abspath(storage.checkpoint_dir) if storage.checkpoint_dir else f"{run_root}/checkpoints"
     )
@@ -318,21 +436,54 @@ def build_plan(spec: Spec) -> Plan:
         bad = first_unsafe(path or "")
         if bad is not None:  # the spec's strings are checked; the current directory may add one
             raise SpecError(field, f"{path} contains {describe(bad)}; use a path without it")
-    balance = preset.balance or {}
-    aux = (
-        spec.training.aux_loss_coeff
-        if spec.training.aux_loss_coeff is not None
-        else float(balance.get("aux_loss_alpha", 0.0))
+    run = RunPlan(
+        seed=spec.training.seed,
+        log_every=spec.training.log_every,
+        data_path=data_path,
+        checkpoint_dir=ckpt_dir,
+        output_dir=out_dir,
+        checkpoint_every=spec.checkpoint.every,
+        checkpoint_keep=spec.checkpoint.keep,
+        checkpoint_final=spec.checkpoint.final,
+        profile_steps=spec.training.profile_steps,
     )
-    steps = spec.training.steps
-    # /dev/shm: NCCL's intra-node transport and DataLoader workers use it; Docker's default is 64 MB.
-    shm = (1 if gpu.is_cpu else max(16, 2 * per_node)) * 2**30
+    return run, root
+
+
+def plan_ray(spec: Spec) -> RayPlan:
+    _, run_root = _run_root(spec)
+    path = os.path.abspath(spec.ray.storage_path) if spec.ray.storage_path else f"{run_root}/ray"
+    return RayPlan(max_failures=spec.ray.max_failures, storage_path=path)
+
+
+def plan_launch(spec: Spec, gpu: catalog.GPU, fabric: catalog.Fabric, storage_root: str) -> LaunchPlan:
+    per_node = spec.hardware.gpus_per_node
+    return LaunchPlan(
+        runtime=spec.runtime.kind,
+        image=spec.runtime.image,
+        python=spec.runtime.python,
+        mounts=list(spec.runtime.mounts),
+        storage_root=storage_root,
+        rdzv_port=29500,
+        # /dev/shm: NCCL's intra-node transport and DataLoader workers use it; Docker's default is 64 MB.
+        shm_bytes=(1 if gpu.is_cpu else max(16, 2 * per_node)) * 2**30,
+        fabric=fabric.name,
+        fabric_rdma=fabric.rdma,
+        fabric_k8s_resource=fabric.k8s_resource,
+    )
+
+
+def launch_env(
+    spec: Spec, gpu: catalog.GPU, fabric: catalog.Fabric, run: RunPlan, launch: LaunchPlan
+) -> dict[str, str]:
+    """The launch contract every target exports (dskit/contract.py), minus RUN_FILE."""
+    per_node = spec.hardware.gpus_per_node
     omp = spec.hardware.cpus_per_node // per_node if spec.hardware.cpus_per_node else (1 if gpu.is_cpu else 8)
     env = {
         Env.GPU_PROFILE.value: gpu.name,
-        Env.CHECKPOINT_DIR.value: ckpt_dir,
-        Env.OUTPUT_DIR.value: out_dir,
-        Env.SHM_BYTES.value: str(shm),
+        Env.CHECKPOINT_DIR.value: run.checkpoint_dir,
+        Env.OUTPUT_DIR.value: run.output_dir,
+        Env.SHM_BYTES.value: str(launch.shm_bytes),
         # ZeRO-3 overlaps its all-gathers and reduce-scatters with compute on separate streams: keep
         # CUDA's 8 hardware queues (Megatron-style images set 1, which serialises them).
         Env.CUDA_DEVICE_MAX_CONNECTIONS.value: "8",
@@ -346,103 +497,10 @@ def build_plan(spec: Spec) -> Plan:
         env["NCCL_SOCKET_IFNAME"] = spec.network.interface
         env["GLOO_SOCKET_IFNAME"] = spec.network.interface
     if spec.network.ib_hca:
-        if not fabric.rdma:
-            raise SpecError("network.ib_hca", f"only applies to RDMA fabrics; {fabric.name} is not one")
         env["NCCL_IB_HCA"] = spec.network.ib_hca
     if gpu.is_cpu:
         env["DS_ACCELERATOR"] = "cpu"
-    model_type = cfg.get("model_type")
-    return Plan(
-        version=PLAN_VERSION,
-        name=spec.name,
-        model=ModelPlan(
-            name=preset.name,
-            source=preset.source,
-            trainable=preset.trainable,
-            untrainable_reason=preset.untrainable_reason,
-            path=weights_path,
-            config=cfg,
-            aux_loss_coeff=aux,
-            seq_aux=bool(balance.get("seq_aux", True)),
-            params_total=mc.total,
-            params_active=mc.active,
-            flops_per_token=flops_per_token(mc),
-        ),
-        hardware=HardwarePlan(
-            gpu=gpu.name,
-            on_gpu=not gpu.is_cpu,
-            nodes=nodes,
-            procs_per_node=per_node,
-            world_size=world,
-            usable_memory_gib=gpu.usable_memory_gib,
-            host_memory_gib=host_gib,
-            peak_tflops=peak,
-        ),
-        parallel=ParallelPlan(
-            ep_size=ep,
-            expert_dp_size=world // ep,
-            micro_batch=mb,
-            grad_accum=per_rank // mb,
-            global_batch=gb,
-            seq_len=spec.training.seq_len,
-            activation_checkpointing=ckpt,
-            precision=precision,
-            attention=_attention(spec, gpu),
-            offload_optimizer=offload,
-            loss_chunk_tokens=memory.loss_chunk_for(cfg, mb * spec.training.seq_len, spec.overrides.loss),
-        ),
-        optim=OptimPlan(
-            steps=steps,
-            lr=spec.training.lr,
-            min_lr=spec.training.lr * spec.training.min_lr_ratio,
-            warmup_steps=round(steps * spec.training.warmup_ratio),
-            weight_decay=spec.training.weight_decay,
-            grad_clip=spec.training.grad_clip,
-        ),
-        run=RunPlan(
-            seed=spec.training.seed,
-            log_every=spec.training.log_every,
-            data_path=data_path,
-            checkpoint_dir=ckpt_dir,
-            output_dir=out_dir,
-            checkpoint_every=spec.checkpoint.every,
-            checkpoint_keep=spec.checkpoint.keep,
-            checkpoint_final=spec.checkpoint.final,
-            profile_steps=spec.training.profile_steps,
-        ),
-        launch=LaunchPlan(
-            runtime=spec.runtime.kind,
-            image=spec.runtime.image,
-            python=spec.runtime.python,
-            mounts=list(spec.runtime.mounts),
-            storage_root=root,
-            rdzv_port=29500,
-            shm_bytes=shm,
-            fabric=fabric.name,
-            fabric_rdma=fabric.rdma,
-            ray_max_failures=spec.ray.max_failures,
-            ray_storage_path=os.path.abspath(spec.ray.storage_path)
-            if spec.ray.storage_path
-            else f"{run_root}/ray",
-        ),
-        memory=chosen.as_dict(),
-        env=env,
-        deepspeed=deepspeed_config(
-            micro_batch=mb,
-            grad_accum=per_rank // mb,
-            world=world,
-            precision=precision,
-            lr=spec.training.lr,
-            weight_decay=spec.training.weight_decay,
-            grad_clip=spec.training.grad_clip,
-            ep_size=ep,
-            autoep_preset=AUTOEP_PRESETS.get(model_type, "deepseek_v2"),
-            offload_optimizer=offload,
-            on_gpu=not gpu.is_cpu,
-        ),
-        warnings=warnings,
-        spec=spec.model_dump(mode="json"),
-    )
+    return env
 
 
 # --------------------------------------------------------------------------- run.yaml

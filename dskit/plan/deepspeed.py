@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the sections are defined in dskit.plan, which imports this module
+    from dskit.plan import HardwarePlan, ModelPlan, OptimPlan, ParallelPlan
 
 # DeepSeek-V2 paper (Sec. 3.1.2): AdamW with beta1 0.9, beta2 0.95.
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
 
 
+#: AutoEP's `preset_model` per HF model_type (its router and expert layouts); others use V2's.
+AUTOEP_PRESETS = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+
+
 def deepspeed_config(
-    *,
-    micro_batch: int,
-    grad_accum: int,
-    world: int,
-    precision: str,
-    lr: float,
-    weight_decay: float,
-    grad_clip: float,
-    ep_size: int,
-    autoep_preset: str,
-    offload_optimizer: bool,
-    on_gpu: bool,
+    model: ModelPlan, hardware: HardwarePlan, parallel: ParallelPlan, optim: OptimPlan
 ) -> dict[str, Any]:
+    """The config for the plan's sections; every value comes from them (nothing is decided here)."""
+    on_gpu, offload_optimizer = hardware.on_gpu, parallel.offload_optimizer
+    micro_batch, grad_accum = parallel.micro_batch, parallel.grad_accum
+    autoep_preset = AUTOEP_PRESETS.get(model.config.get("model_type"), "deepseek_v2")
     zero: dict[str, Any] = {
         "stage": 3,
         "overlap_comm": on_gpu,
@@ -30,7 +30,7 @@ def deepspeed_config(
         # Bucket sizes in elements: DeepSpeed's own defaults, written out so run.yaml shows them. The
         # h*h "auto" heuristics of DeepSpeed's HF integration (tuned for dense layers of ~12h^2
         # parameters) cut an MoE layer into hundreds of small collectives: 30% slower per step on the
-        # H200 bench (bench/results/h200-2026-11-30.md).
+        # H200 bench (bench/README.md; bench/results/h200-2026-11-30-*-buckets.json).
         "reduce_bucket_size": 5 * 10**8,
         "stage3_prefetch_bucket_size": 5 * 10**7,
         "stage3_param_persistence_threshold": 10**5,
@@ -45,21 +45,26 @@ def deepspeed_config(
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": micro_batch * grad_accum * world,
-        "gradient_clipping": grad_clip,
+        "train_batch_size": micro_batch * grad_accum * hardware.world_size,
+        "gradient_clipping": optim.grad_clip,
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": weight_decay},
+            "params": {
+                "lr": optim.lr,
+                "betas": list(ADAM_BETAS),
+                "eps": ADAM_EPS,
+                "weight_decay": optim.weight_decay,
+            },
         },
-        "expert_parallel": {"enabled": True, "autoep_size": ep_size, "preset_model": autoep_preset},
+        "expert_parallel": {"enabled": True, "autoep_size": parallel.ep_size, "preset_model": autoep_preset},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if not on_gpu and not offload_optimizer:
         # FusedAdam is a CUDA op; on the CPU accelerator use torch's AdamW.
         cfg["optimizer"]["torch_adam"] = True
-    if precision == "bf16":
+    if parallel.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     else:
         # No bf16 (V100, T4): fp16 needs dynamic loss scaling. loss_scale 0 = dynamic; the window is the

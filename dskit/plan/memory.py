@@ -1,7 +1,7 @@
 """Per-GPU memory estimate for ZeRO-3 + AutoEP training of a DeepSeek MoE.
 
-An estimate, not a promise: tests/test_plan.py checks it against the H200 baseline measurements in
-../shared/reference (peak allocated 51.2 GiB / 45.8 GiB with checkpointing / 35.0 GiB at EP=2) to within
+An estimate, not a promise: tests/test_plan.py checks it against the H200 baseline measurements
+(peak allocated 51.2 GiB / 45.8 GiB with checkpointing / 35.0 GiB at EP=2; bench/README.md) to within
 25%. What it counts:
 
 - model states: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight + bf16 grad + fp32
@@ -17,7 +17,7 @@ An estimate, not a promise: tests/test_plan.py checks it against the H200 baseli
   keeps (inputs of each linear, of the activation function and of the norms), in bf16; with activation
   checkpointing only each checkpointed layer's input is kept, plus one layer being recomputed.
 - the loss: bf16 logits, their fp32 copy for the softmax and its gradient (batch x seq x vocab); at
-  V2's 102400 vocabulary this is the largest activation (see DESIGN.md's profile).
+  V2's 102400 vocabulary this is the largest activation.
 - a fixed overhead for the CUDA context, NCCL buffers and allocator fragmentation.
 
 `construction_gib` is the other GPU peak: building the model partitioned from birth (ZeRO-3

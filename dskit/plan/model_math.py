@@ -12,17 +12,12 @@ from typing import Any
 @dataclass(frozen=True)
 class ModelCounts:
     total: int  # all parameters
-    expert: int  # routed-expert parameters (sharded by AutoEP)
     active: int  # parameters touched per token, excluding the embedding lookup (for 6*N FLOPs)
     largest_layer: int  # largest decoder layer's non-expert parameters (ZeRO-3 gathers one at a time)
     experts_per_layer: int  # routed-expert parameters of one MoE layer (0 if no MoE layer)
     moe_layer_non_expert: int  # a MoE layer's attention, norms, shared experts and router (0 if none)
     largest_module: int  # largest single module: one MoE layer's routed experts, the embedding, an MLP
     attn_flops_per_token: float  # causal attention score/value FLOPs per token, forward + backward
-
-    @property
-    def non_expert(self) -> int:
-        return self.total - self.expert
 
 
 def head_dims(cfg: dict[str, Any]) -> tuple[int, int]:
@@ -72,7 +67,6 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
     largest_module = max(experts_per_layer, V * h, dense_mlp if dense_layers else 0, attention_params(cfg))
     return ModelCounts(
         total=total,
-        expert=moe_layers * routed,
         active=active,
         largest_layer=largest,
         experts_per_layer=experts_per_layer,

@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 import yaml
 
+from dskit import torchrun
 from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.plan import Plan, dump_plan
@@ -106,32 +107,21 @@ def k8s_literal(word: str) -> str:
     return word.replace("$", "$$")
 
 
-TRAINER_MODULE = "dskit.train"
-
-
 def torchrun_words(plan: Plan, *, quote: Callable[[str], str], endpoint: str, rdzv_id: str) -> list[str]:
     """What every node runs, on every target that starts one process per node (Slurm task, Kubernetes
-    pod): torchrun with a c10d rendezvous on the first node, then the trainer.
+    pod): torchrun with a c10d rendezvous on the first node, then the trainer (dskit/torchrun.py).
 
     `quote` escapes the one user-supplied word (the interpreter) for the target's syntax; `endpoint` and
     `rdzv_id` arrive in that syntax already (shell `${VAR}` for Slurm, `$(VAR)` for Kubernetes).
-    Failed ranks are not restarted in place (--max-restarts=0): the scheduler restarts the whole job,
-    which resumes from the last checkpoint.
     """
     hw = plan.hardware
-    return [
+    return torchrun.torchrun_words(
         quote(plan.launch.python),
-        "-m",
-        "torch.distributed.run",
-        f"--nnodes={hw.nodes}",
-        f"--nproc-per-node={hw.procs_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={endpoint}",
-        f"--rdzv-id={rdzv_id}",
-        "--max-restarts=0",
-        "-m",
-        TRAINER_MODULE,
-    ]
+        nproc_per_node=hw.procs_per_node,
+        nodes=hw.nodes,
+        endpoint=endpoint,
+        rdzv_id=rdzv_id,
+    )
 
 
 def run_files(plan: Plan) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dskit import __version__, catalog
+from dskit import __version__
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, K8S_CONFIG_MOUNT, RUN_YAML, STOP_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan, dump_plan
@@ -22,11 +22,12 @@ from dskit.render.common import (
     dump_yaml,
     k8s_literal,
     package_data_dir,
+    render_template,
     run_files,
     torchrun_words,
 )
 from dskit.render.helm_values import ChartValues
-from dskit.spec import split_secret_ref
+from dskit.spec import KubernetesSpec, split_secret_ref
 
 VALUES, CHART = "values.yaml", "chart"
 #: Pod annotation Multus reads to attach secondary (RDMA) networks.
@@ -55,24 +56,21 @@ def _under_root(plan: Plan) -> None:
 
 def values(plan: Plan) -> ChartValues:
     _under_root(plan)
-    k = plan.spec["kubernetes"]
-    fabric = catalog.fabric(plan.launch.fabric, "network.fabric")
-    requests = {name: k[name] for name in ("cpu", "memory") if k[name]}
+    k = plan.kubernetes
+    requests = {name: v for name in ("cpu", "memory") if (v := getattr(k, name))}
     secret_env = []
-    for name, ref in k["secret_env"].items():
+    for name, ref in k.secret_env.items():
         secret, key = split_secret_ref(ref)
         secret_env.append({"name": name, "secretName": secret, "key": key})
     try:
-        return _chart_values(plan, k, fabric, requests, secret_env)
+        return _chart_values(plan, k, requests, secret_env)
     except ValidationError as e:  # what the spec admits but the chart does not: one line, not a traceback
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"]) or "values"
         raise SpecError(f"chart values {where}", err["msg"]) from None
 
 
-def _chart_values(
-    plan: Plan, k: dict, fabric: catalog.Fabric, requests: dict, secret_env: list
-) -> ChartValues:
+def _chart_values(plan: Plan, k: KubernetesSpec, requests: dict, secret_env: list) -> ChartValues:
     hw, la = plan.hardware, plan.launch
     return ChartValues.model_validate(
         {
@@ -80,7 +78,7 @@ def _chart_values(
             "nodes": hw.nodes,
             "procsPerNode": hw.procs_per_node,
             "gpusPerNode": hw.procs_per_node if hw.on_gpu else 0,
-            "image": {"ref": la.image, "pullSecrets": k["image_pull_secrets"]},
+            "image": {"ref": la.image, "pullSecrets": k.image_pull_secrets},
             "trainer": {
                 "args": torchrun_words(
                     plan,
@@ -98,27 +96,27 @@ def _chart_values(
                 "exitBadInput": EXIT_BAD_INPUT,
             },
             "rendezvousPort": la.rdzv_port,
-            "peerDnsTimeoutSeconds": k["peer_dns_timeout"],
+            "peerDnsTimeoutSeconds": k.peer_dns_timeout,
             "shm": {"sizeLimit": str(la.shm_bytes)},
             "storage": {
                 "mountPath": la.storage_root,
-                "existingClaim": k["existing_claim"] or "",
-                "size": k["storage_size"],
-                "storageClassName": k["storage_class"] or "",
+                "existingClaim": k.existing_claim or "",
+                "size": k.storage_size,
+                "storageClassName": k.storage_class or "",
             },
             "rdma": {
-                "enabled": fabric.rdma and fabric.k8s_resource is not None,
-                "resource": fabric.k8s_resource or "",
-                "perNode": k["rdma_per_node"],
+                "enabled": la.fabric_rdma and la.fabric_k8s_resource is not None,
+                "resource": la.fabric_k8s_resource or "",
+                "perNode": k.rdma_per_node,
             },
             "resources": {"requests": requests},
-            "nodeSelector": k["node_selector"],
-            "podAnnotations": {MULTUS_NETWORKS: ",".join(k["networks"])} if k["networks"] else {},
-            "tolerations": [{f: v for f, v in t.items() if v is not None} for t in k["tolerations"]],
-            "priorityClassName": k["priority_class"] or "",
-            "serviceAccountName": k["service_account"] or "",
-            "failure": {"maxRestarts": k["max_restarts"]},
-            "terminationGracePeriodSeconds": k["grace_seconds"],
+            "nodeSelector": k.node_selector,
+            "podAnnotations": {MULTUS_NETWORKS: ",".join(k.networks)} if k.networks else {},
+            "tolerations": [t.model_dump(mode="json", exclude_none=True) for t in k.tolerations],
+            "priorityClassName": k.priority_class or "",
+            "serviceAccountName": k.service_account or "",
+            "failure": {"maxRestarts": k.max_restarts},
+            "terminationGracePeriodSeconds": k.grace_seconds,
         }
     )
 
@@ -133,6 +131,15 @@ def values_yaml(plan: Plan) -> str:
     return header + dump_yaml(data)
 
 
+LAUNCH_SCRIPT = "files/launch.sh"
+
+
+def launch_script() -> str:
+    """The pods' entrypoint, generated into the chart (make examples) from templates/helm/launch.sh.j2,
+    which shares its stop/reap logic with Slurm's job.sbatch; a test checks the chart's copy is current."""
+    return render_template("helm/launch.sh.j2")
+
+
 def chart_files() -> dict[str, str]:
     root = chart_dir()
     return {
@@ -142,7 +149,8 @@ def chart_files() -> dict[str, str]:
     }
 
 
-def render(plan: Plan) -> dict[str, str]:
+def render(plan: Plan, out_dir: Path) -> dict[str, str]:
+    """The run directory's files; nothing in them depends on where it lives (`out_dir`)."""
     return {**run_files(plan), VALUES: values_yaml(plan), **chart_files()}
 
 

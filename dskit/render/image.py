@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from dskit import __version__, catalog
+from dskit.plan import Plan
 from dskit.render.common import q, render_template
 
 DOCKERFILE, INSTALL, LOCK, APPTAINER, ENROOT = (
@@ -54,16 +55,21 @@ def image_tag(gpu: catalog.GPU, fabric: str) -> str:
     return "dskit:" + "-".join(parts)
 
 
-def image_tag_for(gpu_name: str, fabric_name: str) -> str:
-    gpu = catalog.gpu(gpu_name, "--gpu")
-    return image_tag(gpu, "tcp" if gpu.is_cpu else fabric_name)
+def plan_tag(plan: Plan) -> str:
+    """The tag `dskit render image` prints for the plan's GPU and fabric."""
+    return image_tag(catalog.gpu(plan.hardware.gpu, "--gpu"), plan.launch.fabric)
 
 
-def render(gpu_name: str, fabric_name: str = "infiniband") -> dict[str, str]:
+def render(plan: Plan, out_dir: Path) -> dict[str, str]:
+    """The image for the plan's GPU and fabric (a CPU plan's fabric is tcp: no RDMA libraries)."""
+    return image_files(plan.hardware.gpu, plan.launch.fabric)
+
+
+def image_files(gpu_name: str, fabric_name: str = "infiniband") -> dict[str, str]:
     gpu = catalog.gpu(gpu_name, "--gpu")
     fab = catalog.fabric(fabric_name, "--fabric")
     if gpu.is_cpu and fab.rdma:
-        fabric_name = "tcp"  # a CPU image has no use for RDMA libraries
+        fabric_name = "tcp"  # a CPU image has no use for RDMA libraries (catalog_images asks for them)
     tc_name = toolchain_for(gpu)
     tc = toolchains()[tc_name]
     tag = image_tag(gpu, fabric_name)
@@ -102,6 +108,6 @@ def image_dir(gpu_name: str, fabric_name: str = "infiniband") -> str:
 
 def catalog_images() -> dict[str, dict[str, str]]:
     """images/ contents: every catalog GPU (RDMA libraries included), plus the EFA variant for H100."""
-    out = {image_dir(g): render(g) for g in catalog.gpus()}
-    out[image_dir("h100-80gb", "efa")] = render("h100-80gb", "efa")
+    out = {image_dir(g): image_files(g) for g in catalog.gpus()}
+    out[image_dir("h100-80gb", "efa")] = image_files("h100-80gb", "efa")
     return out

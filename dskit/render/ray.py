@@ -6,6 +6,8 @@ relative to that dir (dskit.ray_train makes it absolute for the workers).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dskit import __version__
 from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.contract import RUN_YAML, Env
@@ -87,9 +89,32 @@ def _pod(plan: Plan, name: str, gpus: int, cpu_request: str) -> dict:
             "volumes": [
                 {"name": "run-config", "configMap": {"name": f"{plan.name}-run"}},
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(la.shm_bytes)}},
-                {"name": "storage", "persistentVolumeClaim": {"claimName": f"{plan.name}-storage"}},
+                {"name": "storage", "persistentVolumeClaim": {"claimName": claim_name(plan)}},
             ],
         }
+    }
+
+
+def claim_name(plan: Plan) -> str:
+    """The claim the pods mount at the storage root: kubernetes.existing_claim, else the one
+    rayjob.yaml creates (NAME-storage, the chart's naming)."""
+    return plan.kubernetes.existing_claim or f"{plan.name}-storage"
+
+
+def _claim(plan: Plan) -> dict | None:
+    """The PersistentVolumeClaim rayjob.yaml creates when the spec names none, as the chart's
+    templates/pvc.yaml does: ReadWriteMany, kubernetes.storage_size and storage_class."""
+    k = plan.kubernetes
+    if k.existing_claim:
+        return None
+    spec: dict = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": k.storage_size}}}
+    if k.storage_class:
+        spec["storageClassName"] = k.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": claim_name(plan), "labels": {"app.kubernetes.io/managed-by": "dskit"}},
+        "spec": spec,
     }
 
 
@@ -136,13 +161,20 @@ def rayjob(plan: Plan) -> str:
     }
     header = comment_block(
         f"Rendered by dskit {__version__}: KubeRay RayJob for {plan.summary()}.",
-        f"Needs the KubeRay operator and a ReadWriteMany PVC named {plan.name}-storage for checkpoints.",
+        "Needs the KubeRay operator. Checkpoints go to the claim "
+        + (
+            f"{claim_name(plan)} (kubernetes.existing_claim)."
+            if plan.kubernetes.existing_claim
+            else f"{claim_name(plan)}, created here and kept after the job (delete it when done)."
+        ),
         "kubectl apply -f rayjob.yaml",
     )
-    return header + dump_yaml_all([config_map, job])
+    claim = _claim(plan)
+    return header + dump_yaml_all([config_map, *([claim] if claim else []), job])
 
 
-def render(plan: Plan) -> dict[str, str]:
+def render(plan: Plan, out_dir: Path) -> dict[str, str]:
+    """The job directory's files; it is Ray's working_dir, so nothing in them names `out_dir`."""
     _no_dollar(plan)
     submit = render_template(
         "ray/submit.sh.j2",

@@ -70,21 +70,21 @@ def launch_words(plan: Plan, run_dir: Path) -> list[str]:
 def render(plan: Plan, run_dir: Path) -> dict[str, str]:
     """Files of a Slurm run directory. `run_dir` is where they will live (baked in as an absolute path)."""
     run_dir = Path(run_dir).resolve()
-    s = plan.spec["slurm"]
+    s = plan.slurm
     directives = [f"--job-name={plan.name}", f"--nodes={plan.hardware.nodes}", "--ntasks-per-node=1"]
     if plan.hardware.on_gpu:
         directives.append(f"--gpus-per-node={plan.hardware.procs_per_node}")
-    chain = s["chain"]
+    chain = s.chain
     directives += [
         "--exclusive",
-        f"--time={s['time']}",
+        f"--time={s.time}",
         "--output=%x-%j.out",
         "--open-mode=append",
-        f"--signal=B:USR1@{s['grace_seconds']}",
+        f"--signal=B:USR1@{s.grace_seconds}",
         "--requeue",
     ]
-    directives += [f"--{k}={s[k]}" for k in ("partition", "account", "qos") if s[k]]
-    directives += s["extra_args"]
+    directives += [f"--{k}={v}" for k in ("partition", "account", "qos") if (v := getattr(s, k))]
+    directives += s.extra_args
     env = env_lines({**plan.env})
     header = comment_block(
         f"Rendered by dskit {__version__}. Do not edit: change the run spec and re-render.",

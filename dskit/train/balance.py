@@ -55,8 +55,9 @@ class RouterTap:
         self.collecting = False
 
     def aux_loss(self, batch: int, alpha: float, seq_aux: bool) -> torch.Tensor:
-        """Sum over layers of the balance loss for the forward just run (tokens ordered [batch, seq])."""
-        total = None
+        """Sum over layers of the balance loss for the forward just run (tokens ordered [batch, seq]).
+        Every forward fills one entry per router (the constructor found at least one)."""
+        layers = []
         for logits, selected in zip(self.logits, self.selected, strict=True):
             n_exp = logits.shape[-1]
             if self.score_func == "sigmoid":
@@ -72,13 +73,10 @@ class RouterTap:
                 1, selected.view(groups, -1), torch.ones_like(selected.view(groups, -1), dtype=torch.float32)
             )
             f = hits * n_exp / (self.top_k * tokens)
-            layer = (f * s.mean(1)).sum(-1).mean()
-            total = layer if total is None else total + layer
+            layers.append((f * s.mean(1)).sum(-1).mean())
         self.logits.clear()
         self.selected.clear()
-        if total is None:
-            return torch.zeros(())
-        return alpha * total
+        return alpha * sum(layers[1:], layers[0])  # summed in layer order
 
     def take_load(self) -> torch.Tensor | None:
         """[layers, experts] token counts accumulated since the last call (this rank only)."""

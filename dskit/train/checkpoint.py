@@ -9,7 +9,8 @@ Layout under the checkpoint dir:
 A save goes to tmp-<tag>, every rank records size and CRC-32 of the files it wrote, rank 0 writes
 dskit.json and renames the directory: a crash at any point leaves either the old or the new checkpoint.
 Loading walks back from the newest tag; each rank re-checks its own files (so the check scales with
-the cluster), and a tag that fails anywhere is skipped with a message naming the file.
+the cluster), and a tag that fails anywhere is skipped with a message naming the file. `dskit export`
+runs the same check for every rank's files in one process (`newest_verified_tag`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,51 @@ def _crc(path: Path) -> int:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Tags under `root` with a completion marker, newest first."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        (p.name for p in root.iterdir() if TAG_RE.match(p.name) and (p / DONE).is_file()), reverse=True
+    )
+
+
+def verify_rank_files(d: Path, rank: int) -> str | None:
+    """What is wrong with the files `rank` wrote into checkpoint `d` (its manifest: sizes and CRC-32s),
+    or None when they all check out."""
+    mf = d / f"dskit-manifest-rank{rank}.json"
+    if not mf.is_file():
+        return f"{mf.name} missing"
+    try:
+        manifest = json.loads(mf.read_text())
+    except json.JSONDecodeError:
+        return f"{mf.name} unreadable"
+    for name, (size, crc) in manifest.items():
+        p = d / name
+        if not p.is_file():
+            return f"{name} missing"
+        if p.stat().st_size != size:
+            return f"{name} truncated ({p.stat().st_size} of {size} bytes)"
+        if _crc(p) != crc:
+            return f"{name} corrupt (checksum mismatch)"
+    return None
+
+
+def newest_verified_tag(root: Path) -> Path:
+    """The newest complete checkpoint whose every rank's files check out, in one process (export).
+    A SpecError (exit 2) when there is none."""
+    if not root.is_dir():
+        raise SpecError("checkpoint", f"{root} does not exist: has the run saved a checkpoint?")
+    for tag in complete_tags(root):
+        d = root / tag
+        world = json.loads((d / DONE).read_text())["world_size"]
+        problem = next((p for r in range(world) if (p := verify_rank_files(d, r))), None)
+        if problem is None:
+            return d
+        print(f"dskit: skipping {d}: {problem}", file=sys.stderr)
+    raise SpecError("checkpoint", f"no complete checkpoint under {root}")
 
 
 def _owned_by(name: str, rank: int) -> bool:
@@ -118,40 +165,14 @@ class Checkpointer:
         return final
 
     def _prune(self) -> None:
-        tags = self.complete_tags()
-        for old in tags[self.keep :]:
+        for old in complete_tags(self.root)[self.keep :]:
             shutil.rmtree(self.root / old, ignore_errors=True)
 
     # ------------------------------------------------------------------ load
 
-    def complete_tags(self) -> list[str]:
-        """Tags with a completion marker, newest first."""
-        if not self.root.is_dir():
-            return []
-        tags = [p.name for p in self.root.iterdir() if TAG_RE.match(p.name) and (p / DONE).is_file()]
-        return sorted(tags, reverse=True)
-
-    def _verify_own_files(self, d: Path) -> str | None:
-        mf = d / f"dskit-manifest-rank{self.rank}.json"
-        if not mf.is_file():
-            return f"{mf.name} missing"
-        try:
-            manifest = json.loads(mf.read_text())
-        except json.JSONDecodeError:
-            return f"{mf.name} unreadable"
-        for name, (size, crc) in manifest.items():
-            p = d / name
-            if not p.is_file():
-                return f"{name} missing"
-            if p.stat().st_size != size:
-                return f"{name} truncated ({p.stat().st_size} of {size} bytes)"
-            if _crc(p) != crc:
-                return f"{name} corrupt (checksum mismatch)"
-        return None
-
     def load_latest(self, engine) -> dict[str, Any] | None:
         """Load the newest checkpoint that verifies everywhere; returns its metadata, or None to start fresh."""
-        tags = self.complete_tags()
+        tags = complete_tags(self.root)
         # all ranks must walk the same list: take rank 0's view of the shared directory
         holder = [tags]
         dist.broadcast_object_list(holder, src=0)
@@ -167,7 +188,7 @@ class Checkpointer:
                     f"{self.world}: render the run with the world size of the checkpoint (hardware.nodes x "
                     "hardware.gpus_per_node), or point storage.checkpoint_dir at an empty dir to start fresh",
                 )
-            problem = self._verify_own_files(d)
+            problem = verify_rank_files(d, self.rank)
             if problem:
                 log.warning("checkpoint %s: rank %d finds %s", d, self.rank, problem)
             if not _reduce_ok(problem is None, self.device):

@@ -115,10 +115,9 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     what each rank holds and its memory peaks (`construction-rankN.json`). `deepspeed_config` replaces
     the plan's only for benchmarks that measure construction without an optimizer."""
     import deepspeed
-    import torch
 
     from dskit.train.metrics import memory_gib
-    from dskit.train.model import apply_sdpa_policy, build_model, resolve_attention
+    from dskit.train.model import apply_sdpa_policy, build_model, resolve_attention, torch_dtype
 
     ds_config = plan.deepspeed if deepspeed_config is None else deepspeed_config
     attention, why = resolve_attention(plan.parallel.attention, device)
@@ -129,7 +128,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     model = build_model(
         plan.model,
         attention=attention,
-        dtype=torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16,
+        dtype=torch_dtype(plan.parallel.precision),
         seed=plan.run.seed,
         ckpt_every=plan.parallel.activation_checkpointing,
         deepspeed_config=ds_config,
@@ -215,6 +214,7 @@ def _main() -> int:
         _error_line(e)
         return EXIT_BAD_INPUT
     finally:
-        # Without this a rank may abort at exit (DESIGN.md).
+        # Without this a rank may abort at exit (torch warns of a leaked process group and gloo/NCCL
+        # teardown can race the interpreter's).
         if dist.is_initialized():
             dist.destroy_process_group()

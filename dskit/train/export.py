@@ -21,21 +21,26 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
 from dskit.hf_checkpoint import INDEX, SINGLE
 
+if TYPE_CHECKING:  # torch is imported where it is used: `dskit export --help` stays light
+    import torch
+
+    from dskit.plan import Plan
+
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 VERIFY_MAX_PARAMS = 3 * 10**9  # the logits check runs the model on this machine's CPU
-VERIFY_RTOL = 2e-2  # relative L2 error; bf16 kernels differ in summation order (METHOD.md: 1e-3..1e-2)
+VERIFY_RTOL = 2e-2  # relative L2 error; bf16 kernels differ in summation order (1e-3..1e-2)
 
 # transformers name -> (AutoEP names, how to combine them). AutoEP stores experts as w1 (gate),
 # w3 (up) [E, I, H] and w2 (down) [E, H, I]; transformers fuses gate and up as gate_up_proj [E, 2I, H].
 _LAYER = r"(model\.layers\.\d+\.mlp)"
-HF_FROM_AUTOEP: list[tuple[re.Pattern, list[str], Callable | None]] = [
+HF_FROM_AUTOEP: list[tuple[re.Pattern, list[str], Literal["cat1"] | None]] = [
     (re.compile(_LAYER + r"\.gate\.weight$"), [r"\1.router.gate.weight"], None),
     (re.compile(_LAYER + r"\.gate\.e_score_correction_bias$"), [r"\1.router.e_score_correction_bias"], None),
     (re.compile(_LAYER + r"\.experts\.gate_up_proj$"), [r"\1.experts.w1", r"\1.experts.w3"], "cat1"),
@@ -50,28 +55,7 @@ def autoep_sources(hf_name: str) -> tuple[list[str], str | None]:
     return [hf_name], None
 
 
-def newest_verified_tag(root: Path) -> Path:
-    """Newest complete checkpoint whose every rank manifest checks out (single process)."""
-    from dskit.train.checkpoint import DONE, TAG_RE, _crc
-
-    if not root.is_dir():
-        raise SpecError("checkpoint", f"{root} does not exist: has the run saved a checkpoint?")
-    tags = sorted((p for p in root.iterdir() if TAG_RE.match(p.name) and (p / DONE).is_file()), reverse=True)
-    for d in tags:
-        bad = None
-        for mf in d.glob("dskit-manifest-rank*.json"):
-            for name, (size, crc) in json.loads(mf.read_text()).items():
-                f = d / name
-                if not f.is_file() or f.stat().st_size != size or _crc(f) != crc:
-                    bad = name
-                    break
-        if bad is None:
-            return d
-        print(f"dskit: skipping {d}: {bad} is missing or corrupt", file=sys.stderr)
-    raise SpecError("checkpoint", f"no complete checkpoint under {root}")
-
-
-def _load_universal(udir: Path, name: str):
+def _load_universal(udir: Path, name: str) -> torch.Tensor | None:
     import torch
 
     f = udir / "zero" / name / "fp32.pt"
@@ -90,15 +74,16 @@ def export(
     from transformers import AutoModelForCausalLM
 
     from dskit.plan import load_plan
+    from dskit.train.checkpoint import newest_verified_tag
     from dskit.train.local import run_file_of
-    from dskit.train.model import hf_config
+    from dskit.train.model import hf_config, torch_dtype
 
     plan = load_plan(run_file_of(run))
     out = Path(output).resolve()
     if out.exists() and not force:  # before the expensive part; atomic_dir checks again
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
     src = newest_verified_tag(Path(plan.run.checkpoint_dir))
-    dtype = torch.bfloat16 if plan.parallel.precision == "bf16" else torch.float16
+    dtype = torch_dtype(plan.parallel.precision)
     with atomic_dir(out, force=force) as work:
         udir = work / "universal"
         print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
@@ -164,18 +149,18 @@ def export(
     return out
 
 
-def _export_dtype(name: str, dtype):
+def _export_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     import torch
 
     # DeepSeek-V3's routing bias is an fp32 buffer in the published checkpoints
     return torch.float32 if name.endswith("e_score_correction_bias") else dtype
 
 
-def _nbytes(shape: tuple[int, ...], dtype) -> int:
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def plan_shards(shapes: dict[str, tuple], limit: int) -> dict[str, list[str]]:
+def plan_shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: int) -> dict[str, list[str]]:
     """File name -> tensor names, in model order, each file at most `limit` bytes (or one tensor).
     Decided from shapes alone, before any data is read, so shard names are final when written."""
     groups: list[list[str]] = [[]]
@@ -192,7 +177,9 @@ def plan_shards(shapes: dict[str, tuple], limit: int) -> dict[str, list[str]]:
     return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups, 1)}
 
 
-def _consolidated(udir: Path, src: Path, name: str, shape: tuple[int, ...], dtype):
+def _consolidated(
+    udir: Path, src: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
     """One Hugging Face tensor from the universal checkpoint (AutoEP names mapped back)."""
     import torch
 
@@ -210,7 +197,7 @@ def _consolidated(udir: Path, src: Path, name: str, shape: tuple[int, ...], dtyp
     return t.reshape(shape).to(dtype).contiguous()
 
 
-def _verify(model_dir: Path, src: Path, plan, dtype) -> None:
+def _verify(model_dir: Path, src: Path, plan: Plan, dtype: torch.dtype) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 

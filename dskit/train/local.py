@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dskit.contract import EXIT_FILE_ENV, EXIT_REQUEUE, RUN_YAML, STOP_FILE, Env
 from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.torchrun import torchrun_words
 
 
 def run_file_of(run: str | None) -> Path:
@@ -39,16 +40,7 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
         )
     Path(plan.run.checkpoint_dir, STOP_FILE).unlink(missing_ok=True)  # a stale request would stop us at once
     env = {**os.environ, **plan.env, Env.RUN_FILE.value: str(run_file)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        "--max-restarts=0",
-        "-m",
-        "dskit.train",
-    ]
+    cmd = torchrun_words(sys.executable, nproc_per_node=world)
     print("+ " + " ".join(cmd), flush=True)
     with tempfile.TemporaryDirectory(prefix="dskit-local-") as tmp:
         exit_file = Path(tmp, "exit-codes")

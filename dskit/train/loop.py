@@ -6,7 +6,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,10 +15,10 @@ import torch.nn.functional as F
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan import Plan
-from dskit.train.balance import RouterTap, load_stats
+from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.data import Sampler, sample_index
-from dskit.train.metrics import MemoryWatch, MetricsLog, current_gib, memory_gib, mfu
+from dskit.train.metrics import LogWindow, MemoryWatch, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
 
@@ -76,7 +75,6 @@ def train(
 ) -> int:
     par, opt, run = plan.parallel, plan.optim, plan.run
     ckpt = Checkpointer(run.checkpoint_dir, keep=run.checkpoint_keep, rank=rank, world=world, device=device)
-    metrics = MetricsLog(run.output_dir, enabled=rank == 0)
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
     profiler = StepProfiler(run.profile_steps, opt.steps, run.output_dir, rank, device)
@@ -89,21 +87,15 @@ def train(
         _mark_complete(run.output_dir, rank)
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
+    window = LogWindow(plan, rank=rank, world=world, device=device)
 
-    tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
-    last_rec: dict = {}
-
-    def saved(path: Path) -> None:
+    def save(step: int, extra: dict | None = None) -> None:
+        info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
+        path = ckpt.save(engine, step, info, extra=extra)
         # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
         # step: a report took ~2 s on the CPU test cluster, longer than a step.
         if reporter:
-            reporter({**last_rec, "step": int(path.name.removeprefix("step")), "checkpoint": str(path)})
-
-    loss_sum = torch.zeros((), device=device)
-    aux_sum = torch.zeros((), device=device)
-    window_steps, window_t0 = 0, time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+            reporter({**window.last, "step": step, "checkpoint": str(path)})
 
     # ---------------------------------------------------------------- loop
     for step in range(start, opt.steps):
@@ -127,100 +119,47 @@ def train(
             aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
             engine.backward(ce + aux)
             engine.step()
-            loss_sum += ce.detach() / par.grad_accum
-            aux_sum += aux.detach() / par.grad_accum
+            window.add(ce, aux)
         done = step + 1
-        window_steps += 1
         profiler.after_step(done)
 
         # ------------------------------------------------------------ log
-        if done % run.log_every == 0 or done == opt.steps:
-            stats = torch.stack([loss_sum, aux_sum]) / window_steps
-            dist.all_reduce(stats)
-            stats /= world
-            load = tap.take_load()
-            if load is not None:
-                dist.all_reduce(load)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            elapsed = time.perf_counter() - window_t0
-            tok_s = tokens_per_step_rank * window_steps / elapsed
-            alloc, reserved = memory_gib(device)
-            rec = {
-                "step": done,
-                "loss": stats[0].item(),
-                "aux_loss": stats[1].item(),
-                "lr": lr,
-                "tokens_per_s_per_gpu": round(tok_s, 1),
-                "mfu": _round(mfu(tok_s, plan.model.flops_per_token, plan.hardware.peak_tflops)),
-                "peak_alloc_gib": round(alloc, 3),
-                "peak_reserved_gib": round(reserved, 3),
-                "step_time_s": round(elapsed / window_steps, 4),
-                "time": time.time(),
-            }
-            if load is not None:
-                rec.update(load_stats(load))
-            metrics.write(rec)
-            last_rec = rec
-            if rank == 0:
-                log.info(
-                    "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",
-                    done,
-                    opt.steps,
-                    rec["loss"],
-                    rec["aux_loss"],
-                    lr,
-                    tok_s,
-                    rec["mfu"],
-                    alloc,
-                    reserved,
-                    rec.get("expert_load_max_over_mean"),
-                )
-            loss_sum.zero_()
-            aux_sum.zero_()
-            window_steps, window_t0 = 0, time.perf_counter()
+        window.step_done(done, lr, tap)
         warning = watch.observe(done, current_gib(device))
         if warning and rank == 0:
             log.warning(warning)
 
         # ------------------------------------------------------------ checkpoint / stop
-        meta = {"step": done, "samples": done * par.grad_accum * par.micro_batch * world, "plan": plan.name}
         if done == opt.steps:
-            if run.checkpoint_final:
-                saved(_finish(plan, engine, ckpt, sampler, rank, device, meta))
-            _mark_complete(run.output_dir, rank)
-            stop.clear_file()
-            return 0
+            break
         if stop.requested():
-            saved(ckpt.save(engine, done, meta))
+            save(done)
             stop.clear_file()
             log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
             return EXIT_REQUEUE
         if done % run.checkpoint_every == 0:
-            saved(ckpt.save(engine, done, meta))
+            save(done)
+
+    # ---------------------------------------------------------------- finish
+    if run.checkpoint_final:
+        save(opt.steps, extra={"probe.pt": _probe(plan, engine, sampler, device)})
+    _mark_complete(run.output_dir, rank)
+    stop.clear_file()
     return 0
 
 
-def _finish(
-    plan: Plan, engine, ckpt: Checkpointer, sampler: Sampler, rank: int, device: torch.device, meta: dict
-) -> Path:
-    """Final checkpoint carrying probe logits, which `dskit export` uses to verify its output."""
+def _probe(plan: Plan, engine, sampler: Sampler, device: torch.device) -> dict[str, torch.Tensor]:
+    """Probe logits for the final checkpoint, which `dskit export` uses to verify its output."""
     n = min(PROBE_TOKENS, plan.parallel.seq_len)
     probe = torch.from_numpy(sampler.batch(0, 1)[:, :n]).to(device)
     engine.eval()
     with torch.no_grad():
         logits = engine(input_ids=probe).logits.float().cpu()
     engine.train()
-    return ckpt.save(
-        engine, meta["step"], meta, extra={"probe.pt": {"input_ids": probe.cpu(), "logits": logits}}
-    )
+    return {"input_ids": probe.cpu(), "logits": logits}
 
 
 def _mark_complete(output_dir: str, rank: int) -> None:
     if rank == 0:
         os.makedirs(output_dir, exist_ok=True)
         Path(output_dir, COMPLETE_FILE).write_text("complete\n")
-
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)

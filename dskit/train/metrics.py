@@ -1,12 +1,20 @@
-"""Step metrics: throughput, MFU, memory, and the early-run memory watch."""
+"""Step metrics: throughput, MFU, memory, the log window the loop reports, and the early-run memory watch."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from dskit.plan import Plan
+from dskit.train.balance import RouterTap, load_stats
+
+log = logging.getLogger("dskit.train")
 
 GIB = 2**30
 
@@ -85,3 +93,84 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+class LogWindow:
+    """Loss and aux loss summed over the steps since the last log line, reported every
+    `run.log_every` steps (and at the last): averaged over ranks, with throughput, MFU, memory and
+    expert load, as one metrics.jsonl record and one log line on rank 0."""
+
+    def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device):
+        self.plan, self.rank, self.world, self.device = plan, rank, world, device
+        par = plan.parallel
+        self.tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
+        self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
+        self.loss_sum = torch.zeros((), device=device)
+        self.aux_sum = torch.zeros((), device=device)
+        self.last: dict = {}  # the latest record (Ray Train reports it with each checkpoint)
+        self._reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def _reset(self) -> None:
+        self.loss_sum.zero_()
+        self.aux_sum.zero_()
+        self.steps, self.t0 = 0, time.perf_counter()
+
+    def add(self, ce: torch.Tensor, aux: torch.Tensor) -> None:
+        """One micro-batch's losses (detached here; the sums never hold the graph)."""
+        accum = self.plan.parallel.grad_accum
+        self.loss_sum += ce.detach() / accum
+        self.aux_sum += aux.detach() / accum
+
+    def step_done(self, done: int, lr: float, tap: RouterTap) -> None:
+        """Close step `done`; at a log step, reduce over ranks and write the record (collective)."""
+        self.steps += 1
+        if done % self.plan.run.log_every and done != self.plan.optim.steps:
+            return
+        stats = torch.stack([self.loss_sum, self.aux_sum]) / self.steps
+        dist.all_reduce(stats)
+        stats /= self.world
+        load = tap.take_load()
+        if load is not None:
+            dist.all_reduce(load)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self.t0
+        tok_s = self.tokens_per_step_rank * self.steps / elapsed
+        alloc, reserved = memory_gib(self.device)
+        rec = {
+            "step": done,
+            "loss": stats[0].item(),
+            "aux_loss": stats[1].item(),
+            "lr": lr,
+            "tokens_per_s_per_gpu": round(tok_s, 1),
+            "mfu": _round(mfu(tok_s, self.plan.model.flops_per_token, self.plan.hardware.peak_tflops)),
+            "peak_alloc_gib": round(alloc, 3),
+            "peak_reserved_gib": round(reserved, 3),
+            "step_time_s": round(elapsed / self.steps, 4),
+            "time": time.time(),
+        }
+        if load is not None:
+            rec.update(load_stats(load))
+        self.metrics.write(rec)
+        self.last = rec
+        if self.rank == 0:
+            log.info(
+                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",
+                done,
+                self.plan.optim.steps,
+                rec["loss"],
+                rec["aux_loss"],
+                lr,
+                tok_s,
+                rec["mfu"],
+                alloc,
+                reserved,
+                rec.get("expert_load_max_over_mean"),
+            )
+        self._reset()
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)

@@ -1,6 +1,6 @@
 """Build the Hugging Face DeepSeek model the plan describes, with the attention backend resolved here.
 
-Attention: MLA has q/k head dim 192 and v head dim 128 (DESIGN.md). Measured on one H200 (forward +
+Attention: MLA has q/k head dim 192 and v head dim 128 (V2/V3 config.json). Measured on one H200 (forward +
 backward, seq 4096): cuDNN SDPA with native 192/128 dims 1.50 ms, flash SDPA with V padded 3.34 ms,
 memory-efficient SDPA 13.3 ms. So on sm90 the plan picks `sdpa_cudnn`; on sm80/86/89 FlashAttention-2
 (transformers pads V to 192 and crops the output); elsewhere plain SDPA.
@@ -19,6 +19,11 @@ import torch
 from dskit.errors import SpecError
 
 log = logging.getLogger("dskit.train")
+
+
+def torch_dtype(precision: str) -> torch.dtype:
+    """The dtype of a plan's precision: the trainer builds the model in it and export writes it."""
+    return torch.bfloat16 if precision == "bf16" else torch.float16
 
 
 def hf_config(cfg: dict[str, Any], attention: str):

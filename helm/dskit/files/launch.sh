@@ -9,6 +9,8 @@
 # - torchrun reports every worker failure as 1. The trainer appends its own exit code to
 #   $DSKIT_EXIT_FILE, and this script exits with it: EXIT_REQUEUE (restart, not counted as a failure),
 #   EXIT_BAD_INPUT (a configuration error: fail the Job now rather than retry).
+# Generated from templates/helm/launch.sh.j2 (make examples): the stop/reap logic is shared with
+# Slurm's job.sbatch (templates/shell/stop.sh.j2).
 set -uo pipefail
 if [ "$#" -lt 6 ] || [ "$5" != "--" ]; then
   echo "usage: launch.sh STOP_FILE COMPLETE_FILE EXIT_REQUEUE EXIT_BAD_INPUT -- COMMAND..." >&2

@@ -1,0 +1,84 @@
+"""Helm values and the Ray job: golden files (examples/), and the KubeRay RayJob's objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dskit.contract import RUN_YAML
+from dskit.plan import build_plan
+from dskit.render import TARGETS, ray
+from dskit.spec import load_spec
+from tests.golden_cases import TARGET_CASES, TARGET_GOLDEN, render_target_case
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+KUBE_VERSION = "1.34"  # as tests/test_helm.py
+
+CASES = [(target, name) for target, cases in TARGET_CASES.items() for name in sorted(cases)]
+
+
+@pytest.mark.parametrize("target,case", CASES, ids=[f"{t}-{c}" for t, c in CASES])
+def test_golden(target, case):
+    got = render_target_case(target, case)
+    want_dir = TARGET_GOLDEN / target / case
+    assert sorted(got) == sorted(p.name for p in want_dir.iterdir()), (
+        "file set changed: python -m tests.regen_examples"
+    )
+    for rel, text in got.items():
+        assert text == (want_dir / rel).read_text(), (
+            f"examples/{target}/{case}/{rel} differs: review, then python -m tests.regen_examples"
+        )
+
+
+def _rayjob(*sets: str) -> tuple[object, dict[str, dict]]:
+    plan = build_plan(load_spec(None, list(sets), {"hardware.nodes": 2, "hardware.gpu": "h100-80gb"}))
+    files = TARGETS["ray"].render(plan, Path("/runs/r"))
+    docs = list(yaml.safe_load_all(files[ray.RAYJOB]))
+    kinds = {d["kind"]: d for d in docs}
+    assert len(kinds) == len(docs), "one object of each kind"
+    return plan, kinds
+
+
+def _claims(job: dict) -> set[str]:
+    cluster = job["spec"]["rayClusterSpec"]
+    templates = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+    return {
+        v["persistentVolumeClaim"]["claimName"]
+        for t in templates
+        for v in t["spec"]["volumes"]
+        if "persistentVolumeClaim" in v
+    }
+
+
+def test_rayjob_mounts_the_claim_it_creates():
+    plan, kinds = _rayjob("kubernetes.storage_size=2Ti", "kubernetes.storage_class=nfs")
+    assert set(kinds) == {"ConfigMap", "PersistentVolumeClaim", "RayJob"}
+    pvc = kinds["PersistentVolumeClaim"]
+    assert _claims(kinds["RayJob"]) == {pvc["metadata"]["name"]}
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "resources": {"requests": {"storage": "2Ti"}},
+        "storageClassName": "nfs",
+    }
+    for obj in (kinds["ConfigMap"], pvc):
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    assert kinds["ConfigMap"]["data"][RUN_YAML] == TARGETS["ray"].render(plan, Path("/r"))[RUN_YAML]
+    workers = kinds["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert [w["replicas"] for w in workers] == [plan.hardware.nodes]
+
+
+def test_rayjob_mounts_the_existing_claim_the_spec_names():
+    _, kinds = _rayjob("kubernetes.existing_claim=team-ckpt")
+    assert set(kinds) == {"ConfigMap", "RayJob"}
+    assert _claims(kinds["RayJob"]) == {"team-ckpt"}
+
+
+def test_the_charts_launch_script_is_generated_from_the_shared_template():
+    """launch.sh and job.sbatch share their stop/reap logic (templates/shell/stop.sh.j2)."""
+    from dskit.render import helm
+
+    assert (helm.chart_dir() / helm.LAUNCH_SCRIPT).read_text() == helm.launch_script(), (
+        "helm/dskit/files/launch.sh is stale: python -m tests.regen_examples"
+    )
