@@ -48,22 +48,25 @@ def category(kernel: str) -> str:
 
 
 def breakdown(events, steps: int, *, on_gpu: bool) -> dict:
-    """Per-step milliseconds by category, plus the 15 largest kernels, from key_averages(): device
-    (kernel) time on a GPU, operator self time on the CPU."""
-    per_cat: dict[str, float] = {}
-    kernels: list[tuple[float, str]] = []
+    """Per-step milliseconds by category, plus the 15 largest kernels, from the profiler's events:
+    device kernels on a GPU (each once; operator entries and GPU-timeline annotations such as
+    `Optimizer.step#FusedAdam.step` also carry device time and would count it twice), operator self
+    time on the CPU."""
     from torch.autograd import DeviceType
 
+    per_kernel: dict[str, float] = {}
     for e in events:
-        # On a GPU only the kernels themselves (device events): an operator's own entry also carries
-        # the device time of the kernels it launched, which would count them twice.
-        if on_gpu and e.device_type != DeviceType.CUDA:
-            continue
-        us = (e.self_device_time_total if on_gpu else e.self_cpu_time_total) or 0
-        if us <= 0:
-            continue
-        per_cat[category(e.key)] = per_cat.get(category(e.key), 0.0) + us
-        kernels.append((us, e.key))
+        if on_gpu:
+            if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+                continue
+            us = e.self_device_time_total
+        else:
+            us = e.self_cpu_time_total
+        if us and us > 0:
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
+    per_cat: dict[str, float] = {}
+    for name, us in per_kernel.items():
+        per_cat[category(name)] = per_cat.get(category(name), 0.0) + us
     total = sum(per_cat.values()) or 1.0
     return {
         "steps": steps,
@@ -74,7 +77,7 @@ def breakdown(events, steps: int, *, on_gpu: bool) -> dict:
         },
         "top_kernels": [
             {"ms_per_step": round(us / 1000 / steps, 3), "kernel": k[:160]}
-            for us, k in sorted(kernels, reverse=True)[:15]
+            for k, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
         ],
     }
 
@@ -100,7 +103,7 @@ class StepProfiler:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.prof.__exit__(None, None, None)
-            table = breakdown(self.prof.key_averages(), self.n, on_gpu=self.device.type == "cuda")
+            table = breakdown(self.prof.events(), self.n, on_gpu=self.device.type == "cuda")
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "profile.json").write_text(json.dumps(table, indent=1) + "\n")
             self.prof.export_chrome_trace(str(self.out / "profile-trace.json"))
