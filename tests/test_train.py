@@ -160,20 +160,33 @@ def test_export_round_trip(reference, model, tmp_path):
 
 
 def test_chunked_loss_follows_the_plain_loss_curve(reference, tmp_path):
-    """The chunked linear + cross-entropy (no batch x seq x vocab logits) trains like the plain path:
-    same first loss, same curve within bf16 noise (the reference run uses the plain path: at 512
-    tokens per micro-step the planner keeps the logits, which are smaller than the chunked buffers)."""
+    """The chunked linear + cross-entropy (no batch x seq x vocab logits, the planner's choice for the
+    reference run) trains like the plain full-logits path: same first loss, same curve within bf16
+    noise."""
     ref = reference["tiny-v2"]
-    assert load_plan(ref / "run.yaml").parallel.loss_chunk_tokens == 0
-    extra = ["checkpoint.every=1", "checkpoint.keep=100", "overrides.loss=chunked"]
+    assert load_plan(ref / "run.yaml").parallel.loss_chunk_tokens == LOSS_CHUNK_TOKENS
+    extra = ["checkpoint.every=1", "checkpoint.keep=100", "overrides.loss=full"]
     rd = render_tiny(tmp_path, "tiny-v2", steps=STEPS, extra=extra)
-    assert load_plan(rd / "run.yaml").parallel.loss_chunk_tokens == LOSS_CHUNK_TOKENS
+    assert load_plan(rd / "run.yaml").parallel.loss_chunk_tokens == 0
     assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
     got, want = losses(rd), losses(ref)
     assert sorted(got) == sorted(want)
     assert got[1] == pytest.approx(want[1], rel=1e-4)
     drift = max(abs(got[s] - want[s]) / want[s] for s in want)
     assert drift < CHUNKED_LOSS_RTOL, drift
+
+
+def test_profile_steps_write_a_time_breakdown_by_category(tmp_path):
+    rd = render_tiny(tmp_path, "tiny-v2", steps=8, extra=["training.profile_steps=2"])
+    assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-3000:]
+    out = Path(load_plan(rd / "run.yaml").run.output_dir)
+    table = json.loads((out / "profile.json").read_text())
+    assert table["steps"] == 2 and table["ms_per_step"] > 0
+    cats = table["categories"]
+    assert cats["GEMM"]["ms_per_step"] > 0 and cats["communication (NCCL/gloo)"]["ms_per_step"] > 0
+    assert sum(c["share"] for c in cats.values()) == pytest.approx(1, abs=1e-3)
+    assert (out / "profile-trace.json").stat().st_size > 0
+    assert "profile of steps 6-7" in (tmp_path / "train.log").read_text()
 
 
 def test_export_streams_into_many_shards_with_an_index(reference, tmp_path, capsys):
