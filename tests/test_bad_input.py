@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,6 +64,39 @@ def model_config(cfg: object | bytes) -> Callable[[Path], list[str]]:
         return ["plan", *TINY[:4], "--set", "training.seq_len=128", "--set", f"model.path={d / 'm'}"]
 
     return setup
+
+
+def safetensors(header: object) -> bytes:
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(h)) + h + bytes(8)
+
+
+def weights(**files: object) -> Callable[[Path], list[str]]:
+    """A model dir with TINY_CONFIG and these files (bytes as is; a dict as JSON; `st_*` names hold a
+    safetensors header)."""
+
+    def setup(d: Path) -> list[str]:
+        (d / "m").mkdir()
+        (d / "m" / "config.json").write_text(json.dumps(TINY_CONFIG))
+        for name, content in files.items():
+            name = name.replace("__", ".").replace("st_", "", 1)
+            data = content if isinstance(content, bytes) else json.dumps(content).encode()
+            (d / "m" / name).write_bytes(data)
+        return ["plan", *TINY[:4], "--set", "training.seq_len=128", "--set", f"model.path={d / 'm'}"]
+
+    return setup
+
+
+def st(header: object) -> Callable[[Path], list[str]]:
+    return weights(model__safetensors=safetensors(header))
+
+
+def index(weight_map: object, raw: bytes | None = None) -> Callable[[Path], list[str]]:
+    content = raw if raw is not None else {"weight_map": weight_map}
+    return weights(model__safetensors__index__json=content)
+
+
+T = {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}
 
 
 def rendered(d: Path, name: str = "run") -> Path:
@@ -230,6 +264,46 @@ CASES: dict[str, tuple[Setup, str]] = {
     "config.json not UTF-8": (
         model_config(b'{"model_type": "deepseek_v2", "x": "\xff"}'),
         "is not UTF-8 text",
+    ),
+    # safetensors headers and indexes under model.path: every field checked against the format
+    "safetensors header is a list": (st([1, 2]), "header must be a JSON object"),
+    "safetensors header only __metadata__": (st({"__metadata__": {}}), "header lists no tensors"),
+    "safetensors tensor not an object": (st({"a": 5}), "tensor 'a' is not an object"),
+    "safetensors tensor without dtype": (st({"a": {**T, "dtype": None}}), "tensor 'a' has no string dtype"),
+    "safetensors shape not a list": (st({"a": {**T, "shape": "2"}}), "tensor 'a' has no shape"),
+    "safetensors data_offsets short": (st({"a": {**T, "data_offsets": [0]}}), "has no data_offsets"),
+    "safetensors data_offsets negative": (st({"a": {**T, "data_offsets": [-4, 4]}}), "has no data_offsets"),
+    "safetensors data_offsets floats": (st({"a": {**T, "data_offsets": [0.0, 4.5]}}), "has no data_offsets"),
+    "safetensors data_offsets NaN": (
+        st(b'{"a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, NaN]}}'),
+        "has no data_offsets",
+    ),
+    "safetensors header nested deep": (st(b"[" * 100_000 + b"]" * 100_000), "nests deeper than 32"),
+    "index is a list": (index(None, raw=b"[1]"), "is not a safetensors index: not a JSON object"),
+    "index weight_map is a list": (index(["a"]), "weight_map must be a non-empty mapping"),
+    "index weight_map value is an int": (index({"a": 5}), "weight_map must be a non-empty mapping"),
+    "index weight_map empty": (index({}), "weight_map must be a non-empty mapping"),
+    "index nested deep": (
+        index(None, raw=b'{"weight_map":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        "index nests deeper than 32 levels",
+    ),
+    "index over 64 MiB": (
+        index(None, raw=b'{"weight_map": {}, "x": "' + b"a" * (64 << 20) + b'"}'),
+        "larger than 64 MiB",
+    ),
+    "index shard escapes with ..": (index({"a": "../w.safetensors"}), "only files inside"),
+    "index shard is absolute": (index({"a": "/etc/passwd"}), "only files inside"),
+    "config.json nested deep": (
+        model_config({**TINY_CONFIG, "x": json.loads("[" * 400 + "]" * 400)}),
+        "nests deeper than 32 levels",
+    ),
+    "config.json nested 33 deep in a dict": (
+        model_config({**TINY_CONFIG, "x": json.loads("[" * 33 + "1" + "]" * 33)}),
+        "nests deeper than 32 levels",
+    ),
+    "config.json over 1 MiB": (
+        model_config({**TINY_CONFIG, "x": "a" * (1 << 20)}),
+        "is larger than 1 MiB",
     ),
     # where the output goes
     "-o under a file": (output_under_file, "is not a directory"),

@@ -10,9 +10,10 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from dskit import torchrun
+from dskit import torchrun, yamlsafe
 from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
+from dskit.errors import SpecError
 from dskit.plan import Plan, dump_plan
 from dskit.spec import ENV_NAME_RE
 from dskit.text import comment
@@ -126,8 +127,15 @@ def torchrun_words(plan: Plan, *, quote: Callable[[str], str], endpoint: str, rd
 
 def run_files(plan: Plan) -> dict[str, str]:
     """Files every target's run directory carries: the plan (trainer input) and its DeepSpeed config."""
+    run_yaml = dump_plan(plan)
+    if len(run_yaml.encode()) > yamlsafe.MAX_BYTES:
+        raise SpecError(
+            RUN_YAML,
+            f"would be {len(run_yaml.encode())} bytes; the trainer reads at most {yamlsafe.MAX_BYTES} "
+            "(a smaller config.json under model.path, or fewer/shorter values, are allowed)",
+        )
     return {
-        RUN_YAML: dump_plan(plan),
+        RUN_YAML: run_yaml,
         DEEPSPEED_JSON: json.dumps(plan.deepspeed, indent=2) + "\n",
     }
 
