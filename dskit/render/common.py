@@ -79,12 +79,16 @@ class _YamlDumper(yaml.SafeDumper):
     """Rendered YAML (values.yaml, rayjob.yaml, runtime_env.yaml): multi-line strings (the plan) as
     literal blocks so they stay readable and diffable. Output is ASCII (allow_unicode off): every other
     character is a \\u escape inside a double-quoted scalar, so no reader (PyYAML's YAML 1.1 or Helm's
-    Go YAML 1.2) can take U+2028, U+0085 or a C1 control for a line break or refuse the file."""
+    Go YAML 1.2) can take U+2028, U+0085 or a C1 control for a line break or refuse the file.
+
+    Every other string, keys included, is double-quoted: YAML 1.1 readers (Helm's and kubectl's Go
+    YAML among them) read plain `y`, `off`, `~`, `0o17` or `1_01e3` as a bool, null or number, so no
+    string is left for a reader's resolver to guess at."""
 
 
 _YamlDumper.add_representer(
     str,
-    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else '"'),
 )
 
 
