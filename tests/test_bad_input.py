@@ -186,6 +186,10 @@ CASES: dict[str, tuple[Setup, str]] = {
     "5000-digit integer": (spec("hardware: {nodes: " + "9" * 5000 + "}\n"), "4300 digits"),
     "integer beyond 2**53": (spec(f"training: {{steps: {2**70}}}\n"), "training.steps: must be between"),
     "alias amplification": (spec(ALIASES), "through aliases"),
+    "alias amplification through a long string": (
+        spec("runtime: {mounts: [&m '/" + "a" * 100_000 + ":/b', " + ", ".join(["*m"] * 200) + "]}\n"),
+        "more than 4 MiB of text through aliases",
+    ),
     "spec over 1 MiB": (spec("# " + "x" * (1 << 20) + "\n"), "spec file is larger than 1024 KiB"),
     "spec is a directory": (lambda d: ["plan", str(d)], "spec file is not a file"),
     "newline in the spec's name": (
