@@ -48,16 +48,43 @@ def _spec_from_args(a: argparse.Namespace):
 
 
 def cmd_init(a: argparse.Namespace) -> int:
+    import os
+    import stat
+    import tempfile
+
     from dskit.spec import starter_yaml
 
+    if not a.output:
+        raise SpecError("--output", "is empty; give a file name")
     out = Path(a.output)
-    if out.exists() and not a.force:
-        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
-    if out.is_dir() or out.is_symlink():
-        raise SpecError("--output", f"{out} is a directory or a link; give a file name")
     try:
-        out.write_text(starter_yaml())
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
     except OSError as e:
+        raise SpecError("--output", f"cannot use {out}: {e.strerror or e}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            raise SpecError("--output", f"{out} is a directory or a link; give a file name")
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(
+                "--output", f"{out} is not a regular file (FIFO, socket or device); give a file name"
+            )
+        if not a.force:
+            raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    # a temporary file beside it, renamed into place: a failed write never truncates the old file
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dskit-init-", suffix=".tmp", dir=out.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(fd, 0o666 & ~umask)  # what a plain open() would have made
+        with os.fdopen(fd, "w") as f:
+            f.write(starter_yaml())
+        os.replace(tmp, out)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise SpecError("--output", f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote {out}: edit it, then `dskit plan {out}`")
     return 0

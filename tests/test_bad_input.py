@@ -316,6 +316,16 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda d: ["init", "-o", str(d / "missing" / "s.yaml")],
         "--output: cannot write",
     ),
+    "init -o onto a FIFO": (
+        lambda d: (os.mkfifo(d / "fifo"), ["init", "-o", str(d / "fifo"), "--force"])[1],
+        "is not a regular file",
+    ),
+    "init -o onto a dangling link": (
+        lambda d: ((d / "l").symlink_to(d / "nowhere"), ["init", "-o", str(d / "l"), "--force"])[1],
+        "is a directory or a link",
+    ),
+    "init -o ''": (lambda d: ["init", "-o", ""], "--output: is empty"),
+    "init -o with a 300-character name": (lambda d: ["init", "-o", "x" * 300], "File name too long"),
     "init -o onto a directory": (lambda d: ["init", "-o", str(d), "--force"], "is a directory or a link"),
     "--force onto the cwd": (force_into_cwd, "is the current directory or contains it"),
     "--force onto a parent of the cwd": (force_into_parent, "is the current directory or contains it"),
@@ -339,7 +349,7 @@ CASES: dict[str, tuple[Setup, str]] = {
 
 
 def _snapshot(d: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(d)): (None if p.is_dir() else p.read_bytes()) for p in sorted(d.rglob("*"))}
+    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None) for p in sorted(d.rglob("*"))}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
