@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,17 +12,25 @@ from typing import Any
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
+
+def count(text: str) -> int:
+    """An integer flag: ASCII digits only (int() would also take '١', '+1', ' 2' or '1_0')."""
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (ASCII digits 0-9 only)")
+    return int(text)
+
+
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
-SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
+SPEC_FLAGS: dict[str, tuple[str, Any, str]] = {
     "job_name": ("name", str, "run/job name (spec: name)"),
     "model": ("model.preset", str, "catalog model (spec: model.preset)"),
     "gpu": ("hardware.gpu", str, "GPU profile (spec: hardware.gpu)"),
-    "gpus_per_node": ("hardware.gpus_per_node", int, "GPUs per node (spec: hardware.gpus_per_node)"),
-    "nodes": ("hardware.nodes", int, "node count (spec: hardware.nodes)"),
+    "gpus_per_node": ("hardware.gpus_per_node", count, "GPUs per node (spec: hardware.gpus_per_node)"),
+    "nodes": ("hardware.nodes", count, "node count (spec: hardware.nodes)"),
     "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
     "runtime": ("runtime.kind", str, "Slurm: pyxis | apptainer | none (spec: runtime.kind)"),
     "image": ("runtime.image", str, "container image (spec: runtime.image)"),
-    "chain": ("slurm.chain", int, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
+    "chain": ("slurm.chain", count, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
 }
 
 
@@ -274,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("run", nargs="?", help="run directory or run.yaml (with --local)")
     s.add_argument("--local", action="store_true", help="launch torchrun here (CPU demo, debugging)")
-    s.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's per-node count)")
+    s.add_argument("--nproc", type=count, default=None, help="processes (default: the plan's per-node count)")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser(
@@ -286,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", action="store_true", help="skip the logits check against the trained model")
     s.add_argument(
         "--shard-mib",
-        type=int,
+        type=count,
         default=5120,
         help="largest safetensors file in MiB (default 5120, transformers' 5 GiB); export streams shard by "
         "shard, so its memory is one shard plus one tensor, whatever the model's size",

@@ -246,6 +246,18 @@ CASES: dict[str, tuple[Setup, str]] = {
     ),
     "newline in a --set key": (sets("training.st\neps=1"), "training.st\\neps: unknown key"),
     "nested list in --set": (sets("runtime.mounts=[[a]]"), "is not a [a, b] list"),
+    "secret_env shadowing the launch contract": (
+        sets("kubernetes.secret_env={DSKIT_RUN_FILE: s/k}", target="helm"),
+        "kubernetes.secret_env: DSKIT_RUN_FILE is set by dskit",
+    ),
+    "secret_env shadowing the launcher": (
+        sets("kubernetes.secret_env={MASTER_ADDR: s/a}", target="helm"),
+        "kubernetes.secret_env: MASTER_ADDR is set by dskit",
+    ),
+    "secret_env shadowing the plan's env": (
+        sets("kubernetes.secret_env={NCCL_DEBUG: s/a}", target="helm"),
+        "kubernetes.secret_env: NCCL_DEBUG is set by dskit",
+    ),
     "'$' in runtime.python for ray": (
         sets("runtime.python=/opt/$HOME/python", target="ray"),
         "runtime.python: '/opt/$HOME/python' contains '$'",
@@ -339,6 +351,11 @@ CASES: dict[str, tuple[Setup, str]] = {
     "binary JSONL": (prepare_jsonl(bytes(range(256)) * 4), f"not UTF-8 text|{NO_TRAIN}"),
     # flags
     "non-integer --nodes": (lambda d: ["plan", "--nodes", "two"], "argument --nodes: invalid int value"),
+    "Arabic-Indic digit in --nodes": (lambda d: ["plan", "--nodes", "\u0661"], "ASCII digits 0-9 only"),
+    "underscore in --gpus-per-node": (lambda d: ["plan", "--gpus-per-node", "1_0"], "ASCII digits 0-9 only"),
+    "signed --chain": (lambda d: ["plan", "--chain", "+2"], "ASCII digits 0-9 only"),
+    "non-digit --nproc": (lambda d: ["train", "--local", "--nproc", " 2"], "ASCII digits 0-9 only"),
+    "non-digit --shard-mib": (lambda d: ["export", "run", "-o", "x", "--shard-mib", "1e3"], "ASCII digits"),
     "unknown target": (lambda d: ["render", "k8s"], "invalid choice: 'k8s'"),
     "unknown flag": (lambda d: ["plan", "--nodez", "2"], "unrecognized arguments: --nodez"),
     # dskit status (without the k8s extra: the line names the extra instead)
