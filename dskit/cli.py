@@ -344,6 +344,25 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"dskit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:
+        # a path the user gave that the OS refuses (ENAMETOOLONG, EACCES, ELOOP...), or a deleted
+        # current directory under a relative path: one line naming it, not a traceback
+        where = e.filename if e.filename is not None else _cwd_gone()
+        if where is None:
+            raise
+        print(f"dskit: error: {escape(str(where))}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _cwd_gone() -> str | None:
+    """'current directory' when it no longer exists (os.path.abspath then raises FileNotFoundError)."""
+    import os
+
+    try:
+        os.getcwd()
+    except OSError:
+        return "current directory (deleted; cd to an existing one)"
+    return None
 
 
 if __name__ == "__main__":

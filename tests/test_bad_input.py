@@ -35,6 +35,9 @@ TINY_CONFIG = {
 }
 
 
+Setup = Callable[[Path], list[str]]
+
+
 def spec(content: bytes | str, *extra: str) -> Callable[[Path], list[str]]:
     """A row that renders a spec file with this content."""
 
@@ -151,6 +154,21 @@ def export_onto_run(d: Path) -> list[str]:
     return ["export", str(run), "-o", str(run), "--force"]
 
 
+def export_manifest(manifest: bytes, done: bytes = b'{"step": 1, "world_size": 1}') -> Setup:
+    def setup(d: Path) -> list[str]:
+        out = d / "run"
+        dskit(
+            "render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={d / 'ck'}", "-o", str(out), check=True
+        )
+        tag = d / "ck" / "step00000001"
+        tag.mkdir(parents=True)
+        (tag / "dskit.json").write_bytes(done)
+        (tag / "dskit-manifest-rank0.json").write_bytes(manifest)
+        return ["export", str(out), "-o", str(d / "hf")]
+
+    return setup
+
+
 def output_under_file(d: Path) -> list[str]:
     (d / "f").write_text("x")
     return ["render", "slurm", *CPU, "-o", str(d / "f" / "out")]
@@ -176,7 +194,6 @@ NO_TRAIN = "needs the train extra"
 NO_K8S = "needs the Kubernetes client"
 ALIASES = "a: &a [" + ",".join(["x"] * 1000) + "]\nb: [" + ",".join(["*a"] * 500) + "]\n"
 
-Setup = Callable[[Path], list[str]]
 #: name -> (setup returning the CLI args, words the one line must contain; '|' separates alternatives)
 CASES: dict[str, tuple[Setup, str]] = {
     # spec files that cannot be read as a spec
@@ -358,6 +375,26 @@ CASES: dict[str, tuple[Setup, str]] = {
     "non-digit --shard-mib": (lambda d: ["export", "run", "-o", "x", "--shard-mib", "1e3"], "ASCII digits"),
     "unknown target": (lambda d: ["render", "k8s"], "invalid choice: 'k8s'"),
     "unknown flag": (lambda d: ["plan", "--nodez", "2"], "unrecognized arguments: --nodez"),
+    # export of a checkpoint dskit did not write (without the train extra: the line names the extra)
+    "export: manifest not JSON": (export_manifest(b"nope"), f"unreadable|{NO_TRAIN}"),
+    "export: manifest names ../../etc/passwd": (
+        export_manifest(b'{"../../etc/passwd": [1, 2]}'),
+        f"not a file inside the checkpoint|{NO_TRAIN}",
+    ),
+    "export: manifest entry not [size, crc]": (
+        export_manifest(b'{"a": "x"}'),
+        f"has no [size, crc]|{NO_TRAIN}",
+    ),
+    "export: no world_size": (export_manifest(b"{}", done=b'{"step": 1}'), f"has no world_size|{NO_TRAIN}"),
+    # names the OS refuses
+    "export RUN with a 300-character name": (
+        lambda d: ["export", "x" * 300, "-o", "o"],
+        "File name too long",
+    ),
+    "data prepare INPUT with a 300-character name": (
+        lambda d: ["data", "prepare", "x" * 300, "-o", "o"],
+        f"File name too long|{NO_TRAIN}",
+    ),
     # dskit status (without the k8s extra: the line names the extra instead)
     "garbage kubeconfig": (kubeconfig("garbage: [\n"), f"--kubeconfig: cannot load it|{NO_K8S}"),
     "kubeconfig that is a string": (kubeconfig("just words\n"), f"--kubeconfig: cannot load it|{NO_K8S}"),
@@ -383,3 +420,15 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch,
     assert len(lines) == 1 and lines[0].startswith("dskit: error: "), r.stderr
     assert any(w in lines[0] for w in words.split("|")), lines[0]
     assert _snapshot(tmp_path) == before, "something was written"
+
+
+def test_a_deleted_current_directory_is_one_line(tmp_path, monkeypatch, capsys):
+    from dskit import cli
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert cli.main(["plan", "--set", "storage.root=rel"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("dskit: error: current directory (deleted")
