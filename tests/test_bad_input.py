@@ -399,6 +399,14 @@ CASES: dict[str, tuple[Setup, str]] = {
     "garbage kubeconfig": (kubeconfig("garbage: [\n"), f"--kubeconfig: cannot load it|{NO_K8S}"),
     "kubeconfig that is a string": (kubeconfig("just words\n"), f"--kubeconfig: cannot load it|{NO_K8S}"),
     "unreachable API server": (kubeconfig(UNREACHABLE), f"cannot reach the Kubernetes API|{NO_K8S}"),
+    "status release not a Kubernetes name": (
+        lambda d: ["status", "Bad_Name"],
+        "RELEASE: 'Bad_Name' is not a Kubernetes",
+    ),
+    "status namespace not a Kubernetes name": (
+        lambda d: ["status", "run", "-n", "../x"],
+        "--namespace: '../x' is not a Kubernetes name",
+    ),
 }
 
 
@@ -432,3 +440,33 @@ def test_a_deleted_current_directory_is_one_line(tmp_path, monkeypatch, capsys):
     assert cli.main(["plan", "--set", "storage.root=rel"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("dskit: error: current directory (deleted")
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"items": 5}', b'{"items": [{"status": 7}]}'])
+def test_status_against_a_server_answering_garbage_is_one_line(tmp_path, body):
+    pytest.importorskip("kubernetes")
+    import http.server
+    import threading
+
+    class Garbage(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        kc = tmp_path / "kc"
+        kc.write_text(UNREACHABLE.replace("https://127.0.0.1:1", f"http://127.0.0.1:{server.server_port}"))
+        r = dskit("status", "run", "--kubeconfig", str(kc), timeout=60)
+    finally:
+        server.shutdown()
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith("dskit: error: ") and r.stdout == "", (lines, r.stdout)
