@@ -118,6 +118,7 @@ class HardwareSpec(_Section):
     host_memory_gib: float | None = Field(
         None,
         gt=0,
+        le=1e6,
         description="Host RAM per node in GiB, checked against optimizer offload and model construction. "
         "Default: the GPU profile's host_memory_gib_per_gpu (its reference node, e.g. DGX H100: 2 TiB / 8) x "
         "gpus_per_node; unknown, so unchecked, for cpu.",
@@ -156,13 +157,13 @@ class TrainingSpec(_Section):
     seq_len: int = Field(4096, ge=8, description="Tokens per sequence.")
     global_batch: int = Field(256, ge=1, description="Sequences per optimizer step, over all ranks.")
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    lr: float = Field(1.5e-4, gt=0, description="Peak learning rate (the seed post's tuned 1.5e-4).")
+    lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")
     warmup_ratio: float = Field(
         0.03, ge=0, lt=1, description="Linear warmup as a fraction of steps (seed: 3%)."
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 disables).")
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed for init and data order.")
     log_every: int = Field(10, ge=1, description="Steps between log lines / metrics records.")
     profile_steps: int = Field(
@@ -173,7 +174,10 @@ class TrainingSpec(_Section):
         "(time per step by kernel category) and a Chrome trace. 0: off.",
     )
     aux_loss_coeff: float | None = Field(
-        None, ge=0, description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha."
+        None,
+        ge=0,
+        le=1e3,
+        description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha.",
     )
 
 
@@ -195,7 +199,9 @@ class StorageSpec(_Section):
 
 class CheckpointSpec(_Section):
     every: int = Field(200, ge=1, description="Steps between checkpoints (also saved on SIGUSR1/SIGTERM).")
-    keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted after a good save.")
+    keep: int = Field(
+        3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted after a good save."
+    )
     final: bool = Field(
         True,
         description="Save after the last step (with the probe `dskit export` verifies). Off for benchmarks.",
@@ -210,6 +216,7 @@ class SlurmSpec(_Section):
     grace_seconds: int = Field(
         180,
         ge=10,
+        le=65535,  # sbatch --signal=USR1@N
         description="Seconds before the time limit at which Slurm sends USR1 (checkpoint + requeue).",
     )
     extra_args: list[str] = Field(
@@ -250,6 +257,7 @@ class RaySpec(_Section):
     max_failures: int = Field(
         2,
         ge=0,
+        le=1000,
         description="Worker-group restarts Ray Train allows (a lost worker restarts the group, which resumes).",
     )
     storage_path: str | None = Field(None, description="Ray Train storage_path. Default: ROOT/NAME/ray.")
@@ -304,7 +312,10 @@ class KubernetesSpec(_Section):
         "written into the rendered files).",
     )
     rdma_per_node: int = Field(
-        1, ge=1, description="RDMA device-plugin resources per pod (RDMA fabrics; e.g. 32 EFA on p5)."
+        1,
+        ge=1,
+        le=1024,
+        description="RDMA device-plugin resources per pod (RDMA fabrics; e.g. 32 EFA on p5).",
     )
     networks: list[str] = Field(
         default_factory=list,
@@ -314,14 +325,21 @@ class KubernetesSpec(_Section):
     max_restarts: int = Field(
         3,
         ge=0,
+        le=1000,  # backoffLimit = this x nodes (<= 10000) stays a Kubernetes int32
         description="Failed attempts of the whole pod group before the Job fails (backoffLimit = this x "
         "nodes). Preemptions and checkpoint-and-stop exits do not count.",
     )
     grace_seconds: int = Field(
-        300, ge=10, description="terminationGracePeriodSeconds: time to checkpoint after SIGTERM."
+        300,
+        ge=10,
+        le=2**31 - 1,
+        description="terminationGracePeriodSeconds: time to checkpoint after SIGTERM.",
     )
     peer_dns_timeout: int = Field(
-        900, ge=10, description="Seconds the init step waits for every pod's DNS name (gang start)."
+        900,
+        ge=10,
+        le=2**31 - 1,
+        description="Seconds the init step waits for every pod's DNS name (gang start).",
     )
 
     @field_validator("existing_claim", "storage_class", "priority_class", "service_account")

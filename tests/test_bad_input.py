@@ -228,6 +228,35 @@ CASES: dict[str, tuple[Setup, str]] = {
         spec("training: {aux_loss_coeff: .inf}\n"),
         "training.aux_loss_coeff: Input should",
     ),
+    "lr above 10": (sets("training.lr=11"), "training.lr: Input should be less than or equal to 10"),
+    "weight_decay above 10": (
+        sets("training.weight_decay=1e9"),
+        "training.weight_decay: Input should be less",
+    ),
+    "grad_clip above 1e6": (sets("training.grad_clip=1e7"), "training.grad_clip: Input should be less"),
+    "aux_loss_coeff above 1e3": (
+        sets("training.aux_loss_coeff=1e4"),
+        "training.aux_loss_coeff: Input should be",
+    ),
+    "host_memory_gib above 1e6": (
+        sets("hardware.host_memory_gib=1e7"),
+        "hardware.host_memory_gib: Input should",
+    ),
+    "checkpoint.keep above 1000": (sets("checkpoint.keep=100000"), "checkpoint.keep: Input should be less"),
+    "slurm.grace_seconds beyond --signal": (sets("slurm.grace_seconds=65536"), "slurm.grace_seconds: Input"),
+    "max_restarts beyond int32 backoffLimit": (
+        sets("kubernetes.max_restarts=9007199254740992", target="helm"),
+        "kubernetes.max_restarts: Input should be less",
+    ),
+    "rdma_per_node above 1024": (
+        sets("kubernetes.rdma_per_node=5000", target="helm"),
+        "kubernetes.rdma_per_node",
+    ),
+    "kubernetes.grace_seconds beyond int32": (
+        sets("kubernetes.grace_seconds=2147483648"),
+        "kubernetes.grace_",
+    ),
+    "peer_dns_timeout beyond int32": (sets("kubernetes.peer_dns_timeout=2147483648"), "kubernetes.peer_dns"),
     "true as a node count": (
         spec("hardware: {nodes: true}\n"),
         "hardware.nodes: must be a number, not true/false",
