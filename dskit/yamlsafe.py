@@ -7,6 +7,7 @@ careless file ends in one line and exit 2 instead of a traceback or minutes of w
 - aliases: the document, with every alias expanded, may have at most MAX_NODES nodes (a small file
   whose anchor is referenced many times would otherwise validate and render as hundreds of MB), and
   at most MAX_CHARS characters of scalars (one long string referenced many times);
+- keys: a key given twice in one mapping is refused (YAML readers disagree on which one wins);
 - numbers: YAML 1.1's base-60 integers are plain strings here (`48:00:00` stays a time, not 172800),
   and `1e-3` is a float as in YAML 1.2.
 """
@@ -45,6 +46,23 @@ class _Loader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` then explicit keys: overriding is what merge is for
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base constructor reports it
+                    continue
+                if duplicate:
+                    line = key_node.start_mark.line + 1
+                    raise _Limit(f"duplicate key {key!r} (line {line}); each key may appear once")
+        return super().construct_mapping(node, deep=deep)
 
     def compose_document(self) -> Node:
         node = super().compose_document()
