@@ -24,6 +24,7 @@ from dskit.text import describe, first_unsafe
 # [0-9] (\d also matches non-ASCII digits). helm_values.portable() turns \Z into $ for JSON Schema.
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?\Z")
 SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.,-]+\Z")
+MAX_SLURM_DAYS = 365
 SLURM_TIME_RE = re.compile(r"^([0-9]+-)?[0-9]{1,3}:[0-9]{2}(:[0-9]{2})?\Z")
 SBATCH_ARG_RE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?\Z")
 # Kubernetes object names (RFC 1123 labels), quantities ("500m", "64Gi") and label keys.
@@ -152,6 +153,13 @@ class RuntimeSpec(_Section):
         description="Python interpreter inside the runtime (an absolute venv path for none).",
     )
 
+    @field_validator("python", "image")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be blank (only whitespace)")
+        return v
+
 
 class TrainingSpec(_Section):
     seq_len: int = Field(4096, ge=8, description="Tokens per sequence.")
@@ -240,8 +248,17 @@ class SlurmSpec(_Section):
     @field_validator("time")
     @classmethod
     def _time(cls, v: str) -> str:
-        if not SLURM_TIME_RE.match(v):
+        m = SLURM_TIME_RE.match(v)
+        if not m:
             raise ValueError("must look like HH:MM:SS or D-HH:MM:SS")
+        days, rest = (int(m.group(1)[:-1]), v.split("-", 1)[1]) if m.group(1) else (0, v)
+        hours, minutes, *sec = (int(x) for x in rest.split(":"))
+        seconds = sec[0] if sec else 0
+        if minutes >= 60 or seconds >= 60:
+            raise ValueError(f"{v!r}: minutes and seconds must be below 60 (HH:MM:SS or D-HH:MM:SS)")
+        total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+        if not 0 < total <= MAX_SLURM_DAYS * 86400:
+            raise ValueError(f"{v!r}: must be more than 0 and at most {MAX_SLURM_DAYS} days")
         return v
 
     @field_validator("extra_args")
