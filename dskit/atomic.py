@@ -41,7 +41,11 @@ def check_replaceable(
     out: str | Path, *, force: bool, inputs: Iterable[str | Path | None] = (), flag: str = "--output"
 ) -> Path:
     """The resolved destination, if the command may write it; SpecError otherwise (nothing written)."""
+    if str(out) == "":
+        raise SpecError(flag, "is empty; give a directory")
     try:
+        if os.path.islink(out) and not os.path.exists(out):
+            raise SpecError(flag, f"{out} is a link to nothing; give a directory, not a dangling link")
         out = Path(out).resolve()
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise SpecError(flag, f"cannot resolve {out}: {e}") from None

@@ -136,7 +136,8 @@ def cmd_render(a: argparse.Namespace) -> int:
     plan = build_plan(spec)
     # what the render reads: --force must never replace a directory holding one of them
     inputs = [a.spec, spec.data.path, spec.model.path]
-    out = check_replaceable(a.output or f"runs/{plan.name}-{a.target}", force=a.force, inputs=inputs)
+    default = f"runs/{plan.name}-{a.target}"
+    out = check_replaceable(default if a.output is None else a.output, force=a.force, inputs=inputs)
     for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it

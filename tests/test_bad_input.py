@@ -213,6 +213,11 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda d: ["plan", str(d / "no\nsuch.yaml")],
         "no\\nsuch.yaml: spec file not found",
     ),
+    "duplicate key in the spec": (spec("training: {steps: 1, steps: 2}\n"), "duplicate key 'steps' (line 1)"),
+    "duplicate key in a --set mapping": (
+        sets("kubernetes.node_selector={a: b, a: c}"),
+        "kubernetes.node_selector: duplicate key 'a'",
+    ),
     "spec not a mapping": (spec("- a\n"), "the spec must be a YAML mapping"),
     # accepted nonsense
     ".inf learning rate": (spec("training: {lr: .inf}\n"), "training.lr: Input should be a finite number"),
@@ -266,6 +271,18 @@ CASES: dict[str, tuple[Setup, str]] = {
         "runtime.python: String should have at least 1 character",
     ),
     "non-ASCII digits in slurm.time": (sets("slurm.time=٤٨:00:00"), "slurm.time: must look like HH:MM:SS"),
+    "blank runtime.python": (sets("runtime.python= "), "runtime.python: must not be blank"),
+    "slurm.time with 99 seconds": (sets("slurm.time=0:99"), "minutes and seconds must be below 60"),
+    "slurm.time of zero": (sets("slurm.time=00:00"), "must be more than 0 and at most 365 days"),
+    "slurm.time of 9999 days": (sets("slurm.time=9999-00:00"), "must be more than 0 and at most 365 days"),
+    "checkpoint_dir at /": (
+        sets("storage.checkpoint_dir=/"),
+        "storage.checkpoint_dir: / is a filesystem root",
+    ),
+    "output_dir equal to checkpoint_dir": (
+        sets("storage.checkpoint_dir=/x", "storage.output_dir=/x/"),
+        "storage.output_dir: /x is also storage.checkpoint_dir",
+    ),
     "newline after a node-selector key": (
         spec('kubernetes: {node_selector: {"a\\n": b}}\n'),
         "kubernetes.node_selector: must not contain control characters",
@@ -369,6 +386,11 @@ CASES: dict[str, tuple[Setup, str]] = {
     ),
     # where the output goes
     "-o under a file": (output_under_file, "is not a directory"),
+    "render -o ''": (lambda d: ["render", "slurm", *CPU, "-o", ""], "--output: is empty"),
+    "render -o onto a dangling link": (
+        lambda d: ((d / "l").symlink_to(d / "nowhere"), ["render", "slurm", *CPU, "-o", str(d / "l")])[1],
+        "is a link to nothing",
+    ),
     "newline in -o": (lambda d: ["render", "slurm", *CPU, "-o", str(d / "a\nb")], "a\\nb contains U+000A"),
     "init -o into a missing dir": (
         lambda d: ["init", "-o", str(d / "missing" / "s.yaml")],
@@ -394,6 +416,10 @@ CASES: dict[str, tuple[Setup, str]] = {
     "export onto its own run dir": (export_onto_run, "an input of this command"),
     # data prepare inputs (without the train extra: the line names the extra instead)
     "latin-1 JSONL": (prepare_jsonl('{"text": "café"}\n'.encode("latin-1")), f"not UTF-8 text|{NO_TRAIN}"),
+    "data prepare of a directory": (
+        lambda d: ["data", "prepare", str(d), "-o", str(d / "shards")],
+        f"is a directory; give the .txt/.jsonl files|{NO_TRAIN}",
+    ),
     "binary JSONL": (prepare_jsonl(bytes(range(256)) * 4), f"not UTF-8 text|{NO_TRAIN}"),
     # flags
     "non-integer --nodes": (lambda d: ["plan", "--nodes", "two"], "argument --nodes: invalid int value"),
@@ -499,3 +525,14 @@ def test_status_against_a_server_answering_garbage_is_one_line(tmp_path, body):
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith("dskit: error: ") and r.stdout == "", (lines, r.stdout)
+
+
+def test_a_jsonl_with_a_byte_order_mark_is_read(tmp_path):
+    pytest.importorskip("numpy")
+    from dskit.train.data import _read_documents
+
+    f = tmp_path / "a.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n')
+    t = tmp_path / "b.txt"
+    t.write_bytes(b"\xef\xbb\xbfhi")
+    assert list(_read_documents([str(f), str(t)])) == ["hello", "hi"]
