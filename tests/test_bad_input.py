@@ -536,3 +536,16 @@ def test_a_jsonl_with_a_byte_order_mark_is_read(tmp_path):
     t = tmp_path / "b.txt"
     t.write_bytes(b"\xef\xbb\xbfhi")
     assert list(_read_documents([str(f), str(t)])) == ["hello", "hi"]
+
+
+def test_shards_linked_into_a_cache_are_accepted(tmp_path):
+    # the Hugging Face cache layout: snapshots/REV/*.safetensors are links to ../../blobs/HASH
+    from dskit.hf_checkpoint import check_checkpoint
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    (blobs / "h1").write_bytes(safetensors({"a": T}))
+    (snap / "w.safetensors").symlink_to("../../blobs/h1")
+    (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
+    assert check_checkpoint(str(snap)) == {"a": ("BF16", [2])}
