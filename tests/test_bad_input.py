@@ -549,3 +549,35 @@ def test_shards_linked_into_a_cache_are_accepted(tmp_path):
     (snap / "w.safetensors").symlink_to("../../blobs/h1")
     (snap / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "w.safetensors"}}))
     assert check_checkpoint(str(snap)) == {"a": ("BF16", [2])}
+
+
+def test_a_failing_ds_to_universal_is_one_line_pointing_at_its_log(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import subprocess
+    import zlib
+
+    from dskit import cli
+    from dskit.train import export
+
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    dskit("render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={ck}", "-o", str(run), check=True)
+    tag = ck / "step00000001"
+    tag.mkdir(parents=True)
+    (tag / "f.pt").write_bytes(b"x")
+    (tag / "dskit-manifest-rank0.json").write_text(json.dumps({"f.pt": [1, zlib.crc32(b"x")]}))
+    (tag / "dskit.json").write_text('{"step": 1, "world_size": 1}')
+
+    def failing(args, **kw):
+        return subprocess.CompletedProcess(args, 3, stdout="boom\n", stderr="Traceback: deep inside\n")
+
+    monkeypatch.setattr(export.subprocess, "run", failing)
+    assert cli.main(["export", str(run), "-o", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "ds_to_universal failed" in err[0] and "(exit 3)" in err[0], err
+    log = Path(err[0].rsplit(" ", 1)[1])
+    try:
+        assert "Traceback: deep inside" in log.read_text()
+    finally:
+        log.unlink()
+    assert not (tmp_path / "hf").exists()
