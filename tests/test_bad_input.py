@@ -446,6 +446,17 @@ CASES: dict[str, tuple[Setup, str]] = {
         lambda d: ["export", "x" * 300, "-o", "o"],
         "File name too long",
     ),
+    "train --local RUN with a 300-character name": (
+        lambda d: ["train", "--local", "x" * 300],
+        f"File name too long|{NO_TRAIN}",
+    ),
+    "data prepare --tokenizer with a 300-character name": (
+        lambda d: (
+            d.joinpath("a.txt").write_text("t"),
+            ["data", "prepare", "a.txt", "--tokenizer", "x" * 300, "-o", "o"],
+        )[1],
+        f"File name too long|{NO_TRAIN}",
+    ),
     "data prepare INPUT with a 300-character name": (
         lambda d: ["data", "prepare", "x" * 300, "-o", "o"],
         f"File name too long|{NO_TRAIN}",
