@@ -41,7 +41,11 @@ def check_replaceable(
     out: str | Path, *, force: bool, inputs: Iterable[str | Path | None] = (), flag: str = "--output"
 ) -> Path:
     """The resolved destination, if the command may write it; SpecError otherwise (nothing written)."""
+    if str(out) == "":
+        raise SpecError(flag, "is empty; give a directory")
     try:
+        if os.path.islink(out) and not os.path.exists(out):
+            raise SpecError(flag, f"{out} is a link to nothing; give a directory, not a dangling link")
         out = Path(out).resolve()
     except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
         raise SpecError(flag, f"cannot resolve {out}: {e}") from None
@@ -101,13 +105,23 @@ def _writer_gone(d: Path) -> bool:
 def _clean_stale(out: Path) -> None:
     """Remove our own leftovers beside `out`: builds whose writer died, and (if `out` exists) an old
     directory left aside by an interrupted non-atomic swap."""
-    for d in out.parent.glob(f".{out.name}{TMP_TAG}*"):
+    for d in _beside(out, TMP_TAG):
         if d.is_dir() and not d.is_symlink() and _writer_gone(d):
             shutil.rmtree(d, ignore_errors=True)
     if out.is_dir():
-        for d in out.parent.glob(f".{out.name}{OLD_TAG}*"):
+        for d in _beside(out, OLD_TAG):
             if d.is_dir() and not d.is_symlink() and (d / MARKER).is_file():
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def _beside(out: Path, tag: str) -> list[Path]:
+    """Entries of out's parent named `.{out.name}{tag}...`, compared literally (out.name may hold
+    glob characters such as '*' or '[')."""
+    prefix = f".{out.name}{tag}"
+    try:
+        return [p for p in out.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return []
 
 
 _RENAME_EXCHANGE = 2

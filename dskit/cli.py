@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,17 +12,25 @@ from typing import Any
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
+
+def count(text: str) -> int:
+    """An integer flag: ASCII digits only (int() would also take '١', '+1', ' 2' or '1_0')."""
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (ASCII digits 0-9 only)")
+    return int(text)
+
+
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
-SPEC_FLAGS: dict[str, tuple[str, type, str]] = {
+SPEC_FLAGS: dict[str, tuple[str, Any, str]] = {
     "job_name": ("name", str, "run/job name (spec: name)"),
     "model": ("model.preset", str, "catalog model (spec: model.preset)"),
     "gpu": ("hardware.gpu", str, "GPU profile (spec: hardware.gpu)"),
-    "gpus_per_node": ("hardware.gpus_per_node", int, "GPUs per node (spec: hardware.gpus_per_node)"),
-    "nodes": ("hardware.nodes", int, "node count (spec: hardware.nodes)"),
+    "gpus_per_node": ("hardware.gpus_per_node", count, "GPUs per node (spec: hardware.gpus_per_node)"),
+    "nodes": ("hardware.nodes", count, "node count (spec: hardware.nodes)"),
     "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
     "runtime": ("runtime.kind", str, "Slurm: pyxis | apptainer | none (spec: runtime.kind)"),
     "image": ("runtime.image", str, "container image (spec: runtime.image)"),
-    "chain": ("slurm.chain", int, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
+    "chain": ("slurm.chain", count, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
 }
 
 
@@ -48,16 +57,43 @@ def _spec_from_args(a: argparse.Namespace):
 
 
 def cmd_init(a: argparse.Namespace) -> int:
+    import os
+    import stat
+    import tempfile
+
     from dskit.spec import starter_yaml
 
+    if not a.output:
+        raise SpecError("--output", "is empty; give a file name")
     out = Path(a.output)
-    if out.exists() and not a.force:
-        raise SpecError("--output", f"{out} already exists; pass --force to replace it")
-    if out.is_dir() or out.is_symlink():
-        raise SpecError("--output", f"{out} is a directory or a link; give a file name")
     try:
-        out.write_text(starter_yaml())
+        st = os.lstat(out)
+    except FileNotFoundError:
+        st = None
     except OSError as e:
+        raise SpecError("--output", f"cannot use {out}: {e.strerror or e}") from None
+    if st is not None:
+        if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            raise SpecError("--output", f"{out} is a directory or a link; give a file name")
+        if not stat.S_ISREG(st.st_mode):
+            raise SpecError(
+                "--output", f"{out} is not a regular file (FIFO, socket or device); give a file name"
+            )
+        if not a.force:
+            raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    # a temporary file beside it, renamed into place: a failed write never truncates the old file
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".dskit-init-", suffix=".tmp", dir=out.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(fd, 0o666 & ~umask)  # what a plain open() would have made
+        with os.fdopen(fd, "w") as f:
+            f.write(starter_yaml())
+        os.replace(tmp, out)
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise SpecError("--output", f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote {out}: edit it, then `dskit plan {out}`")
     return 0
@@ -100,7 +136,8 @@ def cmd_render(a: argparse.Namespace) -> int:
     plan = build_plan(spec)
     # what the render reads: --force must never replace a directory holding one of them
     inputs = [a.spec, spec.data.path, spec.model.path]
-    out = check_replaceable(a.output or f"runs/{plan.name}-{a.target}", force=a.force, inputs=inputs)
+    default = f"runs/{plan.name}-{a.target}"
+    out = check_replaceable(default if a.output is None else a.output, force=a.force, inputs=inputs)
     for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
@@ -247,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("run", nargs="?", help="run directory or run.yaml (with --local)")
     s.add_argument("--local", action="store_true", help="launch torchrun here (CPU demo, debugging)")
-    s.add_argument("--nproc", type=int, default=None, help="processes (default: the plan's per-node count)")
+    s.add_argument("--nproc", type=count, default=None, help="processes (default: the plan's per-node count)")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser(
@@ -259,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-verify", action="store_true", help="skip the logits check against the trained model")
     s.add_argument(
         "--shard-mib",
-        type=int,
+        type=count,
         default=5120,
         help="largest safetensors file in MiB (default 5120, transformers' 5 GiB); export streams shard by "
         "shard, so its memory is one shard plus one tensor, whatever the model's size",
@@ -308,6 +345,25 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"dskit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:
+        # a path the user gave that the OS refuses (ENAMETOOLONG, EACCES, ELOOP...), or a deleted
+        # current directory under a relative path: one line naming it, not a traceback
+        where = e.filename if e.filename is not None else _cwd_gone()
+        if where is None:
+            raise
+        print(f"dskit: error: {escape(str(where))}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _cwd_gone() -> str | None:
+    """'current directory' when it no longer exists (os.path.abspath then raises FileNotFoundError)."""
+    import os
+
+    try:
+        os.getcwd()
+    except OSError:
+        return "current directory (deleted; cd to an existing one)"
+    return None
 
 
 if __name__ == "__main__":

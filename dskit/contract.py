@@ -36,6 +36,11 @@ LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 #: appends it here, one line per rank, and the launcher exits with it (75: restart, 2: fail for good).
 EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
 
+#: Names no user setting (kubernetes.secret_env) may set: the contract's own, the launcher's, and any
+#: DSKIT_* name (the chart sets DSKIT_RDZV_ID and DSKIT_EXIT_FILE). The plan's env adds its names on top.
+RESERVED_ENV = frozenset((*REQUIRED, *LAUNCHER_ENV, EXIT_FILE_ENV))
+RESERVED_ENV_PREFIX = "DSKIT_"
+
 #: The trainer exits with this code after a signal-triggered checkpoint: "requeue me".
 #: 75 is EX_TEMPFAIL (sysexits.h): a temporary failure, retry later. Slurm's batch script requeues on
 #: it, the Helm chart's podFailurePolicy restarts on it, Ray counts it as a retryable worker failure.

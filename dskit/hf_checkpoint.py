@@ -20,8 +20,42 @@ MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 
 
+MAX_INDEX = 64 * 2**20  # an index maps tensor names to file names: tens of MB at the very most
+MAX_JSON_DEPTH = 32  # headers and indexes are two or three levels deep
+
+
+def json_depth(v: Any) -> int:
+    """How deep a parsed JSON value nests (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(v, 1)]
+    while stack:
+        x, d = stack.pop()
+        kids = x.values() if isinstance(x, dict) else x if isinstance(x, list) else None
+        if kids is not None:
+            deepest = max(deepest, d)
+            stack.extend((k, d + 1) for k in kids)
+    return deepest
+
+
+def _load_json(raw: bytes, what: str) -> Any:
+    try:
+        data = json.loads(raw)
+        deep = json_depth(data) > MAX_JSON_DEPTH
+    except RecursionError:
+        deep = True
+    if deep:
+        raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def read_header(path: Path) -> dict[str, Any]:
-    """The tensor table of one .safetensors file (names -> dtype, shape, offsets), without its data."""
+    """The tensor table of one .safetensors file (names -> dtype, shape, offsets), without its data.
+
+    Every entry is checked against the format: a dict with a str `dtype`, a list-of-ints `shape` and
+    two non-negative int `data_offsets` [begin, end] within the file. Anything else is one line."""
     try:
         with path.open("rb") as f:
             raw = f.read(8)
@@ -30,29 +64,85 @@ def read_header(path: Path) -> dict[str, Any]:
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER:
                 raise ValueError(f"header length {n} is not plausible")
-            header = json.loads(f.read(n))
+            header = _load_json(f.read(n), "header")
             size = path.stat().st_size
     except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise SpecError("model.path", f"{path} is not a readable safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise SpecError("model.path", f"{path}: safetensors header must be a JSON object")
     header.pop("__metadata__", None)
+    if not header:
+        raise SpecError("model.path", f"{path}: safetensors header lists no tensors")
     for name, t in header.items():
-        end = t.get("data_offsets", [0, 0])[1] if isinstance(t, dict) else None
-        if end is None or 8 + n + end > size:
-            raise SpecError("model.path", f"{path} is truncated: tensor {name} ends past the file's end")
+        bad = None
+        if not isinstance(t, dict):
+            bad = "is not an object with dtype, shape and data_offsets"
+        elif not isinstance(t.get("dtype"), str):
+            bad = "has no string dtype"
+        elif not isinstance(t.get("shape"), list) or not all(_is_int(x) and x >= 0 for x in t["shape"]):
+            bad = "has no shape (a list of non-negative integers)"
+        else:
+            off = t.get("data_offsets")
+            if (
+                not isinstance(off, list)
+                or len(off) != 2
+                or not all(_is_int(x) and x >= 0 for x in off)
+                or off[0] > off[1]
+            ):
+                bad = "has no data_offsets [begin, end] (non-negative integers, begin <= end)"
+            elif 8 + n + off[1] > size:
+                raise SpecError("model.path", f"{path} is truncated: tensor {name} ends past the file's end")
+        if bad:
+            raise SpecError("model.path", f"{path}: tensor {name!r} {bad}")
     return header
+
+
+def _shard(root: Path, name: str, index: Path) -> Path:
+    """A shard named by the index: a plain relative name inside the model directory. Judged by the name
+    alone: the files themselves may be symlinks (the Hugging Face cache links snapshots/REV/x.safetensors
+    to ../../blobs/HASH), which the user's directory, not the index, put there."""
+    p = Path(name)
+    if not name or p.is_absolute() or ".." in p.parts or "\0" in name:
+        raise SpecError("model.path", f"{index} names shard {name!r}; only files inside {root} are allowed")
+    return root / p
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        if index.stat().st_size > MAX_INDEX:
+            raise ValueError(f"larger than {MAX_INDEX >> 20} MiB")
+        with index.open("rb") as f:
+            data = _load_json(f.read(MAX_INDEX + 1), "index")
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        weight_map = data.get("weight_map")
+    except (OSError, ValueError) as e:
+        raise SpecError("model.path", f"{index} is not a safetensors index: {e}") from None
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
+        raise SpecError(
+            "model.path", f"{index}: weight_map must be a non-empty mapping of tensor names to shard files"
+        )
+    return weight_map
 
 
 def check_checkpoint(path: str) -> dict[str, tuple[str, list[int]]]:
     """Every tensor of the checkpoint at `path` -> (dtype, shape); SpecError for anything unusable."""
     root = Path(path)
     index = root / INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SpecError("model.path", f"{index} is not a safetensors index: {e}") from None
+    try:
+        has_index, has_single = index.is_file(), (root / SINGLE).is_file()
+    except OSError as e:
+        raise SpecError("model.path", f"cannot read {root}: {e.strerror or e}") from None
+    if has_index:
+        weight_map = _read_index(index)
         files = sorted(set(weight_map.values()))
-    elif (root / SINGLE).is_file():
+        for f in files:
+            _shard(root, f, index)  # every name is checked before any shard is opened
+    elif has_single:
         weight_map, files = None, [SINGLE]
     else:
         raise SpecError(

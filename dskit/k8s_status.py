@@ -7,6 +7,7 @@ With restartPolicy Never a restarted pod is a new pod, so "attempts" counts the 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +100,22 @@ def _clients(kubeconfig: str | None, context: str | None):
     return client.CoreV1Api(), client.BatchV1Api()
 
 
+#: A Helm release and a namespace are DNS-1123 labels (at most 53 and 63 characters: Helm and Kubernetes).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _check_name(value: str, field: str, longest: int) -> None:
+    if len(value) > longest or not _DNS_LABEL.fullmatch(value):
+        raise SpecError(
+            field,
+            f"{value!r} is not a Kubernetes name: lowercase a-z, 0-9 and '-', starting and ending with a "
+            f"letter or digit, at most {longest} characters",
+        )
+
+
 def status(release: str, namespace: str, *, kubeconfig: str | None = None, context: str | None = None) -> int:
+    _check_name(release, "RELEASE", 53)
+    _check_name(namespace, "--namespace", 63)
     core, batch = _clients(kubeconfig, context)
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
@@ -113,14 +129,31 @@ def status(release: str, namespace: str, *, kubeconfig: str | None = None, conte
     except (OSError, HTTPError) as e:  # urllib3 connection errors, retries exhausted
         reason = getattr(e, "reason", None) or e
         raise SpecError("dskit status", f"cannot reach the Kubernetes API: {reason}") from None
+    except Exception as e:  # noqa: BLE001 - a server answering with a body the client cannot read
+        raise SpecError(
+            "dskit status", f"unreadable answer from the Kubernetes API: {type(e).__name__}: {e}"
+        ) from None
     if not jobs:
         raise SpecError("RELEASE", f"no dskit job for release {release!r} in namespace {namespace!r}")
+    try:
+        text = _status_text(jobs, pods)
+    except Exception as e:  # noqa: BLE001 - objects missing fields a real API server always sets
+        raise SpecError(
+            "dskit status", f"unreadable answer from the Kubernetes API: {type(e).__name__}: {e}"
+        ) from None
+    print(text)
+    return 0
+
+
+def _status_text(jobs: list[Any], pods: list[Any]) -> str:
+    """Built whole before printing: a malformed answer prints nothing but the one error line."""
+    lines = []
     for j in jobs:
         s = j.status
         conds = ", ".join(c.type for c in (s.conditions or []) if c.status == "True") or "running"
-        print(
+        lines.append(
             f"job {j.metadata.name}: {conds}; active {s.active or 0}, succeeded {s.succeeded or 0}, "
             f"failed {s.failed or 0} of backoffLimit {j.spec.backoff_limit}"
         )
-    print(format_table(pod_rows(pods)))
-    return 0
+    lines.append(format_table(pod_rows(pods)))
+    return "\n".join(lines)

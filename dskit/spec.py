@@ -24,6 +24,7 @@ from dskit.text import describe, first_unsafe
 # [0-9] (\d also matches non-ASCII digits). helm_values.portable() turns \Z into $ for JSON Schema.
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?\Z")
 SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.,-]+\Z")
+MAX_SLURM_DAYS = 365
 SLURM_TIME_RE = re.compile(r"^([0-9]+-)?[0-9]{1,3}:[0-9]{2}(:[0-9]{2})?\Z")
 SBATCH_ARG_RE = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[A-Za-z0-9_.,:/@%+=-]+)?\Z")
 # Kubernetes object names (RFC 1123 labels), quantities ("500m", "64Gi") and label keys.
@@ -118,6 +119,7 @@ class HardwareSpec(_Section):
     host_memory_gib: float | None = Field(
         None,
         gt=0,
+        le=1e6,
         description="Host RAM per node in GiB, checked against optimizer offload and model construction. "
         "Default: the GPU profile's host_memory_gib_per_gpu (its reference node, e.g. DGX H100: 2 TiB / 8) x "
         "gpus_per_node; unknown, so unchecked, for cpu.",
@@ -151,18 +153,25 @@ class RuntimeSpec(_Section):
         description="Python interpreter inside the runtime (an absolute venv path for none).",
     )
 
+    @field_validator("python", "image")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be blank (only whitespace)")
+        return v
+
 
 class TrainingSpec(_Section):
     seq_len: int = Field(4096, ge=8, description="Tokens per sequence.")
     global_batch: int = Field(256, ge=1, description="Sequences per optimizer step, over all ranks.")
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    lr: float = Field(1.5e-4, gt=0, description="Peak learning rate (the seed post's tuned 1.5e-4).")
+    lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")
     warmup_ratio: float = Field(
         0.03, ge=0, lt=1, description="Linear warmup as a fraction of steps (seed: 3%)."
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, ge=0, description="Gradient norm clip (0 disables).")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 disables).")
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed for init and data order.")
     log_every: int = Field(10, ge=1, description="Steps between log lines / metrics records.")
     profile_steps: int = Field(
@@ -173,7 +182,10 @@ class TrainingSpec(_Section):
         "(time per step by kernel category) and a Chrome trace. 0: off.",
     )
     aux_loss_coeff: float | None = Field(
-        None, ge=0, description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha."
+        None,
+        ge=0,
+        le=1e3,
+        description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha.",
     )
 
 
@@ -195,7 +207,9 @@ class StorageSpec(_Section):
 
 class CheckpointSpec(_Section):
     every: int = Field(200, ge=1, description="Steps between checkpoints (also saved on SIGUSR1/SIGTERM).")
-    keep: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted after a good save.")
+    keep: int = Field(
+        3, ge=1, le=1000, description="Checkpoints kept; older ones are deleted after a good save."
+    )
     final: bool = Field(
         True,
         description="Save after the last step (with the probe `dskit export` verifies). Off for benchmarks.",
@@ -210,6 +224,7 @@ class SlurmSpec(_Section):
     grace_seconds: int = Field(
         180,
         ge=10,
+        le=65535,  # sbatch --signal=USR1@N
         description="Seconds before the time limit at which Slurm sends USR1 (checkpoint + requeue).",
     )
     extra_args: list[str] = Field(
@@ -233,8 +248,17 @@ class SlurmSpec(_Section):
     @field_validator("time")
     @classmethod
     def _time(cls, v: str) -> str:
-        if not SLURM_TIME_RE.match(v):
+        m = SLURM_TIME_RE.match(v)
+        if not m:
             raise ValueError("must look like HH:MM:SS or D-HH:MM:SS")
+        days, rest = (int(m.group(1)[:-1]), v.split("-", 1)[1]) if m.group(1) else (0, v)
+        hours, minutes, *sec = (int(x) for x in rest.split(":"))
+        seconds = sec[0] if sec else 0
+        if minutes >= 60 or seconds >= 60:
+            raise ValueError(f"{v!r}: minutes and seconds must be below 60 (HH:MM:SS or D-HH:MM:SS)")
+        total = ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+        if not 0 < total <= MAX_SLURM_DAYS * 86400:
+            raise ValueError(f"{v!r}: must be more than 0 and at most {MAX_SLURM_DAYS} days")
         return v
 
     @field_validator("extra_args")
@@ -250,6 +274,7 @@ class RaySpec(_Section):
     max_failures: int = Field(
         2,
         ge=0,
+        le=1000,
         description="Worker-group restarts Ray Train allows (a lost worker restarts the group, which resumes).",
     )
     storage_path: str | None = Field(None, description="Ray Train storage_path. Default: ROOT/NAME/ray.")
@@ -304,7 +329,10 @@ class KubernetesSpec(_Section):
         "written into the rendered files).",
     )
     rdma_per_node: int = Field(
-        1, ge=1, description="RDMA device-plugin resources per pod (RDMA fabrics; e.g. 32 EFA on p5)."
+        1,
+        ge=1,
+        le=1024,
+        description="RDMA device-plugin resources per pod (RDMA fabrics; e.g. 32 EFA on p5).",
     )
     networks: list[str] = Field(
         default_factory=list,
@@ -314,14 +342,21 @@ class KubernetesSpec(_Section):
     max_restarts: int = Field(
         3,
         ge=0,
+        le=1000,  # backoffLimit = this x nodes (<= 10000) stays a Kubernetes int32
         description="Failed attempts of the whole pod group before the Job fails (backoffLimit = this x "
         "nodes). Preemptions and checkpoint-and-stop exits do not count.",
     )
     grace_seconds: int = Field(
-        300, ge=10, description="terminationGracePeriodSeconds: time to checkpoint after SIGTERM."
+        300,
+        ge=10,
+        le=2**31 - 1,
+        description="terminationGracePeriodSeconds: time to checkpoint after SIGTERM.",
     )
     peer_dns_timeout: int = Field(
-        900, ge=10, description="Seconds the init step waits for every pod's DNS name (gang start)."
+        900,
+        ge=10,
+        le=2**31 - 1,
+        description="Seconds the init step waits for every pod's DNS name (gang start).",
     )
 
     @field_validator("existing_claim", "storage_class", "priority_class", "service_account")

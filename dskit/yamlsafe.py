@@ -5,7 +5,9 @@ careless file ends in one line and exit 2 instead of a traceback or minutes of w
 - text: UTF-8 only (a UTF-16 or Latin-1 file is refused, not guessed at);
 - nesting: MAX_DEPTH levels (deeper input would exhaust the composer's recursion);
 - aliases: the document, with every alias expanded, may have at most MAX_NODES nodes (a small file
-  whose anchor is referenced many times would otherwise validate and render as hundreds of MB);
+  whose anchor is referenced many times would otherwise validate and render as hundreds of MB), and
+  at most MAX_CHARS characters of scalars (one long string referenced many times);
+- keys: a key given twice in one mapping is refused (YAML readers disagree on which one wins);
 - numbers: YAML 1.1's base-60 integers are plain strings here (`48:00:00` stays a time, not 172800),
   and `1e-3` is a float as in YAML 1.2.
 """
@@ -24,6 +26,7 @@ from dskit.errors import SpecError
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 64
 MAX_NODES = 100_000
+MAX_CHARS = 4 << 20
 
 
 class _Limit(Exception):
@@ -44,15 +47,38 @@ class _Loader(yaml.SafeLoader):
         finally:
             self._depth -= 1
 
+    def construct_mapping(self, node: Node, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, MappingNode):
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` then explicit keys: overriding is what merge is for
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: the base constructor reports it
+                    continue
+                if duplicate:
+                    line = key_node.start_mark.line + 1
+                    raise _Limit(f"duplicate key {key!r} (line {line}); each key may appear once")
+        return super().construct_mapping(node, deep=deep)
+
     def compose_document(self) -> Node:
         node = super().compose_document()
-        if expanded_size(node) > MAX_NODES:
+        nodes, chars = expanded_size(node)
+        if nodes > MAX_NODES:
             raise _Limit(f"expands to more than {MAX_NODES} values through aliases (&anchor / *alias)")
+        if chars > MAX_CHARS:
+            raise _Limit(
+                f"expands to more than {MAX_CHARS >> 20} MiB of text through aliases (&anchor / *alias)"
+            )
         return node
 
 
-def expanded_size(node: Node, memo: dict[int, int | None] | None = None) -> int:
-    """Nodes in `node` with every alias expanded (shared subtrees counted once per reference)."""
+def expanded_size(node: Node, memo: dict[int, tuple[int, int] | None] | None = None) -> tuple[int, int]:
+    """(nodes, characters of scalars) in `node` with every alias expanded (shared subtrees counted once
+    per reference). Stops adding once either passes its limit."""
     memo = {} if memo is None else memo
     key = id(node)
     if key in memo:
@@ -60,19 +86,18 @@ def expanded_size(node: Node, memo: dict[int, int | None] | None = None) -> int:
             raise _Limit("an alias refers to the node that contains it")
         return memo[key]  # type: ignore[return-value]
     memo[key] = None
-    size = 1
-    if isinstance(node, SequenceNode):
-        for child in node.value:
-            size += expanded_size(child, memo)
-            if size > MAX_NODES:
+    size, chars = 1, 0
+    if isinstance(node, (SequenceNode, MappingNode)):
+        children = node.value if isinstance(node, SequenceNode) else [c for kv in node.value for c in kv]
+        for child in children:
+            n, c = expanded_size(child, memo)
+            size, chars = size + n, chars + c
+            if size > MAX_NODES or chars > MAX_CHARS:
                 break
-    elif isinstance(node, MappingNode):
-        for k, v in node.value:
-            size += expanded_size(k, memo) + expanded_size(v, memo)
-            if size > MAX_NODES:
-                break
-    memo[key] = size
-    return size
+    else:
+        chars = len(node.value)
+    memo[key] = (size, chars)
+    return size, chars
 
 
 _INT = "tag:yaml.org,2002:int"

@@ -66,3 +66,35 @@ def test_kill_9_mid_render_leaves_the_target_absent_and_the_next_render_cleans_u
     assert [p.name.startswith(".out.dskit-tmp-") for p in tmp_path.iterdir()] == [True]
     _build(out, "whole")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_leftovers_are_matched_literally_not_as_a_glob(tmp_path):
+    # `-o '*' --force` must not reach another output's leftovers through glob characters in the name
+    other = tmp_path / ".other.dskit-old-abc"
+    other.mkdir()
+    (other / MARKER).write_text("{}")
+    star = tmp_path / "*"
+    star.mkdir()
+    atomic._clean_stale(star)
+    assert (other / MARKER).is_file()
+    own = tmp_path / ".*.dskit-old-xyz"
+    own.mkdir()
+    (own / MARKER).write_text("{}")
+    atomic._clean_stale(star)
+    assert not own.exists() and other.is_dir()
+
+
+def test_init_failure_keeps_the_old_file(tmp_path, monkeypatch):
+    import tempfile as tf
+
+    from dskit import cli
+
+    old = tmp_path / "s.yaml"
+    old.write_text("mine\n")
+
+    def broken(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tf, "mkstemp", broken)
+    assert cli.main(["init", "-o", str(old), "--force"]) == 2
+    assert old.read_text() == "mine\n"

@@ -57,10 +57,13 @@ TOKENS = [
     "&a", "*a", "null", "true", "48:00:00", "0x1f", "1e3", ".inf", "--", "-m", "é", "٣", "ａ", "😀", "/",
     ".", "..", " ", "a", "x1", "%s", "\\n", "=",
 ]  # fmt: skip
+# Whole values that YAML 1.1 readers (Helm's and kubectl's Go YAML) resolve to a bool, null or number
+# when written plain: rendered YAML must hand them over as the same strings.
+YAML11 = ["y", "n", "Y", "N", "yes", "No", "on", "OFF", "~", "null", "0o17", "1e3", "0.1e3", "1_01e3", "0x1f"]
 BREAKERS = ["\n", "\r", "\t", "\x00", "\x85", "\x9b", "\u2028", "\u2029", "\ufeff", "\u202e", "\udc80"]
 hostile = st.lists(
     st.sampled_from(TOKENS * 4 + BREAKERS) | st.characters(exclude_categories=("Cs",)), min_size=1, max_size=6
-).map("".join)
+).map("".join) | st.sampled_from(YAML11)
 
 
 def _inside(s: str) -> str:
@@ -205,6 +208,8 @@ def _check_helm(plan, schema: dict) -> None:
         return  # refused: the CLI prints it as one line and exits 2
     assert text.isascii() or all(line.startswith("#") for line in text.splitlines() if not line.isascii())
     values = yaml.safe_load(text)
+    helm_python = pytest.importorskip("helm_python")
+    assert helm_python.values_from_yaml(text) == values  # Helm's own (Go, YAML 1.1) reader agrees
     assert set(values) == set(ChartValues.model_validate(values).model_dump(by_alias=True, exclude_none=True))
     jsonschema.validate(values, schema)
     assert values["trainer"]["env"] == plan.env

@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from dskit.errors import SpecError, one_of
+from dskit.hf_checkpoint import json_depth
 
 _HERE = Path(__file__).parent
 
@@ -116,6 +117,10 @@ CONFIG_INTS = (
 )
 CONFIG_MAX = {"num_hidden_layers": 10_000}
 CONFIG_INT_MAX = 2**31
+#: config.json travels inside run.yaml, which the trainer reads with dskit.yamlsafe's limits (1 MiB,
+#: 64 levels): a config within these always fits, so render never writes a run.yaml the trainer refuses.
+CONFIG_MAX_BYTES = 1 << 20
+CONFIG_MAX_DEPTH = 32
 
 
 def _finite(v: Any) -> bool:
@@ -132,6 +137,8 @@ def check_config(cfg: Any, where: str, field_name: str = "model.path") -> dict[s
     """A config.json's content, checked for what the planner needs: one line naming the key otherwise."""
     if not isinstance(cfg, dict):
         raise SpecError(field_name, f"{where} must hold a JSON object, not a {type(cfg).__name__}")
+    if json_depth(cfg) > CONFIG_MAX_DEPTH:
+        raise SpecError(field_name, f"{where} nests deeper than {CONFIG_MAX_DEPTH} levels")
     for key, low, required in CONFIG_INTS:
         v = cfg.get(key)
         if v is None and not required:
@@ -162,9 +169,13 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
         cfg_file = p / "config.json" if p.is_dir() else p
         if not cfg_file.is_file():
             raise SpecError(field_name, f"{cfg_file} not found (expected a model directory with config.json)")
-        if cfg_file.stat().st_size > 16 << 20:
-            raise SpecError(field_name, f"{cfg_file} is larger than 16 MiB: not a config.json")
+        if cfg_file.stat().st_size > CONFIG_MAX_BYTES:
+            raise SpecError(
+                field_name, f"{cfg_file} is larger than {CONFIG_MAX_BYTES >> 20} MiB: not a config.json"
+            )
         cfg = json.loads(cfg_file.read_bytes().decode("utf-8"))
+        if json_depth(cfg) > CONFIG_MAX_DEPTH:
+            raise SpecError(field_name, f"{cfg_file} nests deeper than {CONFIG_MAX_DEPTH} levels")
     except OSError as e:
         raise SpecError(field_name, f"cannot read {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:

@@ -436,6 +436,13 @@ def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
         bad = first_unsafe(path or "")
         if bad is not None:  # the spec's strings are checked; the current directory may add one
             raise SpecError(field, f"{path} contains {describe(bad)}; use a path without it")
+    for field, path in (("storage.checkpoint_dir", ckpt_dir), ("storage.output_dir", out_dir)):
+        if os.path.dirname(path) == path:  # '/': the trainer creates, prunes and writes files there
+            raise SpecError(field, f"{path} is a filesystem root; a directory of the run's own is allowed")
+    if os.path.normpath(ckpt_dir) == os.path.normpath(out_dir):
+        raise SpecError(
+            "storage.output_dir", f"{out_dir} is also storage.checkpoint_dir; two different dirs are allowed"
+        )
     run = RunPlan(
         seed=spec.training.seed,
         log_every=spec.training.log_every,

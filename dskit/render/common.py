@@ -10,9 +10,10 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from dskit import torchrun
+from dskit import torchrun, yamlsafe
 from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
+from dskit.errors import SpecError
 from dskit.plan import Plan, dump_plan
 from dskit.spec import ENV_NAME_RE
 from dskit.text import comment
@@ -78,12 +79,16 @@ class _YamlDumper(yaml.SafeDumper):
     """Rendered YAML (values.yaml, rayjob.yaml, runtime_env.yaml): multi-line strings (the plan) as
     literal blocks so they stay readable and diffable. Output is ASCII (allow_unicode off): every other
     character is a \\u escape inside a double-quoted scalar, so no reader (PyYAML's YAML 1.1 or Helm's
-    Go YAML 1.2) can take U+2028, U+0085 or a C1 control for a line break or refuse the file."""
+    Go YAML 1.2) can take U+2028, U+0085 or a C1 control for a line break or refuse the file.
+
+    Every other string, keys included, is double-quoted: YAML 1.1 readers (Helm's and kubectl's Go
+    YAML among them) read plain `y`, `off`, `~`, `0o17` or `1_01e3` as a bool, null or number, so no
+    string is left for a reader's resolver to guess at."""
 
 
 _YamlDumper.add_representer(
     str,
-    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None),
+    lambda dumper, s: dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else '"'),
 )
 
 
@@ -126,8 +131,15 @@ def torchrun_words(plan: Plan, *, quote: Callable[[str], str], endpoint: str, rd
 
 def run_files(plan: Plan) -> dict[str, str]:
     """Files every target's run directory carries: the plan (trainer input) and its DeepSpeed config."""
+    run_yaml = dump_plan(plan)
+    if len(run_yaml.encode()) > yamlsafe.MAX_BYTES:
+        raise SpecError(
+            RUN_YAML,
+            f"would be {len(run_yaml.encode())} bytes; the trainer reads at most {yamlsafe.MAX_BYTES} "
+            "(a smaller config.json under model.path, or fewer/shorter values, are allowed)",
+        )
     return {
-        RUN_YAML: dump_plan(plan),
+        RUN_YAML: run_yaml,
         DEEPSPEED_JSON: json.dumps(plan.deepspeed, indent=2) + "\n",
     }
 

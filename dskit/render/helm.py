@@ -14,7 +14,15 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dskit import __version__
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, K8S_CONFIG_MOUNT, RUN_YAML, STOP_FILE
+from dskit.contract import (
+    COMPLETE_FILE,
+    EXIT_REQUEUE,
+    K8S_CONFIG_MOUNT,
+    RESERVED_ENV,
+    RESERVED_ENV_PREFIX,
+    RUN_YAML,
+    STOP_FILE,
+)
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan, dump_plan
 from dskit.render.common import (
@@ -59,7 +67,14 @@ def values(plan: Plan) -> ChartValues:
     k = plan.kubernetes
     requests = {name: v for name in ("cpu", "memory") if (v := getattr(k, name))}
     secret_env = []
+    reserved = RESERVED_ENV | set(plan.env)
     for name, ref in k.secret_env.items():
+        if name in reserved or name.startswith(RESERVED_ENV_PREFIX):
+            raise SpecError(
+                "kubernetes.secret_env",
+                f"{name} is set by dskit's launch contract or the plan's env; names other than "
+                f"{RESERVED_ENV_PREFIX}*, {', '.join(sorted(reserved))} are allowed",
+            )
         secret, key = split_secret_ref(ref)
         secret_env.append({"name": name, "secretName": secret, "key": key})
     try:

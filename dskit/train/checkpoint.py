@@ -66,9 +66,16 @@ def verify_rank_files(d: Path, rank: int) -> str | None:
         return f"{mf.name} missing"
     try:
         manifest = json.loads(mf.read_text())
-    except json.JSONDecodeError:
+    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return f"{mf.name} unreadable"
-    for name, (size, crc) in manifest.items():
+    if not isinstance(manifest, dict):
+        return f"{mf.name} is not a mapping of file names to [size, crc]"
+    for name, entry in manifest.items():
+        if not _plain_name(name):
+            return f"{mf.name} names {name!r}, which is not a file inside the checkpoint"
+        if not (isinstance(entry, list) and len(entry) == 2 and all(_is_int(x) for x in entry)):
+            return f"{mf.name} has no [size, crc] for {name!r}"
+        size, crc = entry
         p = d / name
         if not p.is_file():
             return f"{name} missing"
@@ -79,19 +86,46 @@ def verify_rank_files(d: Path, rank: int) -> str | None:
     return None
 
 
+MAX_WORLD = 1 << 20
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _plain_name(name: object) -> bool:
+    """A file name directly inside the checkpoint dir: no separators, not '.', '..' or empty."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def _world_size(done: Path) -> int | None:
+    try:
+        world = json.loads(done.read_text()).get("world_size")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return None
+    return world if _is_int(world) and 1 <= world <= MAX_WORLD else None
+
+
 def newest_verified_tag(root: Path) -> Path:
     """The newest complete checkpoint whose every rank's files check out, in one process (export).
     A SpecError (exit 2) when there is none."""
     if not root.is_dir():
         raise SpecError("checkpoint", f"{root} does not exist: has the run saved a checkpoint?")
+    skipped: list[str] = []
     for tag in complete_tags(root):
         d = root / tag
-        world = json.loads((d / DONE).read_text())["world_size"]
-        problem = next((p for r in range(world) if (p := verify_rank_files(d, r))), None)
+        world = _world_size(d / DONE)
+        if world is None:
+            problem = f"{DONE} has no world_size (an integer from 1 to {MAX_WORLD})"
+        else:
+            problem = next((p for r in range(world) if (p := verify_rank_files(d, r))), None)
         if problem is None:
+            for line in skipped:  # the export goes ahead: say which newer ones it passed over
+                print(f"dskit: skipping {line}", file=sys.stderr)
             return d
-        print(f"dskit: skipping {d}: {problem}", file=sys.stderr)
-    raise SpecError("checkpoint", f"no complete checkpoint under {root}")
+        skipped.append(f"{d}: {problem}")
+    newest = f" (newest: {skipped[0]})" if skipped else ""
+    raise SpecError("checkpoint", f"no complete checkpoint under {root}{newest}")
 
 
 def _owned_by(name: str, rank: int) -> bool:

@@ -84,13 +84,15 @@ def embedded_corpus() -> list[str]:
 def _read_documents(paths: list[str]) -> Iterator[str]:
     for p in paths:
         path = Path(p)
+        if path.is_dir():
+            raise SpecError(f"{p}", "is a directory; give the .txt/.jsonl files in it (e.g. DIR/*.jsonl)")
         if not path.is_file():
             raise SpecError("inputs", f"{p} not found")
         if path.suffix == ".jsonl":
             yield from _read_jsonl(p, path)
         else:
             try:
-                text = path.read_text(encoding="utf-8", errors="replace")
+                text = path.read_text(encoding="utf-8-sig", errors="replace")
             except OSError as e:
                 raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
             yield text
@@ -99,7 +101,7 @@ def _read_documents(paths: list[str]) -> Iterator[str]:
 def _read_jsonl(p: str, path: Path) -> Iterator[str]:
     n = 0
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:  # a leading BOM (Windows editors) is dropped
             for n, line in enumerate(f, 1):  # noqa: B007 - n names the line in the error below
                 if not line.strip():
                     continue

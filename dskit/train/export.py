@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -106,8 +107,13 @@ def export(
             text=True,
         )
         if proc.returncode != 0:
-            raise RuntimeError(
-                f"ds_to_universal failed on {src}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            with tempfile.NamedTemporaryFile(
+                "w", prefix="dskit-export-", suffix=".log", delete=False, encoding="utf-8", errors="replace"
+            ) as log:
+                log.write(f"{proc.stdout}\n{proc.stderr}")
+            raise SpecError(
+                "checkpoint",
+                f"ds_to_universal failed on {src} (exit {proc.returncode}); its full output is in {log.name}",
             )
         config = hf_config(plan.model.config, "sdpa")
         config.dtype = dtype
