@@ -87,7 +87,7 @@ def train(
         _mark_complete(run.output_dir, rank)
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
-    window = LogWindow(plan, rank=rank, world=world, device=device)
+    window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
 
     def save(step: int, extra: dict | None = None) -> None:
         info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}

@@ -100,8 +100,12 @@ class LogWindow:
     `run.log_every` steps (and at the last): averaged over ranks, with throughput, MFU, memory and
     expert load, as one metrics.jsonl record and one log line on rank 0."""
 
-    def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device):
+    def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device, start: int = 0):
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
+        # A resumed process marks its first record with the checkpoint step it resumed from: a clean
+        # stop (STOP file, SIGTERM) checkpoints at the step it stopped, so the steps never go backwards
+        # and `dskit report` could not otherwise tell where the run restarted.
+        self.resumed_from = start or None
         par = plan.parallel
         self.tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
@@ -153,6 +157,9 @@ class LogWindow:
         }
         if load is not None:
             rec.update(load_stats(load))
+        if self.resumed_from is not None:
+            rec["resumed_from"] = self.resumed_from
+            self.resumed_from = None
         self.metrics.write(rec)
         self.last = rec
         if self.rank == 0:
