@@ -144,6 +144,7 @@ def plot_throughput(s: Series, path: Path) -> Path:
             transform=a2.transAxes,
             color="gray",
         )
+        a2.set_yticks([])  # an empty 0..1 scale would read as a measured 0% MFU
     a2.set_ylabel("MFU (%)")
     a2.set_xlabel("step")
     for ax in (a1, a2):
@@ -158,9 +159,9 @@ def plot_memory(s: Series, path: Path, estimate_gib: float | None, capacity_gib:
     ax.plot(*s.column("peak_alloc_gib"), color="tab:blue", lw=1.5, label="peak allocated")
     ax.plot(*s.column("peak_reserved_gib"), color="tab:cyan", lw=1.5, ls="--", label="peak reserved")
     if estimate_gib is not None:
-        ax.axhline(estimate_gib, color="tab:orange", lw=1.2, label=f"plan estimate ({estimate_gib:.1f} GiB)")
+        ax.axhline(estimate_gib, color="tab:orange", lw=1.2, label=f"plan estimate ({estimate_gib:.3g} GiB)")
     if capacity_gib is not None:
-        ax.axhline(capacity_gib, color="tab:red", lw=1.2, label=f"GPU usable ({capacity_gib:.1f} GiB)")
+        ax.axhline(capacity_gib, color="tab:red", lw=1.2, label=f"GPU usable ({capacity_gib:.3g} GiB)")
     _restart_lines(ax, s)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("step")
