@@ -143,3 +143,21 @@ def test_report_on_a_stopped_and_resumed_cpu_run(resumed_run, tmp_path):
     page = (tmp_path / "rep" / "index.html").read_text()
     assert page.count("data:image/png;base64,") == 5 and "8 / 8" in page
     assert "DSKIT_RUN_FILE" in page  # the launch contract rank 0 recorded
+
+
+@pytest.mark.train
+def test_cpu_run_writes_tensorboard_events_across_a_restart(resumed_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    plan = load_plan(resumed_run / "run.yaml")
+    tb = Path(plan.run.output_dir) / "tensorboard"
+    assert len(list(tb.glob("events.out.tfevents.*"))) == 2  # one file per process (segment)
+    acc = EventAccumulator(str(tb), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    for tag in ("train/loss", "train/aux_loss", "train/lr", "perf/tokens_per_s_per_gpu"):
+        assert sorted({e.step for e in acc.Scalars(tag)}) == list(range(1, 9)), tag
+    assert {"memory/peak_alloc_gib", "experts/max_over_mean/moe_layer_1"} <= set(tags["scalars"])
+    last = acc.Histograms("experts/tokens_per_expert/moe_layer_0")[-1]
+    want = [r for r in read_metrics(Path(plan.run.output_dir) / "metrics.jsonl").records if r["step"] == 8]
+    assert last.step == 8 and list(last.histogram_value.bucket) == want[0]["expert_counts"][0]

@@ -135,6 +135,7 @@ def train(
         if stop.requested():
             save(done)
             stop.clear_file()
+            window.close()
             log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
             return EXIT_REQUEUE
         if done % run.checkpoint_every == 0:
@@ -145,6 +146,7 @@ def train(
         save(opt.steps, extra={"probe.pt": _probe(plan, engine, sampler, device)})
     _mark_complete(run.output_dir, rank)
     stop.clear_file()
+    window.close()
     return 0
 
 

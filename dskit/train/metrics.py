@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap, load_stats
+from dskit.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("dskit.train")
 
@@ -109,6 +110,7 @@ class LogWindow:
         par = plan.parallel
         self.tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
+        self.tensorboard = TensorBoardLog(plan.run.output_dir, enabled=rank == 0)
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)
         self.last: dict = {}  # the latest record (Ray Train reports it with each checkpoint)
@@ -161,6 +163,7 @@ class LogWindow:
             rec["resumed_from"] = self.resumed_from
             self.resumed_from = None
         self.metrics.write(rec)
+        self.tensorboard.write(rec)
         self.last = rec
         if self.rank == 0:
             log.info(
@@ -177,6 +180,10 @@ class LogWindow:
                 rec.get("expert_load_max_over_mean"),
             )
         self._reset()
+
+    def close(self) -> None:
+        """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
+        self.tensorboard.close()
 
 
 def _round(x: float | None) -> float | None:
