@@ -143,6 +143,8 @@ def test_report_on_a_stopped_and_resumed_cpu_run(resumed_run, tmp_path):
     page = (tmp_path / "rep" / "index.html").read_text()
     assert page.count("data:image/png;base64,") == 5 and "8 / 8" in page
     assert "DSKIT_RUN_FILE" in page  # the launch contract rank 0 recorded
+    lines = [x for x in (resumed_run.parent / "b.log").read_text().splitlines() if " step " in x]
+    assert lines and all(" eta " in x for x in lines if "loss" in x)  # no terminal: the log line has it
 
 
 @pytest.mark.train

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap, load_stats
+from dskit.train.progress import Progress, format_eta
 from dskit.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("dskit.train")
@@ -111,6 +112,7 @@ class LogWindow:
         self.tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
         self.tensorboard = TensorBoardLog(plan.run.output_dir, enabled=rank == 0)
+        self.progress = Progress(start, plan.optim.steps, enabled=rank == 0)
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)
         self.last: dict = {}  # the latest record (Ray Train reports it with each checkpoint)
@@ -132,6 +134,7 @@ class LogWindow:
     def step_done(self, done: int, lr: float, tap: RouterTap) -> None:
         """Close step `done`; at a log step, reduce over ranks and write the record (collective)."""
         self.steps += 1
+        self.progress.step(done)
         if done % self.plan.run.log_every and done != self.plan.optim.steps:
             return
         stats = torch.stack([self.loss_sum, self.aux_sum]) / self.steps
@@ -164,10 +167,11 @@ class LogWindow:
             self.resumed_from = None
         self.metrics.write(rec)
         self.tensorboard.write(rec)
+        self.progress.logged(rec)
         self.last = rec
         if self.rank == 0:
             log.info(
-                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",
+                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s eta %s",
                 done,
                 self.plan.optim.steps,
                 rec["loss"],
@@ -178,12 +182,14 @@ class LogWindow:
                 alloc,
                 reserved,
                 rec.get("expert_load_max_over_mean"),
+                format_eta(self.progress.eta_s(done)),
             )
         self._reset()
 
     def close(self) -> None:
         """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
         self.tensorboard.close()
+        self.progress.close()
 
 
 def _round(x: float | None) -> float | None:
