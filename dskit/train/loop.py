@@ -94,8 +94,10 @@ def train(
         path = ckpt.save(engine, step, info, extra=extra)
         # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
         # step: a report took ~2 s on the CPU test cluster, longer than a step.
+        # The per-expert counts (layers x experts ints) stay in metrics.jsonl, out of Ray's result rows.
         if reporter:
-            reporter({**window.last, "step": step, "checkpoint": str(path)})
+            last = {k: v for k, v in window.last.items() if k != "expert_counts"}
+            reporter({**last, "step": step, "checkpoint": str(path)})
 
     # ---------------------------------------------------------------- loop
     for step in range(start, opt.steps):
