@@ -252,6 +252,18 @@ def _img(path: Path, alt: str) -> str:
     return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
 
 
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.4g}"
+
+
+def _count(n: int) -> str:
+    """Parameter counts at a glance: 15.7 B, 219.1 K (a tiny test model would read 0.00 B)."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
+
+
 def _plan_rows(plan: Any) -> list[tuple[str, Any]]:
     if plan is None:
         return [("plan", "no run.yaml next to these metrics")]
@@ -260,8 +272,8 @@ def _plan_rows(plan: Any) -> list[tuple[str, Any]]:
         ("summary", plan.summary()),
         (
             "model",
-            f"{plan.model.name} ({plan.model.params_total / 1e9:.2f} B total, "
-            f"{plan.model.params_active / 1e9:.2f} B active)",
+            f"{plan.model.name} ({_count(plan.model.params_total)} total, "
+            f"{_count(plan.model.params_active)} active parameters)",
         ),
         ("hardware", f"{h.nodes} x {h.procs_per_node} {h.gpu} (world {h.world_size})"),
         (
@@ -289,7 +301,7 @@ def write_html(
     total = plan.optim.steps if plan is not None else None
     state = [
         ("latest step", f"{last['step']}" + (f" / {total}" if total else "")),
-        ("loss", last.get("loss")),
+        ("loss", _num(last.get("loss"))),
         ("tokens/s/GPU", last.get("tokens_per_s_per_gpu")),
         ("restarts (first step logged after each)", ", ".join(map(str, s.restarts)) or "none"),
     ]
