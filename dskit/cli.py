@@ -207,6 +207,18 @@ def cmd_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(a: argparse.Namespace) -> int:
+    try:
+        import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
+    except ModuleNotFoundError as e:
+        raise _needs_extra("report", "report", e) from None
+    from dskit.report import report
+
+    files = report(a.run, a.output)
+    print(f"wrote {len(files)} files to {files[-1].parent}: open {files[-1]}")
+    return 0
+
+
 def cmd_data(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
 
@@ -323,6 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     s.add_argument("--context", help="kubeconfig context")
     s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser(
+        "report",
+        help="plots (PNG) and one self-contained HTML page from a run's metrics",
+        description="Reads run.yaml, OUTPUT_DIR/metrics.jsonl and launch-env.json; works on a finished, "
+        "running or resumed run (needs the report extra: pip install 'dskit[report]').",
+    )
+    s.add_argument("run", help="run directory (with run.yaml), or a directory holding metrics.jsonl")
+    s.add_argument("-o", "--output", help="directory for the PNGs and index.html (default: RUN/report)")
+    s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("data", help="data tools")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")

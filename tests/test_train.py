@@ -135,7 +135,14 @@ def test_metrics_records_carry_what_the_issue_lists(reference):
         assert key in rec
     assert rec["mfu"] is None  # the cpu profile has no peak FLOP/s: no made-up MFU
     assert rec["aux_loss"] > 0 and len(rec["expert_load_per_layer"]) == 2  # tiny models: 2 MoE layers
+    counts = rec["expert_counts"]  # [layer][expert] tokens routed in the log window, all ranks
+    assert len(counts) == 2 and all(isinstance(c, int) and c >= 0 for row in counts for c in row)
     plan = load_plan(reference["tiny-v2"] / "run.yaml")
+    par, top_k = plan.parallel, plan.model.config["num_experts_per_tok"]
+    routed = par.micro_batch * par.grad_accum * par.seq_len * plan.hardware.world_size * top_k
+    assert [sum(row) for row in counts] == [routed] * 2  # log_every=1: one step's tokens x top-k per layer
+    mean = sum(counts[0]) / len(counts[0])
+    assert max(counts[0]) / mean == pytest.approx(rec["expert_load_per_layer"][0], abs=1e-3)
     assert (Path(plan.run.output_dir) / COMPLETE_FILE).is_file()
 
 

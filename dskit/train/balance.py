@@ -89,9 +89,13 @@ class RouterTap:
 
 
 def load_stats(load: torch.Tensor) -> dict[str, object]:
-    """max/mean tokens per expert, per layer and worst layer (1.0 = perfectly balanced)."""
+    """max/mean tokens per expert, per layer and worst layer (1.0 = perfectly balanced), and the raw
+    [layer][expert] token counts over the log window, summed over ranks. The counts are whole numbers
+    (tokens x top-k routings), so they go in as ints: 64 layers x 256 experts stay ~100 KB a record,
+    written only at log steps, and the report draws the heatmap from them."""
     per_layer = (load.max(-1).values / load.mean(-1).clamp_min(1e-9)).tolist()
     return {
         "expert_load_max_over_mean": round(max(per_layer), 3),
         "expert_load_per_layer": [round(x, 3) for x in per_layer],
+        "expert_counts": load.round().long().tolist(),
     }

@@ -87,15 +87,17 @@ def train(
         _mark_complete(run.output_dir, rank)
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
-    window = LogWindow(plan, rank=rank, world=world, device=device)
+    window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
 
     def save(step: int, extra: dict | None = None) -> None:
         info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
         path = ckpt.save(engine, step, info, extra=extra)
         # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
         # step: a report took ~2 s on the CPU test cluster, longer than a step.
+        # The per-expert counts (layers x experts ints) stay in metrics.jsonl, out of Ray's result rows.
         if reporter:
-            reporter({**window.last, "step": step, "checkpoint": str(path)})
+            last = {k: v for k, v in window.last.items() if k != "expert_counts"}
+            reporter({**last, "step": step, "checkpoint": str(path)})
 
     # ---------------------------------------------------------------- loop
     for step in range(start, opt.steps):
@@ -135,6 +137,7 @@ def train(
         if stop.requested():
             save(done)
             stop.clear_file()
+            window.close()
             log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
             return EXIT_REQUEUE
         if done % run.checkpoint_every == 0:
@@ -145,6 +148,7 @@ def train(
         save(opt.steps, extra={"probe.pt": _probe(plan, engine, sampler, device)})
     _mark_complete(run.output_dir, rank)
     stop.clear_file()
+    window.close()
     return 0
 
 

@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap, load_stats
+from dskit.train.progress import Progress, format_eta
+from dskit.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("dskit.train")
 
@@ -100,11 +102,17 @@ class LogWindow:
     `run.log_every` steps (and at the last): averaged over ranks, with throughput, MFU, memory and
     expert load, as one metrics.jsonl record and one log line on rank 0."""
 
-    def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device):
+    def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device, start: int = 0):
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
+        # A resumed process marks its first record with the checkpoint step it resumed from: a clean
+        # stop (STOP file, SIGTERM) checkpoints at the step it stopped, so the steps never go backwards
+        # and `dskit report` could not otherwise tell where the run restarted.
+        self.resumed_from = start or None
         par = plan.parallel
         self.tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
+        self.tensorboard = TensorBoardLog(plan.run.output_dir, enabled=rank == 0)
+        self.progress = Progress(start, plan.optim.steps, enabled=rank == 0)
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)
         self.last: dict = {}  # the latest record (Ray Train reports it with each checkpoint)
@@ -126,6 +134,7 @@ class LogWindow:
     def step_done(self, done: int, lr: float, tap: RouterTap) -> None:
         """Close step `done`; at a log step, reduce over ranks and write the record (collective)."""
         self.steps += 1
+        self.progress.step(done)
         if done % self.plan.run.log_every and done != self.plan.optim.steps:
             return
         stats = torch.stack([self.loss_sum, self.aux_sum]) / self.steps
@@ -153,11 +162,16 @@ class LogWindow:
         }
         if load is not None:
             rec.update(load_stats(load))
+        if self.resumed_from is not None:
+            rec["resumed_from"] = self.resumed_from
+            self.resumed_from = None
         self.metrics.write(rec)
+        self.tensorboard.write(rec)
+        self.progress.logged(rec)
         self.last = rec
         if self.rank == 0:
             log.info(
-                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s",
+                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s eta %s",
                 done,
                 self.plan.optim.steps,
                 rec["loss"],
@@ -168,8 +182,14 @@ class LogWindow:
                 alloc,
                 reserved,
                 rec.get("expert_load_max_over_mean"),
+                format_eta(self.progress.eta_s(done)),
             )
         self._reset()
+
+    def close(self) -> None:
+        """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
+        self.tensorboard.close()
+        self.progress.close()
 
 
 def _round(x: float | None) -> float | None:
