@@ -25,10 +25,11 @@ def test_same_loss_and_gradients_as_plain_cross_entropy(dtype, rtol, chunk):
     labels = torch.randint(0, 301, (3, 50), generator=g)
     labels[0, :5] = IGNORE_INDEX
     results = []
-    for fn, lab in ((plain, labels), (linear_cross_entropy, labels)):
+    chunked = lambda h, w, y: linear_cross_entropy(h, w, y, chunk)  # noqa: E731
+    for fn in (plain, chunked):
         h = hidden.clone().requires_grad_()
         w = weight.clone().requires_grad_()
-        loss = fn(h, w, lab) * 3.0  # a non-unit upstream gradient
+        loss = fn(h, w, labels) * 3.0  # a non-unit upstream gradient
         loss.backward()
         results.append((loss.detach().double(), h.grad.double(), w.grad.double()))
     (l0, h0, w0), (l1, h1, w1) = results
@@ -40,6 +41,6 @@ def test_same_loss_and_gradients_as_plain_cross_entropy(dtype, rtol, chunk):
 def test_all_ignored_rows_give_zero_loss_and_gradients():
     hidden = torch.randn(4, 8, requires_grad=True)
     weight = torch.randn(10, 8, requires_grad=True)
-    loss = linear_cross_entropy(hidden, weight, torch.full((4,), IGNORE_INDEX))
+    loss = linear_cross_entropy(hidden, weight, torch.full((4,), IGNORE_INDEX), 2)
     loss.backward()
     assert loss.item() == 0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0

@@ -2,7 +2,7 @@
 
 The plain path materialises bf16 logits, an fp32 copy for the softmax and its fp32 gradient: at
 DeepSeek's 102400-token vocabulary that is 10 bytes x tokens x vocab (8.4 GB for 2 x 4096 tokens), the
-largest activation of the step (DESIGN.md's profile: the fp32 softmax alone ~6.5 ms). Here the output
+largest activation of the step (bench/README.md's H200 profiles: the loss kernels alone ~6.5 ms). Here the output
 projection runs inside one autograd function, `chunk_tokens` rows at a time: each chunk's logits
 exist only while its softmax and both gradients are computed, in the forward pass (the loss is the
 graph's last node, so its gradients are known then, as in Liger-Kernel's fused linear cross-entropy);
@@ -85,7 +85,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int = 4096
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
 ) -> torch.Tensor:
     """Mean cross-entropy of `hidden @ weight.T` against `labels` (IGNORE_INDEX rows excluded), in fp32."""
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
