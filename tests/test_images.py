@@ -156,3 +156,47 @@ def test_render_image_cli(tmp_path):
     assert (out / "Dockerfile").is_file() and os.access(out / "install.sh", os.X_OK)
     bad = dskit("render", "image", "--gpu", "a100", "-o", str(tmp_path / "x"))
     assert bad.returncode == 2 and "hardware.gpu" in bad.stderr and not (tmp_path / "x").exists()
+
+
+def _dockerfile_copies_of_sources(text: str) -> list[str]:
+    """The sources the Dockerfile copies into the wheel's build directory (`COPY SRC /tmp/dskit-src/...`)."""
+    out = []
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"] and words[-1].startswith(image.SRC_DIR):
+            assert words[-1] == f"{image.SRC_DIR}/{words[1]}", line  # same layout as the repository
+            out += words[1:-1]
+    return out
+
+
+def test_images_copy_what_the_wheel_build_reads():
+    """pyproject.toml decides what `pip install /tmp/dskit-src` reads: the readme, the wheel's packages and
+    its force-include sources. Each must be copied, or the image build fails (it once lacked helm/dskit)."""
+    tomllib = pytest.importorskip("tomllib")
+    py = tomllib.loads((REPO / "pyproject.toml").read_text())
+    wheel = py["tool"]["hatch"]["build"]["targets"]["wheel"]
+    needed = {"pyproject.toml", py["project"]["readme"], *wheel["packages"], *wheel.get("force-include", {})}
+    assert set(image.WHEEL_SOURCES) == needed
+    for name in sorted(p.name for p in IMAGES.iterdir()):
+        copied = _dockerfile_copies_of_sources((IMAGES / name / "Dockerfile").read_text())
+        assert sorted(copied) == sorted(needed), name
+        assert all((REPO / src).exists() for src in copied)
+
+
+def test_base_images_are_build_arguments():
+    for name in sorted(p.name for p in IMAGES.iterdir()):
+        text = (IMAGES / name / "Dockerfile").read_text()
+        froms = [line for line in text.splitlines() if line.startswith("FROM ")]
+        assert froms == ["FROM ${BUILDER_IMAGE} AS builder", "FROM ${RUNTIME_IMAGE}"], name
+        tc = image.toolchains()[image.toolchain_for(catalog.gpu(name.removesuffix("-efa")))]
+        assert f'ARG BUILDER_IMAGE="{tc["builder_image"]}"' in text  # the public base by default
+        assert f'ARG RUNTIME_IMAGE="{tc["runtime_image"]}"' in text
+        assert "# syntax=" not in text  # BuildKit would pull its frontend image from a registry
+
+
+def test_install_scripts_compile_ops_for_the_stated_isa():
+    for name in sorted(p.name for p in IMAGES.iterdir()):
+        install = (IMAGES / name / "install.sh").read_text()
+        assert f"isa=${{DSKIT_CPU_ISA:-{image.CPU_ISA}}}" in install
+        assert "-march=native) args+=(-march=$isa)" in install
+        assert f'ARG DSKIT_CPU_ISA="{image.CPU_ISA}"' in (IMAGES / name / "Dockerfile").read_text()
