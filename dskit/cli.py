@@ -175,6 +175,19 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     return doctor_main(as_json=a.json, build=a.build)
 
 
+def cmd_build(a: argparse.Namespace) -> int:
+    from dskit.build import build_image
+
+    return build_image(
+        a.gpu,
+        a.fabric,
+        tag=a.tag,
+        engine=a.engine,
+        build_args=a.build_arg,
+        engine_args=a.engine_arg,
+    )
+
+
 def cmd_status(a: argparse.Namespace) -> int:
     from dskit.k8s_status import status
 
@@ -323,6 +336,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--build", action="store_true", help="image build smoke test: no GPU or launcher expected")
     s.set_defaults(func=cmd_doctor)
+
+    s = sub.add_parser(
+        "build",
+        help="build a GPU profile's image with the container engine here (podman, buildah, docker)",
+        description="Renders the image for --gpu (as `dskit render image`), builds it from this checkout "
+        "and prints the tag, size and build time. Base images and torch's index are build arguments: "
+        "--build-arg BUILDER_IMAGE=... --build-arg RUNTIME_IMAGE=... --build-arg DSKIT_TORCH_INDEX=...",
+    )
+    s.add_argument("what", choices=("image",), help="what to build")
+    s.add_argument("--gpu", required=True, help="GPU profile (dskit catalog gpus; cpu for the CPU image)")
+    s.add_argument("--fabric", default="infiniband", help="network fabric (efa adds AWS's libraries)")
+    s.add_argument(
+        "--tag", help="image tag (default: the rendered one, e.g. dskit:cpu-torch2.13.0-cpu-ds0.19.8)"
+    )
+    s.add_argument(
+        "--engine", default="auto", help="podman | buildah | docker (default: the first of them found)"
+    )
+    s.add_argument(
+        "--build-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="passed to the engine (repeatable)",
+    )
+    s.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra engine flag, e.g. --engine-arg=--network=host (repeatable)",
+    )
+    s.set_defaults(func=cmd_build)
 
     s = sub.add_parser(
         "status",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,6 +73,39 @@ def test_install_scripts_are_shellcheck_clean(name):
         assert r.returncode == 0, r.stdout
 
 
+# Registers and encodings above x86-64-v3 (AVX2): AVX-512's zmm registers and opmask registers k0-k7,
+# and AMX's tile registers. EVEX-only instructions on xmm/ymm always come with {k} masks or are rare;
+# the zmm/k check is what -march=native on an AVX-512 host leaves behind (measured: cpu_adam's AVX-512
+# kernels, DeepSpeed's -D__AVX512__ path).
+ABOVE_V3 = re.compile(r"%zmm\d+|%k[0-7]\b|%tmm\d+")
+
+
+def instructions_above_v3(so: Path) -> list[str]:
+    """Disassembled lines of SO that use registers x86-64-v3 does not have (empty = within v3)."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) not installed")
+    out = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", str(so)], capture_output=True, text=True, check=True
+    )
+    return [line.strip() for line in out.stdout.splitlines() if ABOVE_V3.search(line)]
+
+
+def check_ops_within_v3(site_packages: Path) -> list[str]:
+    """DeepSpeed's compiled ops under SITE_PACKAGES: each within x86-64-v3, and AVX2 code present
+    (the baseline's SIMD kernels, not scalar fallbacks). Returns the .so names checked."""
+    sos = sorted((site_packages / "deepspeed").rglob("*.so"))
+    assert sos, f"no compiled DeepSpeed ops under {site_packages}"
+    for so in sos:
+        above = instructions_above_v3(so)
+        assert not above, f"{so.name}: {len(above)} instructions above x86-64-v3, e.g. {above[:3]}"
+    adam = [so for so in sos if so.name.startswith("cpu_adam")]
+    assert adam, [so.name for so in sos]
+    dis = subprocess.run(["objdump", "-d", str(adam[0])], capture_output=True, text=True).stdout
+    assert "%ymm" in dis, "cpu_adam has no AVX2 code: built scalar?"
+    return [so.name for so in sos]
+
+
 @pytest.mark.network
 @pytest.mark.slow
 def test_cpu_install_script_installs_and_prebuilds_deepspeed_ops(tmp_path):
@@ -100,6 +134,9 @@ def test_cpu_install_script_installs_and_prebuilds_deepspeed_ops(tmp_path):
         and trv == lock["pins"]["transformers"]
     )
     assert cpu_adam and shm  # compiled at install time: no JIT at worker start
+    # ...for x86-64-v3, although this host may have AVX-512 (where -march=native would use it)
+    site = next((env_dir / "lib").glob("python3*/site-packages"))
+    check_ops_within_v3(site)
 
 
 @pytest.mark.network
@@ -200,3 +237,69 @@ def test_install_scripts_compile_ops_for_the_stated_isa():
         assert f"isa=${{DSKIT_CPU_ISA:-{image.CPU_ISA}}}" in install
         assert "-march=native) args+=(-march=$isa)" in install
         assert f'ARG DSKIT_CPU_ISA="{image.CPU_ISA}"' in (IMAGES / name / "Dockerfile").read_text()
+
+
+def _stub_engine(d: Path, name: str = "podman") -> Path:
+    """A stand-in engine: records its argv and the build context's files, reports a 1 GiB image."""
+    d.mkdir()
+    log = d / "calls.jsonl"
+    stub = d / name
+    stub.write_text(
+        f"""#!{sys.executable}
+import json, os, sys
+with open({str(log)!r}, "a") as f:
+    files = sorted(os.path.relpath(os.path.join(r, n)) for r, _, ns in os.walk(".") for n in ns)
+    f.write(json.dumps({{"argv": sys.argv[1:], "files": files}}) + "\\n")
+if sys.argv[1:3] == ["image", "inspect"]:
+    print(json.dumps([{{"Size": 2**30}}]))
+"""
+    )
+    stub.chmod(0o755)
+    return log
+
+
+def test_build_image_cli_with_a_stub_engine(tmp_path):
+    log = _stub_engine(tmp_path / "bin")
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    r = dskit("build", "image", "--gpu", "cpu", "--build-arg", "BUILDER_IMAGE=local/base:1", env=env)
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(
+        r"built dskit:cpu-torch2\.13\.0-cpu-ds0\.19\.8 with podman in \d+s \(\d+ s\): 1\.00 GiB\n", r.stdout
+    )
+    build, inspect = [json.loads(line) for line in log.read_text().splitlines()]
+    assert build["argv"][:2] == ["build", "--format=docker"] and build["argv"][-1] == "."
+    assert "BUILDER_IMAGE=local/base:1" in build["argv"] and "images/cpu/Dockerfile" in build["argv"]
+    # the context holds what the Dockerfile copies, and nothing else (no .venv, runs/, .git)
+    tops = {f.split("/")[0] for f in build["files"]}
+    assert tops == {"pyproject.toml", "README.md", "dskit", "templates", "helm", "images"}
+    assert "helm/dskit/Chart.yaml" in build["files"] and not any("__pycache__" in f for f in build["files"])
+    assert sorted(f for f in build["files"] if f.startswith("images/")) == sorted(
+        f"images/cpu/{n}" for n in image.image_files("cpu")
+    )
+    assert inspect["argv"][:2] == ["image", "inspect"]
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--gpu", "h100"], "--gpu"),
+        (["--gpu", "cpu", "--engine", "rkt"], "--engine"),
+        (["--gpu", "cpu", "--build-arg", "no-equals"], "--build-arg"),
+        (["--gpu", "cpu", "--tag", "-rm x"], "--tag"),
+        (["--gpu", "cpu"], "--engine"),  # no engine on PATH
+    ],
+)
+def test_build_image_bad_input_is_one_line(tmp_path, args, field):
+    (tmp_path / "bin").mkdir()
+    r = dskit("build", "image", *args, env={"PATH": str(tmp_path / "bin")})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith(f"dskit: error: {field}:") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_build_image_reports_a_failed_build(tmp_path):
+    log = _stub_engine(tmp_path / "bin")
+    stub = tmp_path / "bin" / "podman"
+    stub.write_text(stub.read_text() + "sys.exit(3)\n")
+    r = dskit("build", "image", "--gpu", "cpu", env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+    assert r.returncode == 1 and "podman build exited 3" in r.stderr
+    assert len(log.read_text().splitlines()) == 1  # no size asked of a failed build
