@@ -38,7 +38,7 @@ args=()
 for a in "\$@"; do
   case "\$a" in
     -march=native) args+=(-march=$isa) ;;
-    -D__AVX512__|-D__AVX256__) args+=($simd) ;;
+    -D__AVX512__ | -D__AVX256__ | -D__SCALAR__) args+=($simd) ;;
     *) args+=("\$a") ;;
   esac
 done
