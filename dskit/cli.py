@@ -107,14 +107,41 @@ def cmd_schema(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from dskit.plan import build_plan, dump_plan
+    from dskit.plan import build_plan_searched, dump_plan
 
-    plan = build_plan(_spec_from_args(a))
-    if a.json:
+    if a.plot:
+        if not a.plot.endswith(".png"):
+            raise SpecError("--plot", f"{a.plot}: give a .png file name")
+        if not Path(a.plot).resolve().parent.is_dir():
+            raise SpecError("--plot", f"{Path(a.plot).parent} is not a directory")
+        try:
+            import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
+        except ModuleNotFoundError as e:
+            raise _needs_extra("plan --plot", "report", e) from None
+    plan, found = build_plan_searched(_spec_from_args(a))
+    if a.explain:
+        from dskit.explain import row_dict, table
+
+        if a.json:
+            print(
+                json.dumps(
+                    {"plan": plan.model_dump(mode="json"), "candidates": [row_dict(r) for r in found.rows]},
+                    indent=2,
+                )
+            )
+        else:
+            print(table(plan, found))
+            for w in plan.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+    elif a.json:
         print(json.dumps(plan.model_dump(mode="json"), indent=2))
     else:
         print(dump_plan(plan), end="")
         _print_summary(plan)
+    if a.plot:
+        from dskit.explain import plot
+
+        print(f"wrote {plot(plan, found, Path(a.plot))}", file=sys.stderr)
     return 0
 
 
@@ -261,9 +288,24 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("schema", help="print the run spec's JSON Schema")
     s.set_defaults(func=cmd_schema)
 
-    s = sub.add_parser("plan", help="resolve a spec into the plan (run.yaml) and print it")
+    s = sub.add_parser(
+        "plan",
+        help="resolve a spec into the plan (run.yaml) and print it",
+        description="Resolve the spec into the plan. The planner weighs every EP size, micro-batch x "
+        "gradient accumulation, activation checkpointing (off, every layer) and optimizer offload (off, "
+        "cpu): each is checked against GPU and host memory and timed by the step-time model "
+        "(dskit/plan/speed.py); the fastest that fits wins. --explain shows them all.",
+    )
     _add_spec_args(s)
-    s.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    s.add_argument(
+        "--json", action="store_true", help="print JSON instead of YAML (with --explain: plan + candidates)"
+    )
+    s.add_argument(
+        "--explain",
+        action="store_true",
+        help="print every candidate: memory breakdown, predicted step time, tokens/s/GPU, MFU, why it lost",
+    )
+    s.add_argument("--plot", metavar="FILE.png", help="draw the candidates' memory and predicted throughput")
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser(

@@ -8,7 +8,7 @@ A plan fits when every estimate stays under its limit:
   (1 - HOST_MEMORY_MARGIN) x hardware.host_memory_gib.
 A capacity that is unknown (the cpu profile) is not checked. When no candidate fits, `choose` raises
 SpecError (exit 2) naming what does not fit, the numbers and what to change, before anything is
-rendered or queued.
+rendered or queued (`explain_no_fit`). Which fitting candidate wins is `dskit/plan/search.py`'s call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dskit.catalog import GPU
-from dskit.errors import SpecError
 from dskit.plan import host, memory
 from dskit.plan.model_math import ModelCounts
 
@@ -36,6 +35,7 @@ MAX_NODES = 4096
 
 @dataclass(frozen=True)
 class Candidate:
+    ep_size: int
     micro_batch: int
     ckpt_every: int
     offload: bool
@@ -47,7 +47,8 @@ class Candidate:
             else "no activation checkpointing"
         )
         return (
-            f"micro-batch {self.micro_batch}, {ckpt}, {'optimizer offload' if self.offload else 'no offload'}"
+            f"EP {self.ep_size}, micro-batch {self.micro_batch}, {ckpt}, "
+            f"{'optimizer offload' if self.offload else 'no offload'}"
         )
 
 
@@ -62,7 +63,6 @@ class Shape:
     gpu: GPU
     nodes: int
     per_node: int
-    ep_size: int
     host_memory_gib: float | None  # per node; None: unknown, not checked
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
@@ -132,7 +132,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         s.cfg,
         s.counts,
         world=s.world,
-        ep_size=s.ep_size,
+        ep_size=c.ep_size,
         micro_batch=c.micro_batch,
         seq_len=s.seq_len,
         ckpt_every=c.ckpt_every,
@@ -140,7 +140,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         on_gpu=on_gpu,
         loss=s.loss,
     )
-    build = memory.construction(s.counts, world=s.world, ep_size=s.ep_size, on_gpu=on_gpu)
+    build = memory.construction(s.counts, world=s.world, ep_size=c.ep_size, on_gpu=on_gpu)
     h = host.estimate(
         s.counts,
         world=s.world,
@@ -153,34 +153,10 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
     return Fit(c, steady, build, h, s)
 
 
-def choose(
-    s: Shape,
-    candidates: list[Candidate],
-    *,
-    unforced: list[Candidate],
-    forced: list[str],
-    ep_for: Callable[[int], int],
-) -> Fit:
-    """The first candidate that fits, or SpecError saying why none does.
-
-    `unforced`: the candidates without the user's overrides (`forced`: their spec keys), to tell "your
-    override does not fit" from "this cluster is too small". `ep_for(world)`: the EP size the planner
-    would pick at another world size, for the "use at least N nodes" hint.
-    """
-    fits = []
-    for c in candidates:
-        f = evaluate(s, c)
-        if f.gpu_ok and f.host_ok:
-            return f
-        fits.append(f)
-    field, message = _explain(s, fits, unforced, forced, ep_for)
-    raise SpecError(field, message)
-
-
-def _explain(
+def explain_no_fit(
     s: Shape, fits: list[Fit], unforced: list[Candidate], forced: list[str], ep_for: Callable[[int], int]
 ) -> tuple[str, str]:
-    b = fits[0].construction
+    b = min((f.construction for f in fits), key=lambda b: b.total_gib)  # the best EP's
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
         return "hardware.nodes", (
             f"{s.where} cannot be built: construction peaks at {b.total_gib:.1f} GiB/GPU ({b.shard_gib:.1f} weight "
@@ -260,8 +236,8 @@ def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], int]) -> str 
     cands = [f.candidate for f in fits]
 
     def ok(nodes: int) -> bool:
-        t = dataclasses.replace(s, nodes=nodes, ep_size=ep_for(nodes * s.per_node))
-        return any((f := evaluate(t, c)).gpu_ok and f.host_ok for c in cands)
+        t, ep = dataclasses.replace(s, nodes=nodes), ep_for(nodes * s.per_node)
+        return any((f := evaluate(t, dataclasses.replace(c, ep_size=ep))).gpu_ok and f.host_ok for c in cands)
 
     lo, hi = s.nodes, s.nodes * 2
     while hi <= MAX_NODES and not ok(hi):

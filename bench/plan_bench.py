@@ -1,0 +1,324 @@
+"""Does the planner pick the fastest configuration that fits? Measured against its own predictions.
+
+For each configuration (model depth, sequence length, global batch, GPUs), asks the planner for its
+candidates (`build_plan_searched`), then trains the chosen one and the best rejected ones through the
+real trainer (spec -> plan -> run.yaml -> `dskit train --local`), each forced through `overrides.*`,
+and records measured step time, tokens/s/GPU and peak memory beside the plan's predictions.
+One-GPU runs go to free GPUs in parallel; multi-GPU runs take the GPUs they need.
+
+    python bench/plan_bench.py --set A --out $OUT/planner.json      # on the GPU machine
+    python bench/plan_bench.py --report bench/results/h200-planner-*.json   # here: the table, the goals
+    python bench/plan_bench.py --fit bench/results/h200-planner-*.json      # least-squares constants
+
+Goals (issue 12): peak memory within +-10% of the plan on every run; the planner's pick within 5% of
+the fastest measured candidate; predicted tokens/s within +-15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# name -> (spec sets, GPUs). Calibration sets A/B, held-out set C (chosen before C was measured).
+CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
+    "A": {
+        "L4 s4096 gb16": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=16"], 1),
+        "L4 s4096 gb2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=2"], 1),
+        "L8 s2048 gb32": (["model.num_layers=8", "training.seq_len=2048", "training.global_batch=32"], 1),
+        "L2 s8192 gb8": (["model.num_layers=2", "training.seq_len=8192", "training.global_batch=8"], 1),
+    },
+    "B": {
+        "L4 s4096 gb8 x2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=8"], 2),
+        "L8 s4096 gb16 x2": (["model.num_layers=8", "training.seq_len=4096", "training.global_batch=16"], 2),
+    },
+    "C": {
+        "L12 s4096 gb4": (["model.num_layers=12", "training.seq_len=4096", "training.global_batch=4"], 1),
+        "L6 s4096 gb8": (["model.num_layers=6", "training.seq_len=4096", "training.global_batch=8"], 1),
+        "L3 s16384 gb2": (["model.num_layers=3", "training.seq_len=16384", "training.global_batch=2"], 1),
+        "L4 s2048 gb64": (["model.num_layers=4", "training.seq_len=2048", "training.global_batch=64"], 1),
+    },
+}
+COMMON = ["training.steps=10", "training.log_every=1", "checkpoint.every=1000", "checkpoint.final=false"]
+WARMUP_STEPS = 3
+MAX_RUNS_PER_CONFIG = 3  # the chosen + the fastest rejected fits (offload only if it is among them)
+
+
+def _flags(gpus: int, name: str, work: Path) -> dict:
+    return {
+        "hardware.gpu": "h200-141gb",
+        "hardware.gpus_per_node": gpus,
+        "model.preset": "deepseek-v2-lite",
+        "runtime.kind": "none",
+        "storage.root": str(work / "storage"),
+        "name": name,
+    }
+
+
+def candidates(sets: list[str], gpus: int, work: Path) -> list[dict]:
+    """The planner's fitting candidates for a configuration, chosen first, as override lists."""
+    from dskit.plan import build_plan_searched
+    from dskit.spec import load_spec
+
+    _, found = build_plan_searched(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "probe", work)))
+    out = []
+    for r in [r for r in found.rows if r.fits][:MAX_RUNS_PER_CONFIG]:
+        c = r.candidate
+        out.append(
+            {
+                "verdict": r.verdict,
+                "overrides": [
+                    f"overrides.ep_size={c.ep_size}",
+                    f"overrides.micro_batch={c.micro_batch}",
+                    f"overrides.activation_checkpointing={c.ckpt_every}",
+                    f"overrides.offload_optimizer={'cpu' if c.offload else 'none'}",
+                ],
+            }
+        )
+    return out
+
+
+def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
+    from dskit.plan import build_plan, load_plan
+    from dskit.render import common, slurm
+    from dskit.spec import load_spec
+
+    name = re.sub(r"[^a-z0-9]+", "-", f"{config} {' '.join(cand['overrides'])}".lower())[-60:].strip("-")
+    plan = build_plan(load_spec(sets=[*COMMON, *sets, *cand["overrides"]], flags=_flags(gpus, name, work)))
+    run_dir = work / name
+    common.write_output(slurm.render(plan, run_dir), run_dir)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    row = {
+        "config": config,
+        "gpus": gpus,
+        "planner_verdict": cand["verdict"],
+        "overrides": cand["overrides"],
+        "plan": plan.summary(),
+        "predicted": {"memory_gib": plan.memory["total_gib"], **(plan.speed or {})},
+        "memory_breakdown": {k: v for k, v in plan.memory.items() if not isinstance(v, dict)},
+        "wall_s": round(time.time() - t0, 1),
+        "inputs": _model_inputs(plan),
+    }
+    if proc.returncode != 0:
+        row["error"] = (proc.stdout + proc.stderr)[-2500:]
+        return row
+    metrics = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"step"' in x]
+    recs = [r for r in recs if "step_time_s" in r]
+    steady = [r for r in recs if r["step"] > WARMUP_STEPS]
+    row["measured"] = {
+        "step_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
+        "step_s_all": [round(r["step_time_s"], 4) for r in recs],
+        "tokens_per_s_per_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
+        "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
+        "peak_alloc_gib": max(r["peak_alloc_gib"] for r in recs),
+        "peak_reserved_gib": max(r["peak_reserved_gib"] for r in recs),
+        "loss_first": recs[0]["loss"],
+        "loss_last": recs[-1]["loss"],
+    }
+    return row
+
+
+def _model_inputs(plan) -> dict:
+    """What speed.py's measured constants multiply, for `--fit`."""
+    from dskit.plan import speed
+
+    par, cfg = plan.parallel, plan.model.config
+    L = cfg["num_hidden_layers"]
+    frac = speed.checkpointed_fraction(L, par.activation_checkpointing)
+    tokens = par.micro_batch * par.seq_len
+    return {
+        "flop_s_at_peak": par.grad_accum
+        * tokens
+        * plan.model.flops_per_token
+        * (1 + frac / 3)
+        / (plan.hardware.peak_tflops * 1e12),
+        "layer_passes": par.grad_accum * L * (2 + frac),
+        "micro_steps": par.grad_accum,
+    }
+
+
+def measure(sets_to_run: list[str], out: Path, work: Path, budget_s: float | None = None) -> None:
+    import torch
+
+    t_start = time.time()
+    n_gpus = torch.cuda.device_count()
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": f"{n_gpus} x {torch.cuda.get_device_name(0)}",
+        "versions": {
+            "torch": torch.__version__,
+            **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
+        },
+        "common": COMMON,
+        "warmup_steps_excluded": WARMUP_STEPS,
+        "rows": [],
+    }
+    lock = threading.Lock()
+
+    def record(row: dict) -> None:
+        with lock:
+            result["rows"].append(row)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1) + "\n")
+            print(_line(row), flush=True)
+
+    jobs = []
+    for s in sets_to_run:
+        for config, (sets, gpus) in CONFIGS[s].items():
+            for cand in candidates(sets, gpus, work):
+                jobs.append((config, sets, gpus, cand))
+    free = list(range(n_gpus))
+    cond = threading.Condition()
+    threads = []
+
+    def worker(job, devices):
+        try:
+            record(run_one(*job, devices, work))
+        finally:
+            with cond:
+                free.extend(devices)
+                cond.notify_all()
+
+    for job in jobs:
+        if budget_s and time.time() - t_start > budget_s:
+            record(
+                {"config": job[0], "overrides": job[3]["overrides"], "error": "not started: --budget-s spent"}
+            )
+            continue
+        need = job[2]
+        if need > n_gpus:
+            record({"config": job[0], "overrides": job[3]["overrides"], "error": f"needs {need} GPUs"})
+            continue
+        with cond:
+            cond.wait_for(lambda need=need: len(free) >= need)
+            devices = [free.pop(0) for _ in range(need)]
+        t = threading.Thread(target=worker, args=(job, devices))
+        t.start()
+        threads.append(t)
+        if need > 1:  # run it alone: its collectives would share the GPUs' links with nothing else
+            t.join()
+    for t in threads:
+        t.join()
+
+
+def _line(r: dict) -> str:
+    head = f"{r['config']:18s} {' '.join(o.split('.')[-1] for o in r['overrides']):70s}"
+    if "error" in r:
+        return f"{head} ERROR {r['error'][-300:]!r}"
+    p, m = r["predicted"], r["measured"]
+    return (
+        f"{head} pred {p.get('step_s', 0):6.3f}s {p['memory_gib']:6.1f}GiB | "
+        f"meas {m['step_s']:6.3f}s {m['peak_alloc_gib']:6.1f}GiB ({m['peak_reserved_gib']:.1f} rsv) "
+        f"{r['planner_verdict']}"
+    )
+
+
+def load_rows(files: list[Path]) -> list[dict]:
+    return [r for f in files for r in json.loads(f.read_text())["rows"] if "measured" in r]
+
+
+def report(files: list[Path]) -> dict:
+    """The validation table and the three goals, per configuration."""
+    rows = load_rows(files)
+    by_config: dict[str, list[dict]] = {}
+    for r in rows:
+        by_config.setdefault(r["config"], []).append(r)
+    print(
+        f"{'configuration':18s} {'candidate':44s} {'pred s':>7s} {'meas s':>7s} {'tok err':>7s} "
+        f"{'pred GiB':>8s} {'meas GiB':>8s} {'mem err':>7s}  planner"
+    )
+    summary = {"memory_errors": [], "speed_errors": [], "pick_losses": {}}
+    for config, rs in by_config.items():
+        fastest = max(r["measured"]["tokens_per_s_per_gpu"] for r in rs)
+        for r in rs:
+            p, m = r["predicted"], r["measured"]
+            mem_err = p["memory_gib"] / m["peak_alloc_gib"] - 1
+            tok_err = p["tokens_per_s_per_gpu"] / m["tokens_per_s_per_gpu"] - 1
+            summary["memory_errors"].append(mem_err)
+            summary["speed_errors"].append(tok_err)
+            cand = " ".join(f"{o.split('.')[-1]}" for o in r["overrides"])
+            print(
+                f"{config:18s} {cand:44s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+7.1%} "
+                f"{p['memory_gib']:8.1f} {m['peak_alloc_gib']:8.1f} {mem_err:+7.1%}  {r['planner_verdict']}"
+            )
+            if r["planner_verdict"] == "chosen":
+                summary["pick_losses"][config] = 1 - m["tokens_per_s_per_gpu"] / fastest
+    worst = lambda xs: max(xs, key=abs) if xs else 0.0  # noqa: E731
+    print(
+        f"\nworst memory error {worst(summary['memory_errors']):+.1%} (goal +-10%); worst tokens/s error "
+        f"{worst(summary['speed_errors']):+.1%} (goal +-15%); planner's pick vs fastest measured: "
+        + ", ".join(f"{k} {v:.1%}" for k, v in summary["pick_losses"].items())
+        + " (goal <= 5%)"
+    )
+    return summary
+
+
+def fit_constants(files: list[Path]) -> None:
+    """Least squares for speed.py's measured constants on one-GPU, no-offload runs:
+    step - optimizer = accum x (flops x a + passes x b + c), a = 1 / (peak x GEMM_EFFICIENCY)."""
+    import numpy as np
+
+    rows = [
+        r for r in load_rows(files) if r["gpus"] == 1 and "offload_optimizer=none" in " ".join(r["overrides"])
+    ]
+    X = np.array(
+        [
+            [r["inputs"]["flop_s_at_peak"], r["inputs"]["layer_passes"], r["inputs"]["micro_steps"]]
+            for r in rows
+        ]
+    )
+    y = np.array([r["measured"]["step_s"] - r["predicted"]["optimizer_s"] for r in rows])
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    print(
+        f"GEMM_EFFICIENCY = {1 / coef[0]:.3f}\nLAYER_PASS_S = {coef[1]:.5f}\nMICRO_STEP_FIXED_S = {coef[2]:.4f}"
+    )
+    for r, yy, pp in zip(rows, y, X @ coef, strict=True):
+        print(
+            f"  {r['config']:16s} {' '.join(o.split('.')[-1] for o in r['overrides']):60s} {yy:.3f} {pp:.3f}"
+        )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", action="append", choices=list(CONFIGS), help="configuration sets to measure")
+    ap.add_argument("--out", type=Path, help="JSON file to write (rewritten after every run)")
+    ap.add_argument("--work", type=Path, help="run dirs and logs (default: a temporary dir)")
+    ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
+    ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
+    ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
+    a = ap.parse_args()
+    if a.report:
+        report(a.report)
+    elif a.fit:
+        fit_constants(a.fit)
+    else:
+        if not (a.set and a.out):
+            ap.error("--set and --out are needed to measure")
+        with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+            measure(a.set, a.out, Path(tmp), a.budget_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Which configuration the plan takes: every candidate that fits, ranked by predicted tokens/s.
+
+Candidates are EP size x micro-batch (the rest of the per-rank batch is gradient accumulation) x
+activation checkpointing (off, every layer) x optimizer offload (off, on). Each is checked against
+memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE) go to
+fewer accumulation steps, then to less recomputation: the seed post warns that long accumulation hurts
+MoE convergence, and a bigger micro-step is the same work in fewer, larger kernels.
+
+Checkpointing every N-th layer (N > 1) is not searched: on one H200 it ran five times slower than
+checkpointing every layer at the same shape (issue 13), so the planner never proposes it; a user may
+still set it (`overrides.activation_checkpointing`).
+
+Where no step time can be predicted (the cpu profile has no peak), the order is the old fit-first one:
+no offload, the largest micro-batch, no checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dskit.errors import SpecError
+from dskit.plan import fit
+from dskit.plan.speed import StepTime
+
+#: candidates predicted within this share of the fastest are ties (the model's own error is larger)
+SPEED_TIE = 0.03
+
+SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
+
+
+@dataclass(frozen=True)
+class Row:
+    fit: fit.Fit
+    speed: StepTime | None
+    grad_accum: int
+    verdict: str  # "chosen", or why it lost
+
+    @property
+    def candidate(self) -> fit.Candidate:
+        return self.fit.candidate
+
+    @property
+    def fits(self) -> bool:
+        return self.fit.gpu_ok and self.fit.host_ok
+
+
+@dataclass(frozen=True)
+class Search:
+    rows: list[Row]  # chosen first, then the other fitting ones by speed, then those that do not fit
+    chosen: Row
+    unforced_best: Row | None  # the planner's own pick when overrides narrowed the search; else None
+
+    @property
+    def forced_cost(self) -> float | None:
+        """How much slower the overrides' pick is predicted than the planner's own (0.12 = 12%)."""
+        a, b = self.chosen.speed, self.unforced_best.speed if self.unforced_best else None
+        if a is None or b is None:
+            return None
+        return 1 - a.tokens_per_s / b.tokens_per_s
+
+
+def _rank_key(row: Row) -> tuple:
+    c = row.candidate
+    return (c.offload, row.grad_accum, c.ckpt_every)
+
+
+def _verdict(row: Row, best: Row) -> str:
+    f = row.fit
+    if not f.gpu_ok:
+        peak = max(f.steady.total_gib, f.construction.total_gib)
+        return f"over GPU memory: {peak:.1f} > {f.shape.gpu_limit:.1f} GiB"
+    if not f.host_ok:
+        return f"over host RAM: {f.host.total_gib:.1f} > {f.shape.host_limit:.1f} GiB/node"
+    if row.speed is None or best.speed is None:
+        return "fits; an earlier candidate in the fit order won"
+    loss = 1 - row.speed.tokens_per_s / best.speed.tokens_per_s
+    if loss <= SPEED_TIE:
+        return f"tie ({loss:.0%} slower): fewer accumulation steps or less recompute won"
+    return f"{loss:.0%} slower"
+
+
+def rank(shape: fit.Shape, candidates: list[fit.Candidate], per_rank: int, speed_of: SpeedOf) -> list[Row]:
+    """Every candidate evaluated; the winner first (fits, fastest, tie-broken), then the rest."""
+    rows = [Row(fit.evaluate(shape, c), speed_of(c), per_rank // c.micro_batch, "") for c in candidates]
+    ok = [r for r in rows if r.fits]
+    if not ok:
+        return rows
+    if all(r.speed is not None for r in ok):
+        fastest = max(r.speed.tokens_per_s for r in ok)  # type: ignore[union-attr]
+        near = [r for r in ok if r.speed.tokens_per_s >= fastest * (1 - SPEED_TIE)]  # type: ignore[union-attr]
+        best = min(near, key=_rank_key)
+        ok.sort(key=lambda r: -r.speed.tokens_per_s)  # type: ignore[union-attr]
+    else:
+        best = ok[0]  # candidates arrive in the fit order
+    rest = [r for r in ok if r is not best] + [r for r in rows if not r.fits]
+    best = dataclasses.replace(best, verdict="chosen")
+    return [best] + [dataclasses.replace(r, verdict=_verdict(r, best)) for r in rest]
+
+
+def search(
+    shape: fit.Shape,
+    candidates: list[fit.Candidate],
+    *,
+    unforced: list[fit.Candidate],
+    forced: list[str],
+    per_rank: int,
+    speed_of: SpeedOf,
+    ep_for: Callable[[int], int],
+) -> Search:
+    """The ranked candidates, or SpecError (exit 2) saying why none fits."""
+    rows = rank(shape, candidates, per_rank, speed_of)
+    if not rows[0].fits:
+        field, message = fit.explain_no_fit(shape, [r.fit for r in rows], unforced, forced, ep_for)
+        raise SpecError(field, message)
+    unforced_best = None
+    if forced:
+        free = rank(shape, unforced, per_rank, speed_of)
+        if free[0].fits and free[0].candidate != rows[0].candidate:
+            unforced_best = free[0]
+    return Search(rows, rows[0], unforced_best)
