@@ -1,23 +1,25 @@
 """Predicted step time of one candidate configuration: the planner picks the fastest that fits.
 
 A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
-derived measured on H200 (`bench/results/h200-planner-*.json`, pinned by tests/test_speed.py). Per GPU,
-per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens:
+derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/test_speed.py). Per GPU,
+per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
+side by side, because the host enqueues kernels ahead of the GPU:
 
-    step = grad_accum x (compute + module_overhead + fixed + exposed_zero3 + all_to_all) + optimizer
+    GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all)
+    host = grad_accum x (HOST_LAYER_PASS_S x layer passes + HOST_MICRO_STEP_S)
+    step = max(GPU, host) + optimizer
 
 - compute: T x FLOPs/token (6 x active parameters + causal attention; `model_math.py`), plus the forward
   pass again for every checkpointed layer (a third of a layer's training FLOPs), at GEMM_EFFICIENCY of
   the GPU's peak. The efficiency absorbs the token-proportional non-GEMM kernels (norms, RoPE, SwiGLU,
   casts, MoE permutes), which were as long as the GEMMs in the H200 profile (bench/README.md).
-- module_overhead: ZeRO-3 runs hooks around every module (gather, release, reduce) and launches
-  hundreds of small kernels per layer; the GPU waited a third of the H200 step for the host. Paid per
-  layer pass (forward, backward, and the recompute of checkpointed layers), independent of T.
-- fixed: per micro-step costs independent of layers and tokens (the loss, the balance statistics, the
-  engine's bookkeeping).
-- exposed_zero3: all-gathers of the 16-bit weights (forward, backward, recompute) and the gradient
-  reduce-scatter, over the group's bandwidth (NVLink inside a node, the fabric across nodes); ZeRO-3
-  prefetches on a side stream, so ZERO3_OVERLAP of it hides behind compute.
+- layer passes: forward, backward, and the recompute of checkpointed layers. Each costs the GPU a little
+  beyond its FLOPs, and the host much more: ZeRO-3 runs hooks around every module and launches hundreds
+  of small kernels per layer. Small micro-steps are host-bound (measured: 4096-token micro-steps of a
+  4-layer V2-Lite take as long as 8192-token ones), large ones GPU-bound.
+- collectives: all-gathers of the 16-bit weights (forward, backward, recompute) and the gradient
+  reduce-scatter over the group's bandwidth (NVLink inside a node, the fabric across nodes), of which
+  ZeRO-3's prefetch hides ZERO3_OVERLAP; plus a measured synchronisation cost per layer pass.
 - all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
   backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
 - optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
@@ -37,20 +39,30 @@ from typing import Any
 from dskit.catalog import GPU
 from dskit.plan.model_math import ModelCounts
 
-# ---- measured (bench/results/h200-planner-2026-11-30.json; fitted by bench/plan_bench.py --fit) ----
-#: achieved fraction of the GPU's peak on the model's training FLOPs at large micro-steps
+# ---- measured: least squares / max-error fit over 12 one-GPU runs on H200 (bench/plan_bench.py --fit,
+# bench/results/h200x2-planner-A-2026-11-30.json; worst step-time error 9%) ----
+#: achieved fraction of the GPU's peak on the model's training FLOPs
 GEMM_EFFICIENCY = 0.43
-#: host-side cost of one layer pass (forward, backward or recompute) under ZeRO-3 hooks, seconds
-LAYER_PASS_S = 0.0099
-#: per micro-step cost independent of depth and tokens, seconds
-MICRO_STEP_FIXED_S = 0.0
+#: GPU time per layer pass beyond its FLOPs (ZeRO-3's copies of gathered and released weights, the
+#: MoE permutes' fixed part), seconds
+GPU_LAYER_PASS_S = 0.005
+#: host time per layer pass (ZeRO-3's module hooks, hundreds of kernel launches), seconds; it runs
+#: ahead of the GPU asynchronously, so a micro-step costs the larger of the two timelines
+HOST_LAYER_PASS_S = 0.0075
+#: host time per micro-step besides the layers (the engine's forward/backward entry, the loss, the
+#: balance statistics), seconds
+HOST_MICRO_STEP_S = 0.085
 #: bytes FusedAdam reads and writes per parameter (bf16 weight and grad, fp32 master, m, v, and the
 #: ZeRO-3 flat-buffer copies): 18.5 ms for 2.26 B parameters at 4.8 TB/s in the H200 profile
 ADAM_BYTES_PER_PARAM = 39.0
+#: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
+#: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
+#: fitted on 2 x H200 (NVLink) runs of the same file, seconds
+SYNC_LAYER_PASS_S = 0.005
 
 # ---- first principles, cited ----
-#: fraction of ZeRO-3's collectives hidden behind compute by its prefetch on a side stream (DeepSpeed
-#: overlap_comm); not measured here beyond 2 GPUs: half is the conservative middle
+#: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
+#: stream (DeepSpeed overlap_comm); not separable from SYNC_LAYER_PASS_S on 2 GPUs: half is the middle
 ZERO3_OVERLAP = 0.5
 #: DeepSpeed CPU-Adam: 0.22 s per billion parameters on a two-socket Xeon node (ZeRO-Offload, Ren et
 #: al. 2021, Table 3: 1 B parameters); ranks of a node share it
@@ -79,11 +91,11 @@ class Layout:
 class StepTime:
     """Predicted seconds per optimizer step, by term (all per GPU)."""
 
-    compute_s: float
-    module_overhead_s: float
-    fixed_s: float
-    zero3_s: float
-    all_to_all_s: float
+    compute_s: float  # GPU timeline: FLOPs at GEMM_EFFICIENCY
+    layer_gpu_s: float  # GPU timeline: per layer pass beyond FLOPs
+    collectives_s: float  # GPU timeline: ZeRO-3 gathers/reduce-scatters (exposed) and their synchronisation
+    all_to_all_s: float  # GPU timeline: AutoEP dispatch and combine
+    host_s: float  # host timeline: hooks and launches, overlapped with the GPU's
     optimizer_s: float
     tokens_per_step: int  # per GPU
     flops_per_token: float
@@ -91,15 +103,17 @@ class StepTime:
     unknown: tuple[str, ...]  # terms left out for want of a bandwidth (named in --explain)
 
     @property
+    def gpu_s(self) -> float:
+        return self.compute_s + self.layer_gpu_s + self.collectives_s + self.all_to_all_s
+
+    @property
+    def bound(self) -> str:
+        """Which timeline sets the pace of the micro-steps."""
+        return "host" if self.host_s > self.gpu_s else "GPU"
+
+    @property
     def step_s(self) -> float:
-        return (
-            self.compute_s
-            + self.module_overhead_s
-            + self.fixed_s
-            + self.zero3_s
-            + self.all_to_all_s
-            + self.optimizer_s
-        )
+        return max(self.gpu_s, self.host_s) + self.optimizer_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -114,6 +128,7 @@ class StepTime:
             k: round(v, 4) for k, v in asdict(self).items() if k.endswith("_s") and isinstance(v, float)
         }
         d["step_s"] = round(self.step_s, 4)
+        d["bound"] = self.bound
         d["tokens_per_s_per_gpu"] = round(self.tokens_per_s)
         d["mfu"] = round(self.mfu, 4)
         if self.unknown:
@@ -161,7 +176,6 @@ def predict(
 
     compute = T * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
     passes = L * (2 + frac)
-    module_overhead = LAYER_PASS_S * passes
 
     # ZeRO-3: weights gathered per pass, gradients reduce-scattered once per micro-step; a group of one
     # rank moves nothing. Experts are sharded over the expert-data-parallel group, the rest over all.
@@ -177,6 +191,8 @@ def predict(
             continue
         volume = WIRE_BYTES * params * (group - 1) / group * ((2 + frac) + 1)
         zero3 += volume / (bw * GB) * (1 - ZERO3_OVERLAP)
+    if layout.world > 1:
+        zero3 += SYNC_LAYER_PASS_S * passes
 
     a2a = 0.0
     if layout.ep_size > 1:
@@ -200,10 +216,10 @@ def predict(
 
     return StepTime(
         compute_s=grad_accum * compute,
-        module_overhead_s=grad_accum * module_overhead,
-        fixed_s=grad_accum * MICRO_STEP_FIXED_S,
-        zero3_s=grad_accum * zero3,
+        layer_gpu_s=grad_accum * GPU_LAYER_PASS_S * passes,
+        collectives_s=grad_accum * zero3,
         all_to_all_s=grad_accum * a2a,
+        host_s=grad_accum * (HOST_LAYER_PASS_S * passes + HOST_MICRO_STEP_S),
         optimizer_s=optimizer,
         tokens_per_step=grad_accum * T,
         flops_per_token=flops_per_token,
