@@ -3,7 +3,7 @@
 Candidates are EP size x micro-batch (the rest of the per-rank batch is gradient accumulation) x
 activation checkpointing (off, every layer) x optimizer offload (off, on). Each is checked against
 memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE) go to
-fewer accumulation steps, then to less recomputation: the seed post warns that long accumulation hurts
+fewer accumulation steps, then to less recomputation, then to the faster: the seed post warns that long accumulation hurts
 MoE convergence, and a bigger micro-step is the same work in fewer, larger kernels.
 
 Checkpointing every N-th layer (N > 1) is not searched: on one H200 it ran five times slower than
@@ -62,8 +62,8 @@ class Search:
 
 
 def _rank_key(row: Row) -> tuple:
-    c = row.candidate
-    return (c.offload, row.grad_accum, c.ckpt_every)
+    c, s = row.candidate, row.speed
+    return (c.offload, row.grad_accum, c.ckpt_every, -s.tokens_per_s if s else 0.0)
 
 
 def _verdict(row: Row, best: Row) -> str:
@@ -77,7 +77,7 @@ def _verdict(row: Row, best: Row) -> str:
         return "fits; an earlier candidate in the fit order won"
     loss = 1 - row.speed.tokens_per_s / best.speed.tokens_per_s
     if loss <= SPEED_TIE:
-        return f"tie ({loss:.0%} slower): fewer accumulation steps or less recompute won"
+        return f"tie (within {SPEED_TIE:.0%}): fewer accumulation steps, less recompute or speed won"
     return f"{loss:.0%} slower"
 
 

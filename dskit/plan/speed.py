@@ -39,26 +39,26 @@ from typing import Any
 from dskit.catalog import GPU
 from dskit.plan.model_math import ModelCounts
 
-# ---- measured: least squares / max-error fit over 12 one-GPU runs on H200 (bench/plan_bench.py --fit,
-# bench/results/h200x2-planner-A-2026-11-30.json; worst step-time error 9%) ----
+# ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
+# --fit bench/results/h200x2-planner-{A,C}-2026-11-30.json: 11.0%) ----
 #: achieved fraction of the GPU's peak on the model's training FLOPs
-GEMM_EFFICIENCY = 0.43
+GEMM_EFFICIENCY = 0.45
 #: GPU time per layer pass beyond its FLOPs (ZeRO-3's copies of gathered and released weights, the
 #: MoE permutes' fixed part), seconds
-GPU_LAYER_PASS_S = 0.005
+GPU_LAYER_PASS_S = 0.0065
 #: host time per layer pass (ZeRO-3's module hooks, hundreds of kernel launches), seconds; it runs
 #: ahead of the GPU asynchronously, so a micro-step costs the larger of the two timelines
-HOST_LAYER_PASS_S = 0.0075
+HOST_LAYER_PASS_S = 0.0115
 #: host time per micro-step besides the layers (the engine's forward/backward entry, the loss, the
 #: balance statistics), seconds
-HOST_MICRO_STEP_S = 0.085
+HOST_MICRO_STEP_S = 0.055
 #: bytes FusedAdam reads and writes per parameter (bf16 weight and grad, fp32 master, m, v, and the
 #: ZeRO-3 flat-buffer copies): 18.5 ms for 2.26 B parameters at 4.8 TB/s in the H200 profile
 ADAM_BYTES_PER_PARAM = 39.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
 #: fitted on 2 x H200 (NVLink) runs of the same file, seconds
-SYNC_LAYER_PASS_S = 0.005
+SYNC_LAYER_PASS_S = 0.004
 
 # ---- first principles, cited ----
 #: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
