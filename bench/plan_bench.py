@@ -118,6 +118,7 @@ def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[i
     )
     row = {
         "config": config,
+        "sets": sets,
         "gpus": gpus,
         "planner_verdict": cand["verdict"],
         "overrides": cand["overrides"],
@@ -257,41 +258,116 @@ def load_rows(files: list[Path]) -> list[dict]:
     return [r for f in files for r in json.loads(f.read_text())["rows"] if "measured" in r]
 
 
+def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
+    """The current planner's prediction for a measured row (memory GiB, speed dict) and its verdict:
+    results stay comparable after speed.py's constants change."""
+    from dskit.plan import build_plan_searched
+    from dskit.spec import load_spec
+
+    spec = load_spec(sets=[*COMMON, *row["sets"], *row["overrides"]], flags=_flags(row["gpus"], "x", work))
+    plan, _ = build_plan_searched(spec)
+    return {"memory_gib": plan.memory["total_gib"], **(plan.speed or {})}, plan.summary()
+
+
+def planner_pick(sets: list[str], gpus: int) -> list[str]:
+    """The current planner's own choice for a configuration, as the overrides the bench forces."""
+    from dskit.plan import build_plan
+    from dskit.spec import load_spec
+
+    p = build_plan(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "x", Path("/nonexistent")))).parallel
+    return [
+        f"overrides.ep_size={p.ep_size}",
+        f"overrides.micro_batch={p.micro_batch}",
+        f"overrides.activation_checkpointing={p.activation_checkpointing}",
+        f"overrides.offload_optimizer={'cpu' if p.offload_optimizer else 'none'}",
+    ]
+
+
 def report(files: list[Path]) -> dict:
-    """The validation table and the three goals, per configuration."""
+    """The validation table and the three goals, per configuration, with today's model."""
     rows = load_rows(files)
     by_config: dict[str, list[dict]] = {}
     for r in rows:
         by_config.setdefault(r["config"], []).append(r)
     print(
-        f"{'configuration':18s} {'candidate':44s} {'pred s':>7s} {'meas s':>7s} {'tok err':>7s} "
-        f"{'pred GiB':>8s} {'rsv GiB':>8s} {'mem err':>7s}  planner"
+        f"{'configuration':18s} {'EP mbs ckpt offload':22s} {'pred s':>7s} {'meas s':>7s} {'tok/s err':>9s} "
+        f"{'pred GiB':>8s} {'rsv GiB':>8s} {'mem err':>7s}  planner today"
     )
-    summary = {"memory_errors": [], "speed_errors": [], "pick_losses": {}}
+    summary: dict = {"memory_errors": [], "speed_errors": [], "pick_losses": {}}
     for config, rs in by_config.items():
         fastest = max(r["measured"]["tokens_per_s_per_gpu"] for r in rs)
+        pick = planner_pick(rs[0]["sets"], rs[0]["gpus"])
         for r in rs:
-            p, m = r["predicted"], r["measured"]
+            p, m = repredict(r)[0], r["measured"]
             # the plan's total includes allocator slack: it is what the caching allocator reserves
             mem_err = p["memory_gib"] / m["peak_reserved_gib"] - 1
             tok_err = p["tokens_per_s_per_gpu"] / m["tokens_per_s_per_gpu"] - 1
             summary["memory_errors"].append(mem_err)
             summary["speed_errors"].append(tok_err)
-            cand = " ".join(f"{o.split('.')[-1]}" for o in r["overrides"])
-            print(
-                f"{config:18s} {cand:44s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+7.1%} "
-                f"{p['memory_gib']:8.1f} {m['peak_reserved_gib']:8.1f} {mem_err:+7.1%}  {r['planner_verdict']}"
-            )
-            if r["planner_verdict"] == "chosen":
+            chosen = r["overrides"] == pick
+            if chosen:
                 summary["pick_losses"][config] = 1 - m["tokens_per_s_per_gpu"] / fastest
+            cand = " ".join(o.split("=")[1] for o in r["overrides"])
+            print(
+                f"{config:18s} {cand:22s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+9.1%} "
+                f"{p['memory_gib']:8.1f} {m['peak_reserved_gib']:8.1f} {mem_err:+7.1%}  {'chosen' if chosen else ''}"
+            )
+        if config not in summary["pick_losses"]:
+            summary["pick_losses"][config] = None  # today's pick was not measured
     worst = lambda xs: max(xs, key=abs) if xs else 0.0  # noqa: E731
     print(
         f"\nworst memory error {worst(summary['memory_errors']):+.1%} (goal +-10%); worst tokens/s error "
         f"{worst(summary['speed_errors']):+.1%} (goal +-15%); planner's pick vs fastest measured: "
-        + ", ".join(f"{k} {v:.1%}" for k, v in summary["pick_losses"].items())
+        + ", ".join(
+            f"{k} {'unmeasured' if v is None else f'{v:.1%}'}" for k, v in summary["pick_losses"].items()
+        )
         + " (goal <= 5%)"
     )
     return summary
+
+
+def plot_validation(files: list[Path], path: Path) -> None:
+    """Predicted against measured tokens/s and memory, one point per run, the goals' bands shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_rows(files)
+    pred = [repredict(r)[0] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, key_p, key_m, band, unit in (
+        (a1, "tokens_per_s_per_gpu", "tokens_per_s_per_gpu", 0.15, "k tokens/s/GPU"),
+        (a2, "memory_gib", "peak_reserved_gib", 0.10, "GiB/GPU (peak reserved)"),
+    ):
+        scale = 1000 if key_p.startswith("tokens") else 1
+        xs = [r["measured"][key_m] / scale for r in rows]
+        ys = [p[key_p] / scale for p in pred]
+        hi = max(xs + ys) * 1.1
+        ax.fill_between(
+            [0, hi],
+            [0, hi * (1 - band)],
+            [0, hi * (1 + band)],
+            color="tab:green",
+            alpha=0.15,
+            label=f"goal: within {band:.0%}",
+        )
+        ax.plot([0, hi], [0, hi], color="gray", lw=1)
+        for g, marker in ((1, "o"), (2, "s")):
+            sel = [i for i, r in enumerate(rows) if r["gpus"] == g]
+            ax.scatter([xs[i] for i in sel], [ys[i] for i in sel], marker=marker, label=f"{g} x H200")
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"planned {unit}")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left")
+    a1.set_title("Step-time model (dskit/plan/speed.py)")
+    a2.set_title("Memory model (dskit/plan/memory.py)")
+    fig.suptitle(f"Planner vs measurement: {len(rows)} runs of 4-12-layer DeepSeek-V2-Lite on H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 def fit_constants(files: list[Path]) -> None:
@@ -329,10 +405,13 @@ def main() -> None:
     ap.add_argument("--only", action="append", help="only configurations whose name contains this")
     ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
+    ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
     a = ap.parse_args()
     if a.report:
         report(a.report)
+        if a.plot:
+            plot_validation(a.report, a.plot)
     elif a.fit:
         fit_constants(a.fit)
     else:

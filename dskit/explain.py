@@ -126,7 +126,13 @@ def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
         ("overhead_gib", "tab:gray"),
     ):
         vals = [getattr(r.fit.steady, key) for r in rows]
-        a1.bar(x, vals, bottom=bottom, color=color, label=key.removesuffix("_gib").replace("_", " "))
+        a1.bar(
+            x,
+            vals,
+            bottom=bottom,
+            color=color,
+            label={"logits_gib": "loss"}.get(key, key.removesuffix("_gib").replace("_", " ")),
+        )
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     limit = found.chosen.fit.shape.gpu_limit
     if limit:

@@ -138,8 +138,7 @@ class Plan(_Frozen):
             f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
             f"~{self.memory['total_gib']} GiB/GPU"
             + (
-                f", predicted {self.speed['tokens_per_s_per_gpu'] / 1000:.1f}k tokens/s/GPU "
-                f"({self.speed['mfu']:.0%} MFU)"
+                f", predicted {self.speed['tokens_per_s_per_gpu']:,} tokens/s/GPU ({self.speed['mfu']:.0%} MFU)"
                 if self.speed
                 else ""
             )

@@ -154,8 +154,11 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
 
 
 def explain_no_fit(
-    s: Shape, fits: list[Fit], unforced: list[Candidate], forced: list[str], ep_for: Callable[[int], int]
+    s: Shape, fits: list[Fit], own: Candidate | None, forced: list[str], ep_for: Callable[[int], int]
 ) -> tuple[str, str]:
+    """(field, message) when no candidate fits. `own`: the planner's pick without the user's overrides
+    (`forced`: their spec keys), or None; it tells "your override does not fit" from "this cluster is
+    too small". `ep_for(world)`: the EP size at another world size, for the "use N nodes" hint."""
     b = min((f.construction for f in fits), key=lambda b: b.total_gib)  # the best EP's
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
         return "hardware.nodes", (
@@ -167,15 +170,12 @@ def explain_no_fit(
                 f"a GPU with more memory (hardware.gpu): one module alone is {b.gathered_gib:.1f} GiB",
             )
         )
-    if forced:
-        for c in unforced:
-            ok = evaluate(s, c)
-            if ok.gpu_ok and ok.host_ok:
-                best = min(fits, key=lambda f: f.steady.total_gib)
-                return forced[0], (
-                    f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
-                    f"choice fits ({c.describe()}): remove {' and '.join(forced)}"
-                )
+    if forced and own is not None:
+        best = min(fits, key=lambda f: f.steady.total_gib)
+        return forced[0], (
+            f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
+            f"choice fits ({own.describe()}): remove {' and '.join(forced)}"
+        )
     on_gpu = [f for f in fits if f.gpu_ok]
     if on_gpu:
         f = min(on_gpu, key=lambda f: f.host.total_gib)

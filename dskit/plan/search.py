@@ -3,8 +3,10 @@
 Candidates are EP size x micro-batch (the rest of the per-rank batch is gradient accumulation) x
 activation checkpointing (off, every layer) x optimizer offload (off, on). Each is checked against
 memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE) go to
-fewer accumulation steps, then to less recomputation, then to the faster: the seed post warns that long accumulation hurts
-MoE convergence, and a bigger micro-step is the same work in fewer, larger kernels.
+no recomputation, then to fewer accumulation steps, then to the faster. Recompute first: the model
+under-predicted checkpointed runs near capacity by up to 11% on H200 (bench/results/h200x2-planner-*),
+so a tie with checkpointing is usually a loss. Then accumulation: the seed post warns that long
+accumulation hurts MoE convergence, and a bigger micro-step is the same work in fewer, larger kernels.
 
 Checkpointing every N-th layer (N > 1) is not searched: on one H200 it ran five times slower than
 checkpointing every layer at the same shape (issue 13), so the planner never proposes it; a user may
@@ -63,7 +65,7 @@ class Search:
 
 def _rank_key(row: Row) -> tuple:
     c, s = row.candidate, row.speed
-    return (c.offload, row.grad_accum, c.ckpt_every, -s.tokens_per_s if s else 0.0)
+    return (c.offload, c.ckpt_every, row.grad_accum, row.fit.steady.total_gib, -s.tokens_per_s if s else 0.0)
 
 
 def _verdict(row: Row, best: Row) -> str:
@@ -76,9 +78,19 @@ def _verdict(row: Row, best: Row) -> str:
     if row.speed is None or best.speed is None:
         return "fits; an earlier candidate in the fit order won"
     loss = 1 - row.speed.tokens_per_s / best.speed.tokens_per_s
-    if loss <= SPEED_TIE:
-        return f"tie (within {SPEED_TIE:.0%}): fewer accumulation steps, less recompute or speed won"
-    return f"{loss:.0%} slower"
+    if loss > SPEED_TIE:
+        return f"{loss:.0%} slower"
+    speed = f"{abs(loss):.0%} {'slower' if loss >= 0 else 'faster'}"
+    c, b = row.candidate, best.candidate
+    if c.ckpt_every > b.ckpt_every:
+        why = "the winner recomputes less"
+    elif row.grad_accum > best.grad_accum:
+        why = "the winner accumulates fewer micro-steps"
+    elif row.fit.steady.total_gib > best.fit.steady.total_gib:
+        why = f"the winner needs less memory ({best.fit.steady.total_gib:.1f} GiB)"
+    else:
+        why = "the winner is faster"
+    return f"tie ({speed}, within {SPEED_TIE:.0%}): {why}"
 
 
 def rank(shape: fit.Shape, candidates: list[fit.Candidate], per_rank: int, speed_of: SpeedOf) -> list[Row]:
@@ -111,12 +123,12 @@ def search(
 ) -> Search:
     """The ranked candidates, or SpecError (exit 2) saying why none fits."""
     rows = rank(shape, candidates, per_rank, speed_of)
+    free = rank(shape, unforced, per_rank, speed_of) if forced else None
+    own = free[0] if free and free[0].fits else None
     if not rows[0].fits:
-        field, message = fit.explain_no_fit(shape, [r.fit for r in rows], unforced, forced, ep_for)
+        field, message = fit.explain_no_fit(
+            shape, [r.fit for r in rows], own.candidate if own else None, forced, ep_for
+        )
         raise SpecError(field, message)
-    unforced_best = None
-    if forced:
-        free = rank(shape, unforced, per_rank, speed_of)
-        if free[0].fits and free[0].candidate != rows[0].candidate:
-            unforced_best = free[0]
+    unforced_best = own if own is not None and own.candidate != rows[0].candidate else None
     return Search(rows, rows[0], unforced_best)

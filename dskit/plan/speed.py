@@ -69,6 +69,10 @@ ZERO3_OVERLAP = 0.5
 CPU_ADAM_S_PER_BPARAM_NODE = 0.22
 #: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back
 OFFLOAD_BYTES_PER_PARAM = 6
+#: achieved share of the link bandwidth in AutoEP's all-to-all (uneven splits, the count exchange before
+#: each dispatch, small messages): EP 2 cost 24-49 ms more per step than EP 1 at the same shapes on
+#: 2 x H200, 0.2-0.5 of NVLink's rate (bench/results/h200x2-planner-*.json); fitted to 0.4
+A2A_EFFICIENCY = 0.4
 #: 16-bit weights and gradients
 WIRE_BYTES = 2
 GB = 1e9
@@ -141,12 +145,10 @@ def checkpointed_fraction(layers: int, ckpt_every: int) -> float:
     return 0.0 if not ckpt_every else math.ceil(layers / ckpt_every) / layers
 
 
-def _bandwidth(group: int, layout: Layout, gpu: GPU, fabric_gbs: float | None) -> float | None:
-    """GB/s per GPU for a collective over `group` consecutive ranks: NVLink/PCIe inside a node, else the
-    fabric (a ring or all-to-all spanning nodes runs at its slowest link)."""
-    if group <= layout.per_node:
-        return gpu.interconnect_gbs
-    return fabric_gbs
+def _bandwidth(group: int, spans_nodes: bool, gpu: GPU, fabric_gbs: float | None) -> float | None:
+    """GB/s per GPU for a collective over `group` ranks: NVLink/PCIe inside a node, else the fabric (a
+    ring or all-to-all spanning nodes runs at its slowest link)."""
+    return gpu.interconnect_gbs if not spans_nodes else fabric_gbs
 
 
 def predict(
@@ -182,10 +184,13 @@ def predict(
     dense_params = c.total - c.experts_per_layer * _moe_layers(cfg)
     expert_params = c.experts_per_layer * _moe_layers(cfg) / layout.ep_size
     zero3 = 0.0
+    # AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node); the expert-data-
+    # parallel group strides by ep over all ranks, so it spans every node, as the dense group does.
+    multi_node = layout.world > layout.per_node
     for params, group in ((dense_params, layout.world), (expert_params, layout.expert_dp)):
         if group == 1:
             continue
-        bw = _bandwidth(group, layout, gpu, fabric_gbs)
+        bw = _bandwidth(group, multi_node, gpu, fabric_gbs)
         if bw is None:
             unknown.append("ZeRO-3 collectives across nodes (fabric bandwidth unknown)")
             continue
@@ -196,13 +201,13 @@ def predict(
 
     a2a = 0.0
     if layout.ep_size > 1:
-        bw = _bandwidth(layout.ep_size, layout, gpu, fabric_gbs)
+        bw = _bandwidth(layout.ep_size, layout.ep_size > layout.per_node, gpu, fabric_gbs)
         if bw is None:
             unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
         else:
             moe_passes = _moe_layers(cfg) * (2 * 2 + 2 * frac)  # dispatch + combine per pass
             copy_bytes = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
-            a2a = moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB)
+            a2a = moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
     local_params = c.total / layout.world
     if offload:

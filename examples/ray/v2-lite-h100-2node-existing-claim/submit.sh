@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by dskit 0.1.0. Plan: deepseek-v2-lite on 2x8 h100-80gb: world 16, EP 8, micro-batch 16, grad accum 1, bf16, ~45.36 GiB/GPU
+# Rendered by dskit 0.1.0. Plan: deepseek-v2-lite on 2x8 h100-80gb: world 16, EP 2, micro-batch 16, grad accum 1, activation checkpointing, bf16, ~46.09 GiB/GPU, predicted 12,174 tokens/s/GPU (20% MFU)
 # Submits this directory as the job's working_dir to a Ray cluster (RAY_ADDRESS, default the local head's
 # dashboard) and follows its logs; the exit code is the job's.
 set -euo pipefail
