@@ -141,3 +141,28 @@ def test_cpu_plans_keep_the_fit_order():
     assert (
         plan.speed is None and plan.parallel.micro_batch == 8 and plan.parallel.activation_checkpointing == 0
     )
+
+
+@pytest.mark.parametrize("gpu", sorted(catalog.gpus()))
+@pytest.mark.parametrize("model", sorted(catalog.models()))
+def test_explain_works_for_every_catalog_model_and_gpu(model, gpu):
+    """A table, or the one-line refusal with the numbers: never a crash."""
+    from dskit.errors import SpecError
+    from dskit.explain import row_dict, table
+
+    per_node = 2 if gpu == "cpu" else 8
+    sets = ["training.seq_len=256"] if model.startswith("tiny") else []
+    try:
+        plan, found = build_plan_searched(
+            load_spec(
+                sets=sets,
+                flags={"hardware.gpu": gpu, "model.preset": model, "hardware.gpus_per_node": per_node},
+            )
+        )
+    except SpecError as e:
+        assert e.field and "\n" not in e.message
+        return
+    text = table(plan, found)
+    assert text.splitlines()[0] == plan.summary() and "chosen" in text
+    assert json.dumps([row_dict(r) for r in found.rows])
+    assert (plan.speed is None) == (gpu == "cpu")
