@@ -142,7 +142,7 @@ def cmd_render(a: argparse.Namespace) -> int:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
             raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
-    files = target.render(plan, out)
+    files = target.files(plan, out)
     common.write_output(files, out, force=a.force, executable=target.executable, inputs=inputs)
     _print_summary(plan, out)
     print(f"next: {target.next_step(plan, out, files)}")
