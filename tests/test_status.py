@@ -17,6 +17,7 @@ import pytest
 from dskit import run_status
 from dskit.contract import JOBS_FILE, TARGET_FILE
 from tests.conftest import dskit, render_tiny
+from tests.conftest import status_table as table
 
 # Slurm 22.05's `scontrol show job -o ID` for a requeued job running again (paths with a space)
 SCONTROL = (
@@ -27,11 +28,6 @@ SCONTROL = (
     "Command=/tmp/a run/job.sbatch WorkDir=/tmp/a run StdErr=/tmp/a run/preempt-12.out StdIn=/dev/null "
     "StdOut=/tmp/a run/preempt-12.out Power="
 )
-
-
-def table(text: str) -> dict[str, str]:
-    """The status table's rows: a key, two or more spaces, the value."""
-    return dict(re.split(r"  +", line, maxsplit=1) for line in text.splitlines())
 
 
 def stub_bin(d: Path, scripts: dict[str, str]) -> str:
