@@ -194,15 +194,21 @@ def ray_jobs(entries: list[tuple[str, str | None]], address: str | None) -> list
         raise SpecError("dskit status", "needs Ray's job client: pip install 'dskit[ray]'") from None
     clients: dict[str, Any] = {}
     out = []
-    for job_id, recorded in entries:
+    for n, (job_id, recorded) in enumerate(entries, 1):
         addr = address or recorded or DEFAULT_RAY_ADDRESS
         if addr not in clients:
             try:
                 clients[addr] = JobSubmissionClient(addr)
             except Exception as e:  # noqa: BLE001 - ConnectionError, RuntimeError, ValueError by address
-                raise SpecError(
-                    "dskit status", f"cannot reach the Ray cluster at {addr}: {_first_line(str(e))}"
-                ) from None
+                if n < len(entries):  # an earlier submission's cluster may be gone: the latest matters
+                    clients[addr] = None
+                else:
+                    raise SpecError(
+                        "dskit status", f"cannot reach the Ray cluster at {addr}: {_first_line(str(e))}"
+                    ) from None
+        if clients[addr] is None:
+            out.append(Job(job_id, "unknown", None, f"the Ray cluster at {addr} does not answer"))
+            continue
         try:
             info = clients[addr].get_job_info(job_id)
         except Exception as e:  # noqa: BLE001 - RuntimeError for an unknown id, requests' errors

@@ -16,6 +16,7 @@ import pytest
 
 from dskit import run_status
 from dskit.contract import JOBS_FILE, TARGET_FILE
+from dskit.errors import SpecError
 from tests.conftest import dskit, render_tiny
 from tests.conftest import status_table as table
 
@@ -237,3 +238,31 @@ def test_every_render_records_its_target(tmp_path):
         assert (out / TARGET_FILE).read_text() == f"{target}\n"
     r = dskit("status", str(tmp_path / "image"))
     assert r.returncode == 2 and "rendered for the image target, which has no job" in r.stderr
+
+
+def test_ray_jobs_through_the_job_client(monkeypatch):
+    """Canned answers of Ray's client: the latest submission speaks; an earlier one on a cluster that
+    is gone is unknown; the latest one's cluster not answering is one error."""
+    job_submission = pytest.importorskip("ray.job_submission")
+    from types import SimpleNamespace
+
+    class Client:
+        def __init__(self, address):
+            if "gone" in address:
+                raise ConnectionError(f"Failed to connect to Ray at address: {address}.")
+            self.address = address
+
+        def get_job_info(self, job_id):
+            if job_id == "lost":
+                raise RuntimeError("Request failed with status code 404: Job lost does not exist.")
+            return SimpleNamespace(
+                status=job_submission.JobStatus.RUNNING, message="Job is currently running."
+            )
+
+    monkeypatch.setattr(job_submission, "JobSubmissionClient", Client)
+    jobs = run_status.ray_jobs([("a", "http://gone:1"), ("lost", "http://h:2"), ("b", "http://h:2")], None)
+    assert [(j.id, j.state) for j in jobs] == [("a", "unknown"), ("lost", "unknown"), ("b", "RUNNING")]
+    assert jobs[-1].log == "ray job logs --address http://h:2 b"
+    assert run_status.ray_jobs([("b", "http://gone:1")], "http://h:3")[0].state == "RUNNING"  # --address
+    with pytest.raises(SpecError, match="cannot reach the Ray cluster at http://gone:1"):
+        run_status.ray_jobs([("b", "http://gone:1")], None)
