@@ -266,3 +266,33 @@ def test_ray_jobs_through_the_job_client(monkeypatch):
     assert run_status.ray_jobs([("b", "http://gone:1")], "http://h:3")[0].state == "RUNNING"  # --address
     with pytest.raises(SpecError, match="cannot reach the Ray cluster at http://gone:1"):
         run_status.ray_jobs([("b", "http://gone:1")], None)
+
+
+def test_a_helm_run_dir_asks_for_the_release_named_like_the_run(tmp_path, monkeypatch, capsys):
+    """No kube-apiserver here: the Kubernetes clients are stand-ins answering one running Job."""
+    from types import SimpleNamespace as NS
+
+    from dskit import cli, k8s_status
+
+    rd = render_tiny(tmp_path, name="helmrun", steps=40, target="helm")
+    _write_progress(rd, steps=10, total_time=20.0)
+    asked = []
+
+    class Api:
+        def list_namespaced_job(self, namespace, label_selector, _request_timeout):
+            asked.append((namespace, label_selector))
+            status = NS(conditions=None, active=1, succeeded=0, failed=0)
+            return NS(items=[NS(metadata=NS(name="helmrun"), status=status, spec=NS(backoff_limit=3))])
+
+        def list_namespaced_pod(self, namespace, label_selector, _request_timeout):
+            return NS(items=[])
+
+    pytest.importorskip("kubernetes")
+    monkeypatch.setattr(k8s_status, "_clients", lambda kubeconfig, context: (Api(), Api()))
+    assert cli.main(["status", str(rd), "-n", "ml"]) == 0
+    out = capsys.readouterr().out
+    assert asked == [("ml", "app.kubernetes.io/name=dskit,app.kubernetes.io/instance=helmrun")]
+    assert out.startswith("job helmrun: running; active 1, succeeded 0, failed 0 of backoffLimit 3\n")
+    rows = table(out.split("\n", 2)[2])  # after the job line and the (empty) pod table's header
+    assert rows["run"] == f"helmrun (helm release helmrun, namespace ml) {rd.resolve()}"
+    assert rows["step"].startswith("10 / 40, logged") and rows["ETA"].endswith("(if it is running)")
