@@ -90,6 +90,8 @@ def _not_submitted(run_dir: Path, target: str) -> SpecError:
     how = f"bash {run_dir / 'submit.sh'}"
     if target == "slurm":
         how += " (a job submitted with plain sbatch is recorded when it starts)"
+    else:
+        how += " (a KubeRay RayJob applied with kubectl is not recorded: kubectl get rayjob)"
     return SpecError(str(run_dir), f"not submitted yet (no job in {JOBS_FILE}) — run {how}")
 
 
