@@ -169,7 +169,7 @@ def cmd_render(a: argparse.Namespace) -> int:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
             raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
-    files = target.render(plan, out)
+    files = target.files(plan, out)
     common.write_output(files, out, force=a.force, executable=target.executable, inputs=inputs)
     _print_summary(plan, out)
     print(f"next: {target.next_step(plan, out, files)}")
@@ -203,9 +203,23 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    from dskit import run_status
+
+    if run_status.is_run_dir(a.what):
+        return run_status.status(
+            a.what, address=a.address, namespace=a.namespace, kubeconfig=a.kubeconfig, context=a.context
+        )
+    if Path(a.what).is_dir() or "/" in a.what:
+        raise SpecError(
+            "RUN_DIR",
+            f"{a.what} is not a run directory (no run.yaml in it); give one `dskit render` wrote, "
+            "or a Helm release name",
+        )
+    if a.address:
+        raise SpecError("--address", "is for a Ray run directory, not a Helm release")
     from dskit.k8s_status import status
 
-    return status(a.release, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
+    return status(a.what, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
 
 
 def _needs_extra(command: str, extra: str, e: ModuleNotFoundError) -> SpecError:
@@ -368,12 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "status",
-        help="pods of a Helm-installed run: rank index, attempts, phase, node, exit codes",
-        description="Reads the Job and pods of `helm install RELEASE` through the Kubernetes API "
-        "(needs the k8s extra: pip install 'dskit[k8s]').",
+        help="where a run stands: scheduler state, attempts, step/total, loss, tokens/s, ETA, last checkpoint",
+        description="RUN_DIR (a directory with run.yaml): asks the scheduler it was rendered for about the "
+        "jobs submitted from it, recorded in RUN_DIR/jobs by its submit.sh (Slurm: scontrol, or sacct once "
+        "slurmctld has forgotten a job; requeues from Restarts=. Ray: the job client, at the address "
+        "submit.sh used or --address. Helm: the pods of release NAME, the run's name), and reads step, loss, "
+        "tokens/s, ETA and the last checkpoint from the run's metrics.jsonl and checkpoint dir. "
+        "RELEASE (anything else): the pods of a Helm release by rank index, attempts, phase, exit codes "
+        "(Kubernetes needs the k8s extra: pip install 'dskit[k8s]'; Ray the ray extra).",
     )
-    s.add_argument("release", help="the Helm release name")
-    s.add_argument("-n", "--namespace", default="default", help="namespace (default: default)")
+    s.add_argument("what", metavar="RUN_DIR|RELEASE", help="a rendered run directory, or a Helm release name")
+    s.add_argument("--address", help="Ray: the dashboard address (default: the one submit.sh recorded)")
+    s.add_argument("-n", "--namespace", default="default", help="Kubernetes namespace (default: default)")
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     s.add_argument("--context", help="kubeconfig context")
     s.set_defaults(func=cmd_status)
