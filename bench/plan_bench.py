@@ -21,7 +21,6 @@ import datetime as dt
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import runs  # noqa: E402  (bench/runs.py, beside this script)
 
 # name -> (spec sets, GPUs). A and B: the first fit; C: held out from it, then fitted with A; D: held out.
 CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
@@ -98,7 +100,7 @@ def candidates(sets: list[str], gpus: int, work: Path) -> list[dict]:
 
 
 def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
-    from dskit.plan import build_plan, load_plan
+    from dskit.plan import build_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 
@@ -131,19 +133,10 @@ def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[i
     if proc.returncode != 0:
         row["error"] = (proc.stdout + proc.stderr)[-2500:]
         return row
-    metrics = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl"
-    recs = [json.loads(x) for x in metrics.read_text().splitlines() if '"step"' in x]
-    recs = [r for r in recs if "step_time_s" in r]
-    steady = [r for r in recs if r["step"] > WARMUP_STEPS]
+    recs = runs.step_records(run_dir)
     row["measured"] = {
-        "step_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
+        **runs.steady(recs, WARMUP_STEPS),
         "step_s_all": [round(r["step_time_s"], 4) for r in recs],
-        "tokens_per_s_per_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
-        "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
-        "peak_alloc_gib": max(r["peak_alloc_gib"] for r in recs),
-        "peak_reserved_gib": max(r["peak_reserved_gib"] for r in recs),
-        "loss_first": recs[0]["loss"],
-        "loss_last": recs[-1]["loss"],
     }
     return row
 

@@ -14,7 +14,6 @@ import datetime as dt
 import json
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import runs  # noqa: E402  (bench/runs.py, beside this script)
 
 # name -> (extra spec overrides, DeepSpeed config sections patched into run.yaml). Shape of the reference
 # baseline: 4 layers, seq 4096, micro-batch 2. AutoEP knobs are measured here before any becomes a
@@ -97,23 +99,18 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
     (work.parent / f"{flags['name']}.log").write_text(log)
     if proc.returncode != 0:
         return {"variant": name, "error": log[-3000:]}
-    recs = [
-        json.loads(x)
-        for x in (Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl")
-        .read_text()
-        .splitlines()
-    ]
-    steady = [r for r in recs if r["step"] > WARMUP_STEPS]
+    recs = runs.step_records(run_dir)
+    m = runs.steady(recs, WARMUP_STEPS)
     attention = re.search(r"attention: (\S+)", log)
     out = {
         "variant": name,
-        "step_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
-        "tok_s_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
-        "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
-        "peak_alloc_gb": max(r["peak_alloc_gib"] for r in recs),
-        "peak_reserved_gb": max(r["peak_reserved_gib"] for r in recs),
-        "loss_first": recs[0]["loss"],
-        "loss_last": recs[-1]["loss"],
+        "step_s": m["step_s"],
+        "tok_s_gpu": m["tokens_per_s_per_gpu"],
+        "mfu": m["mfu"],
+        "peak_alloc_gb": m["peak_alloc_gib"],
+        "peak_reserved_gb": m["peak_reserved_gib"],
+        "loss_first": m["loss_first"],
+        "loss_last": m["loss_last"],
         "attention": attention.group(1) if attention else None,
         "plan": plan.summary(),
         "overrides": sets,
