@@ -267,7 +267,12 @@ def _search(
         ep_for=ep_for,
     )
     if found.chosen.candidate.offload:
-        warnings.append("optimizer states offloaded to CPU (memory estimate needs it): expect slower steps")
+        why = (
+            "predicted faster than every fitting candidate without it"
+            if any(r.fits and not r.candidate.offload for r in found.rows)
+            else "no candidate without it fits"
+        )
+        warnings.append(f"optimizer states offloaded to CPU ({why}): expect slower steps")
     cost = found.forced_cost
     if cost is not None and cost > search.SPEED_TIE:
         own = found.unforced_best.candidate.describe()  # type: ignore[union-attr]
