@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -110,15 +111,27 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from dskit.plan import build_plan_searched, dump_plan
 
     if a.plot:
-        if not a.plot.endswith(".png"):
+        target = Path(a.plot)
+        if target.suffix.lower() != ".png":
             raise SpecError("--plot", f"{a.plot}: give a .png file name")
-        if not Path(a.plot).resolve().parent.is_dir():
-            raise SpecError("--plot", f"{Path(a.plot).parent} is not a directory")
+        if target.is_dir():
+            raise SpecError("--plot", f"{a.plot} is a directory; give a file name")
+        parent = target.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise SpecError("--plot", f"{parent} is not a writable directory")
         try:
             import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
         except ModuleNotFoundError as e:
             raise _needs_extra("plan --plot", "report", e) from None
     plan, found = build_plan_searched(_spec_from_args(a))
+    if a.plot:  # first: a plot that cannot be written fails before anything is printed
+        from dskit.explain import plot
+
+        try:
+            written = plot(plan, found, Path(a.plot))
+        except OSError as e:
+            raise SpecError("--plot", f"cannot write {a.plot}: {e.strerror or e}") from None
+        print(f"wrote {written}", file=sys.stderr)
     if a.explain:
         from dskit.explain import row_dict, table
 
@@ -138,10 +151,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
     else:
         print(dump_plan(plan), end="")
         _print_summary(plan)
-    if a.plot:
-        from dskit.explain import plot
-
-        print(f"wrote {plot(plan, found, Path(a.plot))}", file=sys.stderr)
     return 0
 
 
