@@ -14,7 +14,6 @@ import datetime as dt
 import json
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,8 +23,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
-# name -> (extra spec overrides, DeepSpeed AutoEP knobs patched into run.yaml). Shape of the reference
+import runs  # noqa: E402  (bench/runs.py, beside this script)
+
+# name -> (extra spec overrides, DeepSpeed config sections patched into run.yaml). Shape of the reference
 # baseline: 4 layers, seq 4096, micro-batch 2. AutoEP knobs are measured here before any becomes a
 # plan default (dskit/plan/deepspeed.py); see deepspeed/module_inject/auto_ep_config.py.
 VARIANTS: dict[str, tuple[list[str], dict]] = {
@@ -36,10 +38,22 @@ VARIANTS: dict[str, tuple[list[str], dict]] = {
 }
 # Measured and lost on one H200 (results/h200-levers-2026-11-30.json), so not run by default:
 LOSERS: dict[str, tuple[list[str], dict]] = {
-    "dskit + AutoEP gate_up_impl=fused": ([], {"gate_up_impl": "fused"}),
-    "dskit + AutoEP combine_impl=fused_weighted_sum": ([], {"combine_impl": "fused_weighted_sum"}),
-    "dskit + both AutoEP knobs": ([], {"gate_up_impl": "fused", "combine_impl": "fused_weighted_sum"}),
+    "dskit + AutoEP gate_up_impl=fused": ([], {"expert_parallel": {"gate_up_impl": "fused"}}),
+    "dskit + AutoEP combine_impl=fused_weighted_sum": (
+        [],
+        {"expert_parallel": {"combine_impl": "fused_weighted_sum"}},
+    ),
+    "dskit + both AutoEP knobs": (
+        [],
+        {"expert_parallel": {"gate_up_impl": "fused", "combine_impl": "fused_weighted_sum"}},
+    ),
     "dskit, activation ckpt every layer": (["overrides.activation_checkpointing=1"], {}),
+}
+# Levers not yet measured (--probes): ZeRO-2 keeps whole 16-bit weights on every rank (no per-module
+# gathers, no hooks), which one GPU can always afford; the host-bound small micro-steps are the target.
+PROBES: dict[str, tuple[list[str], dict]] = {
+    "dskit, plan default (ZeRO-3)": ([], {}),
+    "dskit + ZeRO-2": ([], {"zero_optimization": {"stage": 2}}),
 }
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
@@ -76,7 +90,8 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
     if ds_patch:  # a lever under measurement, not yet a plan decision
         run_yaml = run_dir / "run.yaml"
         data = yaml.safe_load(run_yaml.read_text())
-        data["deepspeed"]["expert_parallel"].update(ds_patch)
+        for section, values in ds_patch.items():
+            data["deepspeed"][section].update(values)
         run_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -84,27 +99,22 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
     (work.parent / f"{flags['name']}.log").write_text(log)
     if proc.returncode != 0:
         return {"variant": name, "error": log[-3000:]}
-    recs = [
-        json.loads(x)
-        for x in (Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl")
-        .read_text()
-        .splitlines()
-    ]
-    steady = [r for r in recs if r["step"] > WARMUP_STEPS]
+    recs = runs.step_records(run_dir)
+    m = runs.steady(recs, WARMUP_STEPS)
     attention = re.search(r"attention: (\S+)", log)
     out = {
         "variant": name,
-        "step_s": round(statistics.median(r["step_time_s"] for r in steady), 4),
-        "tok_s_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in steady)),
-        "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
-        "peak_alloc_gb": max(r["peak_alloc_gib"] for r in recs),
-        "peak_reserved_gb": max(r["peak_reserved_gib"] for r in recs),
-        "loss_first": recs[0]["loss"],
-        "loss_last": recs[-1]["loss"],
+        "step_s": m["step_s"],
+        "tok_s_gpu": m["tokens_per_s_per_gpu"],
+        "mfu": m["mfu"],
+        "peak_alloc_gb": m["peak_alloc_gib"],
+        "peak_reserved_gb": m["peak_reserved_gib"],
+        "loss_first": m["loss_first"],
+        "loss_last": m["loss_last"],
         "attention": attention.group(1) if attention else None,
         "plan": plan.summary(),
         "overrides": sets,
-        "autoep_knobs": ds_patch,
+        "deepspeed_patch": ds_patch,
         "losses": [r["loss"] for r in recs],
     }
     profile = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "profile.json"
@@ -153,6 +163,7 @@ def main() -> None:
     ap.add_argument("--only", help="run only variants whose name contains this text")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
     ap.add_argument("--losers", action="store_true", help="also run the levers that lost before")
+    ap.add_argument("--probes", action="store_true", help="run only the unmeasured levers (PROBES)")
     a = ap.parse_args()
     import torch
 
@@ -181,6 +192,8 @@ def main() -> None:
     if a.work:
         a.work.mkdir(parents=True, exist_ok=True)
     variants = {**VARIANTS, **(LOSERS if a.losers else {}), **({} if a.no_profile else PROFILED)}
+    if a.probes:
+        variants = PROBES
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         if a.baseline and not a.only:
             if a.gpus == 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -107,10 +108,45 @@ def cmd_schema(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from dskit.plan import build_plan, dump_plan
+    from dskit.plan import build_plan_searched, dump_plan
 
-    plan = build_plan(_spec_from_args(a))
-    if a.json:
+    if a.plot:
+        target = Path(a.plot)
+        if target.suffix.lower() != ".png":
+            raise SpecError("--plot", f"{a.plot}: give a .png file name")
+        if target.is_dir():
+            raise SpecError("--plot", f"{a.plot} is a directory; give a file name")
+        parent = target.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise SpecError("--plot", f"{parent} is not a writable directory")
+        try:
+            import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
+        except ModuleNotFoundError as e:
+            raise _needs_extra("plan --plot", "report", e) from None
+    plan, found = build_plan_searched(_spec_from_args(a))
+    if a.plot:  # first: a plot that cannot be written fails before anything is printed
+        from dskit.explain import plot
+
+        try:
+            written = plot(plan, found, Path(a.plot))
+        except OSError as e:
+            raise SpecError("--plot", f"cannot write {a.plot}: {e.strerror or e}") from None
+        print(f"wrote {written}", file=sys.stderr)
+    if a.explain:
+        from dskit.explain import row_dict, table
+
+        if a.json:
+            print(
+                json.dumps(
+                    {"plan": plan.model_dump(mode="json"), "candidates": [row_dict(r) for r in found.rows]},
+                    indent=2,
+                )
+            )
+        else:
+            print(table(plan, found))
+            for w in plan.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+    elif a.json:
         print(json.dumps(plan.model_dump(mode="json"), indent=2))
     else:
         print(dump_plan(plan), end="")
@@ -142,7 +178,7 @@ def cmd_render(a: argparse.Namespace) -> int:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
             raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
-    files = target.render(plan, out)
+    files = target.files(plan, out)
     common.write_output(files, out, force=a.force, executable=target.executable, inputs=inputs)
     _print_summary(plan, out)
     print(f"next: {target.next_step(plan, out, files)}")
@@ -189,9 +225,23 @@ def cmd_build(a: argparse.Namespace) -> int:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    from dskit import run_status
+
+    if run_status.is_run_dir(a.what):
+        return run_status.status(
+            a.what, address=a.address, namespace=a.namespace, kubeconfig=a.kubeconfig, context=a.context
+        )
+    if Path(a.what).is_dir() or "/" in a.what:
+        raise SpecError(
+            "RUN_DIR",
+            f"{a.what} is not a run directory (no run.yaml in it); give one `dskit render` wrote, "
+            "or a Helm release name",
+        )
+    if a.address:
+        raise SpecError("--address", "is for a Ray run directory, not a Helm release")
     from dskit.k8s_status import status
 
-    return status(a.release, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
+    return status(a.what, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
 
 
 def _needs_extra(command: str, extra: str, e: ModuleNotFoundError) -> SpecError:
@@ -274,9 +324,24 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("schema", help="print the run spec's JSON Schema")
     s.set_defaults(func=cmd_schema)
 
-    s = sub.add_parser("plan", help="resolve a spec into the plan (run.yaml) and print it")
+    s = sub.add_parser(
+        "plan",
+        help="resolve a spec into the plan (run.yaml) and print it",
+        description="Resolve the spec into the plan. The planner weighs every EP size, micro-batch x "
+        "gradient accumulation, activation checkpointing (off, every layer) and optimizer offload (off, "
+        "cpu): each is checked against GPU and host memory and timed by the step-time model "
+        "(dskit/plan/speed.py); the fastest that fits wins. --explain shows them all.",
+    )
     _add_spec_args(s)
-    s.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    s.add_argument(
+        "--json", action="store_true", help="print JSON instead of YAML (with --explain: plan + candidates)"
+    )
+    s.add_argument(
+        "--explain",
+        action="store_true",
+        help="print every candidate: memory breakdown, predicted step time, tokens/s/GPU, MFU, why it lost",
+    )
+    s.add_argument("--plot", metavar="FILE.png", help="draw the candidates' memory and predicted throughput")
     s.set_defaults(func=cmd_plan)
 
     s = sub.add_parser(
@@ -371,12 +436,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "status",
-        help="pods of a Helm-installed run: rank index, attempts, phase, node, exit codes",
-        description="Reads the Job and pods of `helm install RELEASE` through the Kubernetes API "
-        "(needs the k8s extra: pip install 'dskit[k8s]').",
+        help="where a run stands: scheduler state, attempts, step/total, loss, tokens/s, ETA, last checkpoint",
+        description="RUN_DIR (a directory with run.yaml): asks the scheduler it was rendered for about the "
+        "jobs submitted from it, recorded in RUN_DIR/jobs by its submit.sh (Slurm: scontrol, or sacct once "
+        "slurmctld has forgotten a job; requeues from Restarts=. Ray: the job client, at the address "
+        "submit.sh used or --address. Helm: the pods of release NAME, the run's name), and reads step, loss, "
+        "tokens/s, ETA and the last checkpoint from the run's metrics.jsonl and checkpoint dir. "
+        "RELEASE (anything else): the pods of a Helm release by rank index, attempts, phase, exit codes "
+        "(Kubernetes needs the k8s extra: pip install 'dskit[k8s]'; Ray the ray extra).",
     )
-    s.add_argument("release", help="the Helm release name")
-    s.add_argument("-n", "--namespace", default="default", help="namespace (default: default)")
+    s.add_argument("what", metavar="RUN_DIR|RELEASE", help="a rendered run directory, or a Helm release name")
+    s.add_argument("--address", help="Ray: the dashboard address (default: the one submit.sh recorded)")
+    s.add_argument("-n", "--namespace", default="default", help="Kubernetes namespace (default: default)")
     s.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     s.add_argument("--context", help="kubeconfig context")
     s.set_defaults(func=cmd_status)

@@ -51,6 +51,13 @@ RUN_YAML = "run.yaml"
 #: Where Kubernetes pods (the Helm chart, KubeRay) mount the run's ConfigMap; run.yaml is inside it.
 K8S_CONFIG_MOUNT = "/etc/dskit"
 DEEPSPEED_JSON = "deepspeed.json"
+#: The target a run directory was rendered for (one line: slurm, helm, ray, image): `dskit status` asks
+#: that target's scheduler.
+TARGET_FILE = "target"
+#: The jobs submitted from a run directory, one per line, appended by the rendered scripts with one
+#: write each (Slurm: `JOBID` by submit.sh and by job.sbatch when it starts; Ray: `SUBMISSION_ID ADDRESS`
+#: by submit.sh). `dskit status` reads it.
+JOBS_FILE = "jobs"
 
 #: Stop request: a launcher that cannot signal the ranks directly (torchrun does not forward SIGUSR1,
 #: and containers hide PIDs) creates this file in the checkpoint dir; the trainer polls it each step,

@@ -402,14 +402,24 @@ class KubernetesSpec(_Section):
 
 
 class PlanOverrides(_Section):
-    """Anything the planner decides can be pinned here; `auto`/null lets the planner choose."""
+    """Anything the planner decides can be pinned here; `auto`/null lets the planner choose: the
+    fastest candidate that fits (`dskit plan --explain` shows them all)."""
 
-    ep_size: int | None = Field(None, ge=1, description="Expert-parallel group size (AutoEP autoep_size).")
-    micro_batch: int | None = Field(None, ge=1, description="Sequences per GPU per forward.")
+    ep_size: int | None = Field(
+        None,
+        ge=1,
+        description="Expert-parallel group size (AutoEP autoep_size). Default: the predicted fastest.",
+    )
+    micro_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per GPU per forward; the rest of the per-GPU batch is gradient accumulation.",
+    )
     activation_checkpointing: int | None = Field(
         None,
         ge=0,
-        description="0: off; 1: every layer; N: every N-th layer. Default: off if memory allows, else 1.",
+        description="0: off; 1: every layer; N: every N-th layer (never chosen by the planner: measured slow). "
+        "Default: the predicted fastest of off and every layer.",
     )
     precision: Literal["auto", "bf16", "fp16"] = Field(
         "auto", description="bf16 where the GPU has it, else fp16 with dynamic loss scaling."
@@ -418,7 +428,8 @@ class PlanOverrides(_Section):
         Field("auto", description="Attention backend. auto: the GPU profile's measured-fastest.")
     )
     offload_optimizer: Literal["auto", "none", "cpu"] = Field(
-        "auto", description="ZeRO optimizer-state offload. auto: cpu only when the memory estimate needs it."
+        "auto",
+        description="ZeRO optimizer-state offload. auto: whichever the predicted fastest candidate that fits uses.",
     )
     loss: Literal["auto", "chunked", "full"] = Field(
         "auto",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,16 @@ def dskit(
     if check and proc.returncode != 0:
         raise AssertionError(f"dskit {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def status_table(text: str) -> dict[str, str]:
+    """`dskit status RUN_DIR`'s table as rows: a key, two or more spaces, the value."""
+    return dict(re.split(r"  +", line, maxsplit=1) for line in text.splitlines())
+
+
+def dskit_status(run_dir: Path, env: dict | None = None) -> dict[str, str]:
+    """`dskit status RUN_DIR` against a real scheduler; its rows (it must answer, exit 0)."""
+    return status_table(dskit("status", str(run_dir), env=env, check=True, timeout=120).stdout)
 
 
 def render_tiny(

@@ -18,9 +18,10 @@ import pytest
 
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan import load_plan
+from dskit.run_status import read_jobs
 from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE
-from tests.conftest import dskit, render_tiny
+from tests.conftest import dskit, dskit_status, render_tiny
 
 pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
@@ -93,6 +94,13 @@ def test_ray_job_submit_trains_and_checkpoints(ray_cluster, tmp_path):
     seen = json.loads((Path(plan.run.output_dir) / LAUNCH_ENV_FILE).read_text())
     assert {k: seen[k] for k in plan.env} == plan.env
     assert seen["DSKIT_RUN_FILE"].endswith("/run.yaml") and os.path.isabs(seen["DSKIT_RUN_FILE"])
+    # submit.sh recorded the submission id and address; `dskit status` asks Ray's job client
+    ((job_id, address),) = read_jobs(rd)
+    assert address == f"http://127.0.0.1:{DASHBOARD}"
+    st = dskit_status(rd, ray_cluster)
+    assert st["state"].startswith(f"SUCCEEDED: job {job_id}") and st["attempts"] == "1 submission(s)", st
+    assert st["step"].startswith("24 / 24 (complete)") and st["ETA"] == "done", st
+    assert st["last checkpoint"].split()[0].endswith("/step00000024"), st
 
 
 def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path):
@@ -108,11 +116,15 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    job_id = next(w for w in (r.stdout + r.stderr).replace("'", " ").split() if w.startswith("raysubmit_"))
+    ((job_id, _),) = read_jobs(rd)
+    assert job_id in r.stdout + r.stderr
     deadline = time.time() + 400
     while max(metrics(rd), default=0) < 9:
         assert time.time() < deadline, "no progress"
         time.sleep(0.3)
+    st = dskit_status(rd, ray_cluster)
+    assert st["state"].startswith(f"RUNNING: job {job_id}") and int(st["step"].split()[0]) >= 9, st
+    assert st["step"].split()[1:3] == ["/", "40,"] and st["ETA"][0].isdigit(), st
     killed_at = max(metrics(rd))
     workers = [
         p for p in psutil.process_iter(["cmdline"]) if "RayTrainWorker" in " ".join(p.info["cmdline"] or [])
@@ -137,6 +149,11 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
     assert sorted(metrics(rd)) == list(range(1, 41))
     plan = load_plan(rd / "run.yaml")
     assert newest_verified_tag(Path(plan.run.checkpoint_dir)).name == "step00000040"
+    st = dskit_status(rd, ray_cluster)  # the retried worker group shows as a resume in the run's metrics
+    assert st["state"].startswith(f"SUCCEEDED: job {job_id}") and st["step"].startswith(
+        "40 / 40 (complete)"
+    ), st
+    assert st["resumed"] == f"1 time(s), at step {resumed + 1}", st
 
 
 def test_ray_refuses_dollar_values_it_would_expand(tmp_path):

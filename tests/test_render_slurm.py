@@ -54,8 +54,11 @@ def test_every_variant_is_shellcheck_clean(tmp_path, runtime, fabric):
 def test_cli_render_two_nodes_writes_a_consistent_run_dir(tmp_path):
     out = tmp_path / "job"
     r = dskit("render", "slurm", "--nodes", "2", "-o", str(out), check=True)
-    assert "world 16, EP 8" in r.stdout and f"sbatch {out}/job.sbatch" in r.stdout
     plan = yaml.safe_load((out / "run.yaml").read_text())
+    assert (
+        f"world 16, EP {plan['parallel']['ep_size']}," in r.stdout and f"sbatch {out}/job.sbatch" in r.stdout
+    )
+    assert "tokens/s/GPU" in r.stdout  # the predicted speed is part of the summary
     assert json.loads((out / "deepspeed.json").read_text()) == plan["deepspeed"]
     script = (out / "job.sbatch").read_text()
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script

@@ -24,7 +24,7 @@ from dskit.render import slurm
 from dskit.spec import load_spec
 from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE
-from tests.conftest import render_tiny
+from tests.conftest import dskit, dskit_status, render_tiny
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 pytestmark = pytest.mark.slurm
@@ -93,6 +93,12 @@ def test_trains_across_two_nodes(cluster, tmp_path):
     losses = [r["loss"] for r in metrics(rd)]
     assert len(losses) == 30 and sum(losses[-5:]) < 0.85 * sum(losses[:5])
     assert newest_verified_tag(Path(load_plan(rd / "run.yaml").run.checkpoint_dir)).name == "step00000030"
+    # submitted with plain sbatch: job.sbatch recorded its id, so `dskit status` finds it
+    st = dskit_status(rd, cluster.env)
+    assert st["state"].startswith(f"COMPLETED: job {job}, on node[1-2]"), st
+    assert st["attempts"] == "1 job(s), 0 requeue(s)" and st["step"].startswith("30 / 30 (complete)"), st
+    assert st["last checkpoint"].split()[0].endswith("/step00000030") and st["ETA"] == "done", st
+    assert st["log"] == str(tmp_path / f"across-{job}.out"), st
 
 
 def test_only_the_runtime_section_differs_from_the_pyxis_render(tmp_path):
@@ -124,10 +130,25 @@ def test_only_the_runtime_section_differs_from_the_pyxis_render(tmp_path):
     ), changed
 
 
+def submit(rd: Path, c: SlurmCluster, cwd: Path) -> list[int]:
+    """The rendered submit.sh (what `dskit render` says to run next): the job ids it printed."""
+    r = subprocess.run(
+        ["bash", str(rd / "submit.sh")], capture_output=True, text=True, env=c.env, cwd=cwd, check=True
+    )
+    return [int(line.split()[-1]) for line in r.stdout.splitlines()]
+
+
 def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     rd = render(tmp_path, "preempt", steps=60, every=1000)
-    job = cluster.sbatch(str(rd / "job.sbatch"), cwd=tmp_path)
+    r = dskit("status", str(rd), env=cluster.env)
+    assert r.returncode == 2 and "not submitted yet" in r.stderr, r.stderr
+    (job,) = submit(rd, cluster, tmp_path)
     seen = wait_step(rd, 8, cluster, job)
+    st = dskit_status(rd, cluster.env)  # the scheduler's answer and the run's own files agree
+    assert st["state"].startswith(f"RUNNING: job {job}, on node[1-2]"), st
+    step = int(st["step"].split()[0])
+    assert seen <= step <= 60 and st["step"].split()[1:3] == ["/", "60,"], st
+    assert st["attempts"] == "1 job(s), 0 requeue(s)" and st["ETA"][0].isdigit(), st
     # what Slurm does before a time limit or a preemption with --signal=B:USR1@grace
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job)], check=True, env=cluster.env)
     st = cluster.wait(job, 420)
@@ -140,6 +161,16 @@ def test_preemption_checkpoints_requeues_and_resumes(cluster, tmp_path):
     assert f"resumed from {load_plan(rd / 'run.yaml').run.checkpoint_dir}/step{stopped:08d}" in out
     steps = [r["step"] for r in metrics(rd)]
     assert steps == list(range(1, 61))  # continuous: nothing lost, nothing repeated
+    st = dskit_status(rd, cluster.env)
+    assert (
+        st["state"].startswith(f"COMPLETED: job {job}") and st["jobs"] == f"{job} COMPLETED, 1 requeue(s)"
+    ), st
+    assert (
+        st["attempts"] == "1 job(s), 1 requeue(s)" and st["resumed"] == f"1 time(s), at step {stopped + 1}"
+    ), st
+    assert st["step"].startswith("60 / 60 (complete)") and st["last checkpoint"].split()[0].endswith(
+        "step00000060"
+    )
 
 
 def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(cluster, tmp_path):
@@ -181,15 +212,7 @@ def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
         extra=["slurm.time=0:01:00", "slurm.grace_seconds=40"],
         flags=["--chain", "2"],
     )
-    r = subprocess.run(
-        ["bash", str(rd / "submit.sh")],
-        capture_output=True,
-        text=True,
-        env=cluster.env,
-        cwd=tmp_path,
-        check=True,
-    )
-    jobs = [int(line.split()[-1]) for line in r.stdout.splitlines()]
+    jobs = submit(rd, cluster, tmp_path)
     assert len(jobs) == 2
     states = [cluster.wait(j, 400) for j in jobs]
     outs = [output(tmp_path, "chain", j) for j in jobs]
@@ -200,6 +223,12 @@ def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
     assert f"step{stopped:08d}" in outs[1].split("resumed from ")[1].split()[0]
     steps = [r["step"] for r in metrics(rd)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) > stopped
+    st = dskit_status(rd, cluster.env)  # both links recorded at submission, in order
+    assert st["jobs"] == f"{jobs[0]} COMPLETED; {jobs[1]} COMPLETED", st
+    assert (
+        st["state"].startswith(f"COMPLETED: job {jobs[1]}") and st["attempts"] == "2 job(s), 0 requeue(s)"
+    ), st
+    assert st["step"].startswith(f"{steps[-1]} / 5000,") and st["ETA"] == "- (not running)", st
 
 
 @pytest.mark.parametrize(

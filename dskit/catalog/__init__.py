@@ -30,6 +30,9 @@ class GPU:
     peak_tflops_bf16: float | None
     peak_tflops_fp16: float | None
     memory_bw_gbs: float | None
+    interconnect_gbs: float | None  # GPU to GPU inside a node, per GPU and direction
+    interconnect_source: str
+    pcie_gbs: float | None  # host link per GPU and direction
     flash_attn: str
     attention: str
     source: str
@@ -46,6 +49,7 @@ class Fabric:
     k8s_resource: str | None
     env: dict[str, str]
     source: str
+    gbs_per_gpu: float | None  # inter-node, per GPU and direction; None: unknown
 
 
 @dataclass(frozen=True)

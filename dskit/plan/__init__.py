@@ -17,14 +17,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dskit import catalog, hf_checkpoint, yamlsafe
 from dskit.contract import Env
 from dskit.errors import SpecError
-from dskit.plan import fit, memory
+from dskit.plan import fit, memory, search, speed
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
 from dskit.spec import KubernetesSpec, SlurmSpec, Spec
 from dskit.text import describe, first_unsafe
 
 DEFAULT_MODEL = "deepseek-v2-lite"
-PLAN_VERSION = 2  # 2: typed slurm/kubernetes/ray sections
+PLAN_VERSION = 3  # 2: typed slurm/kubernetes/ray sections; 3: speed (predicted step time)
+READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load
 
 
 class _Frozen(BaseModel):
@@ -123,6 +124,8 @@ class Plan(_Frozen):
     kubernetes: KubernetesSpec
     ray: RayPlan
     memory: dict[str, Any]
+    # predicted step time by term (dskit/plan/speed.py); None: no GPU peak, or a plan of version 2
+    speed: dict[str, Any] | None = None
     env: dict[str, str]  # the launch contract, minus RUN_FILE (each target adds its own path)
     deepspeed: dict[str, Any]
     warnings: list[str]
@@ -132,8 +135,22 @@ class Plan(_Frozen):
         p, h = self.parallel, self.hardware
         return (
             f"{self.model.name} on {h.nodes}x{h.procs_per_node} {h.gpu}: world {h.world_size}, EP {p.ep_size}, "
-            f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, {p.precision}, "
+            f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
+            f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
+            f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
             f"~{self.memory['total_gib']} GiB/GPU"
+            + (
+                f", predicted {'at most ' if self.speed.get('not_counted') else ''}"
+                f"{self.speed['tokens_per_s_per_gpu']:,} tokens/s/GPU ({self.speed['mfu']:.0%} MFU)"
+                + (" (inter-node traffic not counted)" if self.speed.get("not_counted") else "")
+                if self.speed
+                else ""
+            )
+            + (
+                f" [overrides: predicted {self.speed['overrides_cost']:.0%} slower than the planner's choice]"
+                if self.speed and "overrides_cost" in self.speed
+                else ""
+            )
         )
 
 
@@ -200,61 +217,121 @@ def _host_memory(spec: Spec, gpu: catalog.GPU) -> tuple[float | None, str]:
     return float(per_gpu * n), f"default: {per_gpu:g} GiB per {gpu.name} of its reference node x {n}"
 
 
-def _fit_memory(spec: Spec, shape: fit.Shape, per_rank: int, warnings: list[str]) -> fit.Fit:
-    """The first candidate whose every estimate fits (`dskit/plan/fit.py`), else SpecError (exit 2).
+def _search(
+    spec: Spec,
+    shape: fit.Shape,
+    per_rank: int,
+    speed_of: search.SpeedOf,
+    fabric_name: str,
+    warnings: list[str],
+) -> search.Search:
+    """The fastest candidate that fits (`dskit/plan/search.py`), else SpecError (exit 2).
 
-    Order: no optimizer offload before offload; the largest micro-batch (fuller expert GEMMs); at each
-    micro-batch no activation checkpointing before checkpointing every layer, since recomputation cost
-    28% of step time on the H200 bench (bench/results/). Pinned overrides shrink the candidate lists.
+    EP sizes: the divisors of the expert count and the world size that stay inside one node (the
+    all-to-all on NVLink). Pinned overrides shrink the candidate lists; the planner's own pick is
+    still computed, so a slower forced choice is named.
     """
     o = spec.overrides
+    n_experts, world, per_node = shape.cfg["n_routed_experts"], shape.world, shape.per_node
+    eps = [d for d in _divisors(math.gcd(n_experts, world)) if d <= per_node]
+    if shape.gpu.is_cpu:  # no step-time model to weigh them: the largest, as the fit order always took
+        eps = [max(eps)]
     free_mbs = [
         m for m in _micro_batch_candidates(per_rank) if not shape.gpu.is_cpu or m <= CPU_MAX_MICRO_BATCH
     ]
-    free = ([False, True], free_mbs, [0, 1])
+    free = ([False, True], sorted(eps, reverse=True), free_mbs, [0, 1])
     pinned = (
         {"none": [False], "cpu": [True], "auto": free[0]}[o.offload_optimizer],
-        [o.micro_batch] if o.micro_batch else free[1],
-        [o.activation_checkpointing] if o.activation_checkpointing is not None else free[2],
+        [o.ep_size] if o.ep_size is not None else free[1],
+        [o.micro_batch] if o.micro_batch else free[2],
+        [o.activation_checkpointing] if o.activation_checkpointing is not None else free[3],
     )
     forced = [
         key
         for key, on in (
             ("overrides.offload_optimizer", o.offload_optimizer != "auto"),
+            ("overrides.ep_size", o.ep_size is not None),
             ("overrides.micro_batch", o.micro_batch is not None),
             ("overrides.activation_checkpointing", o.activation_checkpointing is not None),
         )
         if on
     ]
 
-    def candidates(offloads: list[bool], mbs: list[int], ckpts: list[int]) -> list[fit.Candidate]:
-        return [fit.Candidate(mb, ckpt, off) for off in offloads for mb in mbs for ckpt in ckpts]
+    def candidates(
+        offloads: list[bool], eps: list[int], mbs: list[int], ckpts: list[int]
+    ) -> list[fit.Candidate]:
+        # the fit order (used where no speed is predicted): no offload first, largest micro-batch, no ckpt
+        return [
+            fit.Candidate(ep, mb, ck, off) for off in offloads for ep in eps for mb in mbs for ck in ckpts
+        ]
 
-    n_experts, per_node, forced_ep = shape.cfg["n_routed_experts"], shape.per_node, o.ep_size
+    forced_ep = o.ep_size
 
     def ep_for(world: int) -> int:
         keep = forced_ep is not None and world % forced_ep == 0 and n_experts % forced_ep == 0
         return forced_ep if keep else _pick_ep(n_experts, world, per_node, None)
 
-    chosen = fit.choose(shape, candidates(*pinned), unforced=candidates(*free), forced=forced, ep_for=ep_for)
-    if chosen.candidate.offload:
-        warnings.append("optimizer states offloaded to CPU (memory estimate needs it): expect slower steps")
-    return chosen
+    found = search.search(
+        shape,
+        candidates(*pinned),
+        unforced=candidates(*free),
+        forced=forced,
+        per_rank=per_rank,
+        speed_of=speed_of,
+        ep_for=ep_for,
+    )
+    if found.chosen.candidate.offload:
+        if o.offload_optimizer == "cpu":
+            warnings.append("optimizer states offloaded to CPU: set by overrides.offload_optimizer")
+        elif any(r.fits and not r.candidate.offload for r in found.rows):
+            warnings.append(
+                "optimizer states offloaded to CPU: predicted faster than every fitting plan without it"
+            )
+        else:
+            warnings.append("optimizer states offloaded to CPU: no plan without it fits; expect slower steps")
+    if found.chosen.speed and found.chosen.speed.unknown:
+        warnings.append(
+            f"speed not compared on network.fabric {fabric_name}: {'; '.join(found.chosen.speed.unknown)}; "
+            "the plan takes the fit order (largest EP inside a node, largest micro-batch)"
+        )
+    cost = found.forced_cost
+    if cost is not None and cost > search.SPEED_TIE:
+        own = found.unforced_best.candidate.describe()  # type: ignore[union-attr]
+        warnings.append(
+            f"{', '.join(forced)} as set is predicted {cost:.0%} slower than the planner's own choice ({own})"
+        )
+    return found
+
+
+def _speed_section(found: search.Search) -> dict[str, Any] | None:
+    """The winner's predicted step time; with overrides that cost speed, what they cost."""
+    if not found.chosen.speed:
+        return None
+    d = found.chosen.speed.as_dict()
+    cost = found.forced_cost
+    if cost is not None and cost > search.SPEED_TIE:
+        d["overrides_cost"] = round(cost, 3)  # predicted share of tokens/s given up to the overrides
+    return d
 
 
 def build_plan(spec: Spec) -> Plan:
     """The plan in named steps, each a function of the spec and the steps before it."""
+    return build_plan_searched(spec)[0]
+
+
+def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
+    """The plan and every candidate the planner weighed (`dskit plan --explain`)."""
     warnings: list[str] = []
     gpu = catalog.gpu(spec.hardware.gpu)
     fabric = resolve_fabric(spec, gpu)
     model, model_counts = plan_model(spec)
     precision = _precision(spec, gpu)
     hardware = plan_hardware(spec, gpu, precision)
-    parallel, chosen = plan_parallel(spec, model, model_counts, gpu, hardware, precision, warnings)
+    parallel, found = plan_parallel(spec, model, model_counts, gpu, fabric, hardware, precision, warnings)
     optim = plan_optim(spec)
     run, storage_root = plan_storage(spec)
     launch = plan_launch(spec, gpu, fabric, storage_root)
-    return Plan(
+    plan = Plan(
         version=PLAN_VERSION,
         name=spec.name,
         model=model,
@@ -266,12 +343,14 @@ def build_plan(spec: Spec) -> Plan:
         slurm=spec.slurm,
         kubernetes=spec.kubernetes,
         ray=plan_ray(spec),
-        memory=chosen.as_dict(),
+        memory=found.chosen.fit.as_dict(),
+        speed=_speed_section(found),
         env=launch_env(spec, gpu, fabric, run, launch),
         deepspeed=deepspeed_config(model, hardware, parallel, optim),
         warnings=warnings,
         spec=spec.model_dump(mode="json"),
     )
+    return plan, found
 
 
 def resolve_fabric(spec: Spec, gpu: catalog.GPU) -> catalog.Fabric:
@@ -344,13 +423,16 @@ def plan_parallel(
     model: ModelPlan,
     model_counts: ModelCounts,
     gpu: catalog.GPU,
+    fabric: catalog.Fabric,
     hardware: HardwarePlan,
     precision: str,
     warnings: list[str],
-) -> tuple[ParallelPlan, fit.Fit]:
-    """EP size, batch split, the memory fit (`dskit/plan/fit.py`) and the attention backend."""
+) -> tuple[ParallelPlan, search.Search]:
+    """EP size and batch split, checkpointing and offload: the fastest candidate that fits
+    (`dskit/plan/search.py`), and the attention backend."""
     cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
-    ep = _pick_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
+    if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
+        _pick_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
     gb = spec.training.global_batch
     if gb % world:
         lo, hi = (gb // world) * world, (gb // world + 1) * world
@@ -367,36 +449,53 @@ def plan_parallel(
             f"(global_batch {gb} / world {world}); valid: {', '.join(map(str, _micro_batch_candidates(per_rank)))}",
         )
     host_gib, host_from = _host_memory(spec, gpu)
+    seq_len = spec.training.seq_len
     shape = fit.Shape(
         model=model.name,
         cfg=cfg,
         counts=model_counts,
-        seq_len=spec.training.seq_len,
+        seq_len=seq_len,
         gpu=gpu,
         nodes=hardware.nodes,
         per_node=per_node,
-        ep_size=ep,
         host_memory_gib=host_gib,
         host_memory_from=host_from,
         loads_weights=model.path is not None,
         loss=spec.overrides.loss,
     )
-    chosen = _fit_memory(spec, shape, per_rank, warnings)
-    mb = chosen.candidate.micro_batch
+
+    def speed_of(c: fit.Candidate) -> speed.StepTime | None:
+        return speed.predict(
+            cfg,
+            model_counts,
+            model.flops_per_token,
+            gpu=gpu,
+            peak_tflops=hardware.peak_tflops,
+            fabric_gbs=fabric.gbs_per_gpu,
+            layout=speed.Layout(world=world, per_node=per_node, ep_size=c.ep_size),
+            micro_batch=c.micro_batch,
+            grad_accum=per_rank // c.micro_batch,
+            seq_len=seq_len,
+            ckpt_every=c.ckpt_every,
+            offload=c.offload,
+        )
+
+    found = _search(spec, shape, per_rank, speed_of, fabric.name, warnings)
+    c = found.chosen.candidate
     parallel = ParallelPlan(
-        ep_size=ep,
-        expert_dp_size=world // ep,
-        micro_batch=mb,
-        grad_accum=per_rank // mb,
+        ep_size=c.ep_size,
+        expert_dp_size=world // c.ep_size,
+        micro_batch=c.micro_batch,
+        grad_accum=per_rank // c.micro_batch,
         global_batch=gb,
-        seq_len=spec.training.seq_len,
-        activation_checkpointing=chosen.candidate.ckpt_every,
+        seq_len=seq_len,
+        activation_checkpointing=c.ckpt_every,
         precision=precision,
         attention=_attention(spec, gpu),
-        offload_optimizer=chosen.candidate.offload,
-        loss_chunk_tokens=memory.loss_chunk_for(cfg, mb * spec.training.seq_len, spec.overrides.loss),
+        offload_optimizer=c.offload,
+        loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
     )
-    return parallel, chosen
+    return parallel, found
 
 
 def plan_optim(spec: Spec) -> OptimPlan:
@@ -525,10 +624,11 @@ def load_plan(path: str | Path) -> Plan:
     data = yamlsafe.load_file(p, "run.yaml")
     if not isinstance(data, dict):
         raise SpecError(str(p), "run.yaml must be a mapping (render it with `dskit render`)")
-    if data.get("version") != PLAN_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise SpecError(
             f"{p}: version",
-            f"expected {PLAN_VERSION}, got {data.get('version')!r}; re-render with this dskit",
+            f"expected {' or '.join(map(str, READABLE_VERSIONS))}, got {data.get('version')!r}; "
+            "re-render with this dskit",
         )
     try:
         return Plan.model_validate(data)

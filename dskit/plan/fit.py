@@ -8,7 +8,7 @@ A plan fits when every estimate stays under its limit:
   (1 - HOST_MEMORY_MARGIN) x hardware.host_memory_gib.
 A capacity that is unknown (the cpu profile) is not checked. When no candidate fits, `choose` raises
 SpecError (exit 2) naming what does not fit, the numbers and what to change, before anything is
-rendered or queued.
+rendered or queued (`explain_no_fit`). Which fitting candidate wins is `dskit/plan/search.py`'s call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dskit.catalog import GPU
-from dskit.errors import SpecError
 from dskit.plan import host, memory
 from dskit.plan.model_math import ModelCounts
 
@@ -36,6 +35,7 @@ MAX_NODES = 4096
 
 @dataclass(frozen=True)
 class Candidate:
+    ep_size: int
     micro_batch: int
     ckpt_every: int
     offload: bool
@@ -47,7 +47,8 @@ class Candidate:
             else "no activation checkpointing"
         )
         return (
-            f"micro-batch {self.micro_batch}, {ckpt}, {'optimizer offload' if self.offload else 'no offload'}"
+            f"EP {self.ep_size}, micro-batch {self.micro_batch}, {ckpt}, "
+            f"{'optimizer offload' if self.offload else 'no offload'}"
         )
 
 
@@ -62,7 +63,6 @@ class Shape:
     gpu: GPU
     nodes: int
     per_node: int
-    ep_size: int
     host_memory_gib: float | None  # per node; None: unknown, not checked
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
@@ -132,7 +132,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         s.cfg,
         s.counts,
         world=s.world,
-        ep_size=s.ep_size,
+        ep_size=c.ep_size,
         micro_batch=c.micro_batch,
         seq_len=s.seq_len,
         ckpt_every=c.ckpt_every,
@@ -140,7 +140,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         on_gpu=on_gpu,
         loss=s.loss,
     )
-    build = memory.construction(s.counts, world=s.world, ep_size=s.ep_size, on_gpu=on_gpu)
+    build = memory.construction(s.counts, world=s.world, ep_size=c.ep_size, on_gpu=on_gpu)
     h = host.estimate(
         s.counts,
         world=s.world,
@@ -153,34 +153,19 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
     return Fit(c, steady, build, h, s)
 
 
-def choose(
-    s: Shape,
-    candidates: list[Candidate],
-    *,
-    unforced: list[Candidate],
-    forced: list[str],
-    ep_for: Callable[[int], int],
-) -> Fit:
-    """The first candidate that fits, or SpecError saying why none does.
-
-    `unforced`: the candidates without the user's overrides (`forced`: their spec keys), to tell "your
-    override does not fit" from "this cluster is too small". `ep_for(world)`: the EP size the planner
-    would pick at another world size, for the "use at least N nodes" hint.
-    """
-    fits = []
-    for c in candidates:
-        f = evaluate(s, c)
-        if f.gpu_ok and f.host_ok:
-            return f
-        fits.append(f)
-    field, message = _explain(s, fits, unforced, forced, ep_for)
-    raise SpecError(field, message)
-
-
-def _explain(
-    s: Shape, fits: list[Fit], unforced: list[Candidate], forced: list[str], ep_for: Callable[[int], int]
+def explain_no_fit(
+    s: Shape, fits: list[Fit], own: Candidate | None, forced: list[str], ep_for: Callable[[int], int]
 ) -> tuple[str, str]:
-    b = fits[0].construction
+    """(field, message) when no candidate fits. `own`: the planner's pick without the user's overrides
+    (`forced`: their spec keys), or None; it tells "your override does not fit" from "this cluster is
+    too small". `ep_for(world)`: the EP size at another world size, for the "use N nodes" hint."""
+    if forced and own is not None:  # the override, not the cluster, is what does not fit
+        best = min(fits, key=lambda f: max(f.steady.total_gib, f.construction.total_gib))
+        return forced[0], (
+            f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
+            f"choice fits ({own.describe()}): remove {' and '.join(forced)}"
+        )
+    b = min((f.construction for f in fits), key=lambda b: b.total_gib)  # the best EP's
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
         return "hardware.nodes", (
             f"{s.where} cannot be built: construction peaks at {b.total_gib:.1f} GiB/GPU ({b.shard_gib:.1f} weight "
@@ -191,15 +176,6 @@ def _explain(
                 f"a GPU with more memory (hardware.gpu): one module alone is {b.gathered_gib:.1f} GiB",
             )
         )
-    if forced:
-        for c in unforced:
-            ok = evaluate(s, c)
-            if ok.gpu_ok and ok.host_ok:
-                best = min(fits, key=lambda f: f.steady.total_gib)
-                return forced[0], (
-                    f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
-                    f"choice fits ({c.describe()}): remove {' and '.join(forced)}"
-                )
     on_gpu = [f for f in fits if f.gpu_ok]
     if on_gpu:
         f = min(on_gpu, key=lambda f: f.host.total_gib)
@@ -237,7 +213,12 @@ def _gpu_limit(s: Shape) -> str:
 
 
 def _numbers(f: Fit) -> str:
-    e, s = f.steady, f.shape
+    e, s, b = f.steady, f.shape, f.construction
+    if s.gpu_limit is not None and b.total_gib > s.gpu_limit and b.total_gib >= e.total_gib:
+        return (
+            f"building it peaks at {b.total_gib:.1f} GiB/GPU at {f.candidate.describe()} ({b.shard_gib:.1f} weight "
+            f"shard, {b.gathered_gib:.1f} largest module, {b.autoep_copy_gib:.1f} AutoEP copy), over {_gpu_limit(s)}"
+        )
     if s.gpu_limit is not None and e.total_gib > s.gpu_limit:
         return (
             f"training needs {e.total_gib:.1f} GiB/GPU at {f.candidate.describe()} (states {e.states_gib:.1f}, "
@@ -260,8 +241,8 @@ def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], int]) -> str 
     cands = [f.candidate for f in fits]
 
     def ok(nodes: int) -> bool:
-        t = dataclasses.replace(s, nodes=nodes, ep_size=ep_for(nodes * s.per_node))
-        return any((f := evaluate(t, c)).gpu_ok and f.host_ok for c in cands)
+        t, ep = dataclasses.replace(s, nodes=nodes), ep_for(nodes * s.per_node)
+        return any((f := evaluate(t, dataclasses.replace(c, ep_size=ep))).gpu_ok and f.host_ok for c in cands)
 
     lo, hi = s.nodes, s.nodes * 2
     while hi <= MAX_NODES and not ok(hi):

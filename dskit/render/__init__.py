@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dskit.contract import TARGET_FILE
 from dskit.plan import Plan
 from dskit.render import helm, image, ray, slurm
 
@@ -24,11 +25,17 @@ class Target:
     #: directories the run writes besides the plan's checkpoint and output dirs (-o must not hold them)
     writes: Callable[[Plan], list[str]] = lambda plan: []
 
+    def files(self, plan: Plan, out_dir: Path) -> dict[str, str]:
+        """What `dskit render` writes: the target's files and TARGET_FILE naming the target, which
+        `dskit status RUN_DIR` reads to know which scheduler to ask."""
+        return {**self.render(plan, out_dir), TARGET_FILE: f"{self.name}\n"}
+
 
 def _slurm_next(plan: Plan, out: Path, files: dict[str, str]) -> str:
-    if slurm.CHAIN_SCRIPT in files:
-        return f"bash {out / slurm.CHAIN_SCRIPT}"
-    return f"sbatch {out / slurm.SCRIPT}"
+    # submit.sh records the job ids for `dskit status`; a plain `sbatch job.sbatch` is recorded once
+    # the job starts
+    what = f"a chain of {plan.slurm.chain} jobs" if plan.slurm.chain > 1 else f"sbatch {out / slurm.SCRIPT}"
+    return f"bash {out / slurm.SUBMIT}   ({what}; `dskit status {out}` follows it)"
 
 
 TARGETS: dict[str, Target] = {
@@ -36,9 +43,9 @@ TARGETS: dict[str, Target] = {
     for t in (
         Target(
             "slurm",
-            "job.sbatch for `sbatch`",
+            "job.sbatch + submit.sh (`sbatch`, recording the job id)",
             slurm.render,
-            (slurm.SCRIPT, slurm.CHAIN_SCRIPT),
+            (slurm.SCRIPT, slurm.SUBMIT),
             _slurm_next,
         ),
         Target(

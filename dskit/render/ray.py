@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dskit import __version__
+from dskit.contract import JOBS_FILE, RUN_YAML, Env
 from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
-from dskit.contract import RUN_YAML, Env
 from dskit.errors import SpecError
 from dskit.plan import Plan, dump_plan
 from dskit.render.common import (
@@ -182,6 +182,8 @@ def render(plan: Plan, out_dir: Path) -> dict[str, str]:
         python=q(plan.launch.python),
         module=ENTRY_MODULE,
         runtime_env=RUNTIME_ENV,
+        job_name=q(plan.name),
+        jobs_file=JOBS_FILE,
     )
     return {
         **run_files(plan),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from dskit import __version__
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, RUN_YAML, STOP_FILE
+from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, JOBS_FILE, RUN_YAML, STOP_FILE
 from dskit.errors import SpecError
 from dskit.plan import Plan
 from dskit.render.common import comment_block, env_lines, q, render_template, run_files, sq, torchrun_words
 
 SCRIPT = "job.sbatch"
-CHAIN_SCRIPT = "submit.sh"
+SUBMIT = "submit.sh"  # sbatch (a chain of N with slurm.chain), recording each job id in JOBS_FILE
 #: Marker lines around the environment block; tests execute exactly this block.
 ENV_BEGIN, ENV_END = "# >>> dskit launch contract", "# <<< dskit launch contract"
 
@@ -105,14 +105,17 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
         stop_file=q(f"{plan.run.checkpoint_dir}/{STOP_FILE}"),
         complete_file=q(f"{plan.run.output_dir}/{COMPLETE_FILE}"),
         output_dir=q(plan.run.output_dir),
+        jobs_file=JOBS_FILE,
         launch=launch_words(plan, run_dir),
         exit_requeue=EXIT_REQUEUE,
         requeue_on_stop=chain == 1,
         chain=chain,
     )
-    files = {**run_files(plan), SCRIPT: script}
-    if chain > 1:
-        files[CHAIN_SCRIPT] = render_template(
-            "slurm/submit.sh.j2", version=__version__, chain=chain, script=q(str(run_dir / SCRIPT))
-        )
-    return files
+    submit = render_template(
+        "slurm/submit.sh.j2",
+        version=__version__,
+        chain=chain,
+        script=q(str(run_dir / SCRIPT)),
+        jobs_file=q(str(run_dir / JOBS_FILE)),
+    )
+    return {**run_files(plan), SCRIPT: script, SUBMIT: submit}

@@ -30,15 +30,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dskit.checkpoint_layout import DONE, complete_tags, tag_for
 from dskit.errors import SpecError
 
 log = logging.getLogger("dskit.train")
-TAG_RE = re.compile(r"^step(\d{8})$")
-DONE = "dskit.json"
-
-
-def tag_for(step: int) -> str:
-    return f"step{step:08d}"
 
 
 def _crc(path: Path) -> int:
@@ -47,15 +42,6 @@ def _crc(path: Path) -> int:
         while chunk := f.read(1 << 24):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def complete_tags(root: Path) -> list[str]:
-    """Tags under `root` with a completion marker, newest first."""
-    if not root.is_dir():
-        return []
-    return sorted(
-        (p.name for p in root.iterdir() if TAG_RE.match(p.name) and (p / DONE).is_file()), reverse=True
-    )
 
 
 def verify_rank_files(d: Path, rank: int) -> str | None:

@@ -1,0 +1,418 @@
+"""Does the planner pick the fastest configuration that fits? Measured against its own predictions.
+
+For each configuration (model depth, sequence length, global batch, GPUs), asks the planner for its
+candidates (`build_plan_searched`), then trains the chosen one and the best rejected ones through the
+real trainer (spec -> plan -> run.yaml -> `dskit train --local`), each forced through `overrides.*`,
+and records measured step time, tokens/s/GPU and peak memory beside the plan's predictions.
+One-GPU runs go to free GPUs in parallel; multi-GPU runs take the GPUs they need.
+
+    python bench/plan_bench.py --set A --out $OUT/planner.json      # on the GPU machine
+    python bench/plan_bench.py --report bench/results/h200-planner-*.json   # here: the table, the goals
+    python bench/plan_bench.py --fit bench/results/h200-planner-*.json      # least-squares constants
+
+Goals (issue 12): peak memory (reserved: what must fit) within +-10% of the plan on every run; the planner's pick within 5% of
+the fastest measured candidate; predicted tokens/s within +-15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import runs  # noqa: E402  (bench/runs.py, beside this script)
+
+# name -> (spec sets, GPUs). A and B: the first fit; C: held out from it, then fitted with A; D: held out.
+CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
+    "A": {
+        "L4 s4096 gb16": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=16"], 1),
+        "L4 s4096 gb2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=2"], 1),
+        "L8 s2048 gb32": (["model.num_layers=8", "training.seq_len=2048", "training.global_batch=32"], 1),
+        "L2 s8192 gb8": (["model.num_layers=2", "training.seq_len=8192", "training.global_batch=8"], 1),
+    },
+    "B": {
+        "L4 s4096 gb8 x2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=8"], 2),
+        "L8 s4096 gb16 x2": (["model.num_layers=8", "training.seq_len=4096", "training.global_batch=16"], 2),
+    },
+    "C": {
+        "L12 s4096 gb4": (["model.num_layers=12", "training.seq_len=4096", "training.global_batch=4"], 1),
+        "L6 s4096 gb8": (["model.num_layers=6", "training.seq_len=4096", "training.global_batch=8"], 1),
+        "L3 s16384 gb2": (["model.num_layers=3", "training.seq_len=16384", "training.global_batch=2"], 1),
+        "L4 s2048 gb64": (["model.num_layers=4", "training.seq_len=2048", "training.global_batch=64"], 1),
+    },
+    # held out from the fit of A + C (constants in speed.py fitted before D ran)
+    "D": {
+        "L10 s4096 gb8": (["model.num_layers=10", "training.seq_len=4096", "training.global_batch=8"], 1),
+        "L5 s8192 gb4": (["model.num_layers=5", "training.seq_len=8192", "training.global_batch=4"], 1),
+        "L4 s4096 gb32 x2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=32"], 2),
+        "L6 s2048 gb32 x2": (["model.num_layers=6", "training.seq_len=2048", "training.global_batch=32"], 2),
+    },
+}
+COMMON = ["training.steps=10", "training.log_every=1", "checkpoint.every=1000", "checkpoint.final=false"]
+WARMUP_STEPS = 3
+MAX_RUNS_PER_CONFIG = 3  # the chosen + the fastest rejected fits (offload only if it is among them)
+
+
+def _flags(gpus: int, name: str, work: Path) -> dict:
+    return {
+        "hardware.gpu": "h200-141gb",
+        "hardware.gpus_per_node": gpus,
+        "model.preset": "deepseek-v2-lite",
+        "runtime.kind": "none",
+        "storage.root": str(work / "storage"),
+        "name": name,
+    }
+
+
+def candidates(sets: list[str], gpus: int, work: Path) -> list[dict]:
+    """The planner's fitting candidates for a configuration, chosen first, as override lists."""
+    from dskit.plan import build_plan_searched
+    from dskit.spec import load_spec
+
+    _, found = build_plan_searched(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "probe", work)))
+    out = []
+    for r in [r for r in found.rows if r.fits][:MAX_RUNS_PER_CONFIG]:
+        c = r.candidate
+        out.append(
+            {
+                "verdict": r.verdict,
+                "overrides": [
+                    f"overrides.ep_size={c.ep_size}",
+                    f"overrides.micro_batch={c.micro_batch}",
+                    f"overrides.activation_checkpointing={c.ckpt_every}",
+                    f"overrides.offload_optimizer={'cpu' if c.offload else 'none'}",
+                ],
+            }
+        )
+    return out
+
+
+def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
+    from dskit.plan import build_plan
+    from dskit.render import common, slurm
+    from dskit.spec import load_spec
+
+    values = "-".join(o.split("=")[1] for o in cand["overrides"])  # ep-mb-ckpt-offload
+    name = re.sub(r"[^a-z0-9]+", "-", f"{config} {values}".lower()).strip("-")[-52:].strip("-")
+    plan = build_plan(load_spec(sets=[*COMMON, *sets, *cand["overrides"]], flags=_flags(gpus, name, work)))
+    run_dir = work / name
+    common.write_output(slurm.render(plan, run_dir), run_dir)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    row = {
+        "config": config,
+        "sets": sets,
+        "gpus": gpus,
+        "planner_verdict": cand["verdict"],
+        "overrides": cand["overrides"],
+        "plan": plan.summary(),
+        "predicted": {"memory_gib": plan.memory["total_gib"], **(plan.speed or {})},
+        "memory_breakdown": {k: v for k, v in plan.memory.items() if not isinstance(v, dict)},
+        "wall_s": round(time.time() - t0, 1),
+        "inputs": _model_inputs(plan),
+    }
+    if proc.returncode != 0:
+        row["error"] = (proc.stdout + proc.stderr)[-2500:]
+        return row
+    recs = runs.step_records(run_dir)
+    row["measured"] = {
+        **runs.steady(recs, WARMUP_STEPS),
+        "step_s_all": [round(r["step_time_s"], 4) for r in recs],
+    }
+    return row
+
+
+def _model_inputs(plan) -> dict:
+    """What speed.py's measured constants multiply, for `--fit`."""
+    from dskit.plan import speed
+
+    par, cfg = plan.parallel, plan.model.config
+    L = cfg["num_hidden_layers"]
+    frac = speed.checkpointed_fraction(L, par.activation_checkpointing)
+    tokens = par.micro_batch * par.seq_len
+    return {
+        "flop_s_at_peak": par.grad_accum
+        * tokens
+        * plan.model.flops_per_token
+        * (1 + frac / 3)
+        / (plan.hardware.peak_tflops * 1e12),
+        "layer_passes": par.grad_accum * L * (2 + frac),
+        "micro_steps": par.grad_accum,
+    }
+
+
+def measure(
+    sets_to_run: list[str],
+    out: Path,
+    work: Path,
+    budget_s: float | None = None,
+    only: list[str] | None = None,
+) -> None:
+    import torch
+
+    t_start = time.time()
+    n_gpus = torch.cuda.device_count()
+    result = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": f"{n_gpus} x {torch.cuda.get_device_name(0)}",
+        "versions": {
+            "torch": torch.__version__,
+            **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
+        },
+        "common": COMMON,
+        "warmup_steps_excluded": WARMUP_STEPS,
+        "rows": [],
+    }
+    lock = threading.Lock()
+
+    def record(row: dict) -> None:
+        with lock:
+            result["rows"].append(row)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=1) + "\n")
+            print(_line(row), flush=True)
+
+    jobs = []
+    for s in sets_to_run:
+        for config, (sets, gpus) in CONFIGS[s].items():
+            if only and not any(o in config for o in only):
+                continue
+            for cand in candidates(sets, gpus, work):
+                jobs.append((config, sets, gpus, cand))
+    free = list(range(n_gpus))
+    cond = threading.Condition()
+    threads = []
+
+    def worker(job, devices):
+        try:
+            record(run_one(*job, devices, work))
+        except Exception as e:  # a broken run is a row, not a dead thread
+            record({"config": job[0], "overrides": job[3]["overrides"], "error": repr(e)})
+        finally:
+            with cond:
+                free.extend(devices)
+                cond.notify_all()
+
+    for job in jobs:
+        if budget_s and time.time() - t_start > budget_s:
+            record(
+                {"config": job[0], "overrides": job[3]["overrides"], "error": "not started: --budget-s spent"}
+            )
+            continue
+        need = job[2]
+        if need > n_gpus:
+            record({"config": job[0], "overrides": job[3]["overrides"], "error": f"needs {need} GPUs"})
+            continue
+        with cond:
+            cond.wait_for(lambda need=need: len(free) >= need)
+            devices = [free.pop(0) for _ in range(need)]
+        t = threading.Thread(target=worker, args=(job, devices))
+        t.start()
+        threads.append(t)
+        if need > 1:  # run it alone: its collectives would share the GPUs' links with nothing else
+            t.join()
+    for t in threads:
+        t.join()
+
+
+def _line(r: dict) -> str:
+    head = f"{r['config']:18s} {' '.join(o.split('.')[-1] for o in r['overrides']):70s}"
+    if "error" in r:
+        return f"{head} ERROR {r['error'][-300:]!r}"
+    p, m = r["predicted"], r["measured"]
+    return (
+        f"{head} pred {p.get('step_s', 0):6.3f}s {p['memory_gib']:6.1f}GiB | "
+        f"meas {m['step_s']:6.3f}s {m['peak_alloc_gib']:6.1f}GiB ({m['peak_reserved_gib']:.1f} rsv) "
+        f"{r['planner_verdict']}"
+    )
+
+
+def load_rows(files: list[Path]) -> list[dict]:
+    return [r for f in files for r in json.loads(f.read_text())["rows"] if "measured" in r]
+
+
+def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
+    """The current planner's prediction for a measured row (memory GiB, speed dict) and its verdict:
+    results stay comparable after speed.py's constants change."""
+    from dskit.plan import build_plan_searched
+    from dskit.spec import load_spec
+
+    spec = load_spec(sets=[*COMMON, *row["sets"], *row["overrides"]], flags=_flags(row["gpus"], "x", work))
+    plan, _ = build_plan_searched(spec)
+    return {"memory_gib": plan.memory["total_gib"], **(plan.speed or {})}, plan.summary()
+
+
+def planner_pick(sets: list[str], gpus: int) -> list[str]:
+    """The current planner's own choice for a configuration, as the overrides the bench forces."""
+    from dskit.plan import build_plan
+    from dskit.spec import load_spec
+
+    p = build_plan(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "x", Path("/nonexistent")))).parallel
+    return [
+        f"overrides.ep_size={p.ep_size}",
+        f"overrides.micro_batch={p.micro_batch}",
+        f"overrides.activation_checkpointing={p.activation_checkpointing}",
+        f"overrides.offload_optimizer={'cpu' if p.offload_optimizer else 'none'}",
+    ]
+
+
+def report(files: list[Path]) -> dict:
+    """The validation table and the three goals, per configuration, with today's model."""
+    rows = load_rows(files)
+    by_config: dict[str, list[dict]] = {}
+    for r in rows:
+        by_config.setdefault(r["config"], []).append(r)
+    print(
+        f"{'configuration':18s} {'EP mbs ckpt offload':22s} {'pred s':>7s} {'meas s':>7s} {'tok/s err':>9s} "
+        f"{'pred GiB':>8s} {'rsv GiB':>8s} {'mem err':>7s}  planner today"
+    )
+    summary: dict = {"memory_errors": [], "speed_errors": [], "pick_losses": {}}
+    for config, rs in by_config.items():
+        fastest = max(r["measured"]["tokens_per_s_per_gpu"] for r in rs)
+        pick = planner_pick(rs[0]["sets"], rs[0]["gpus"])
+        for r in rs:
+            p, m = repredict(r)[0], r["measured"]
+            # the plan's total includes allocator slack: it is what the caching allocator reserves
+            mem_err = p["memory_gib"] / m["peak_reserved_gib"] - 1
+            tok_err = p["tokens_per_s_per_gpu"] / m["tokens_per_s_per_gpu"] - 1
+            summary["memory_errors"].append(mem_err)
+            summary["speed_errors"].append(tok_err)
+            chosen = r["overrides"] == pick
+            if chosen:
+                summary["pick_losses"][config] = 1 - m["tokens_per_s_per_gpu"] / fastest
+            cand = " ".join(o.split("=")[1] for o in r["overrides"])
+            print(
+                f"{config:18s} {cand:22s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+9.1%} "
+                f"{p['memory_gib']:8.1f} {m['peak_reserved_gib']:8.1f} {mem_err:+7.1%}  {'chosen' if chosen else ''}"
+            )
+        if config not in summary["pick_losses"]:
+            summary["pick_losses"][config] = None  # today's pick was not measured
+    worst = lambda xs: max(xs, key=abs) if xs else 0.0  # noqa: E731
+    print(
+        f"\nworst memory error {worst(summary['memory_errors']):+.1%} (goal +-10%); worst tokens/s error "
+        f"{worst(summary['speed_errors']):+.1%} (goal +-15%); planner's pick vs fastest measured: "
+        + ", ".join(
+            f"{k} {'unmeasured' if v is None else f'{v:.1%}'}" for k, v in summary["pick_losses"].items()
+        )
+        + " (goal <= 5%)"
+    )
+    return summary
+
+
+def plot_validation(files: list[Path], path: Path) -> None:
+    """Predicted against measured tokens/s and memory, one point per run, the goals' bands shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_rows(files)
+    pred = [repredict(r)[0] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 5))
+    for ax, key_p, key_m, band, unit in (
+        (a1, "tokens_per_s_per_gpu", "tokens_per_s_per_gpu", 0.15, "k tokens/s/GPU"),
+        (a2, "memory_gib", "peak_reserved_gib", 0.10, "GiB/GPU (peak reserved)"),
+    ):
+        scale = 1000 if key_p.startswith("tokens") else 1
+        xs = [r["measured"][key_m] / scale for r in rows]
+        ys = [p[key_p] / scale for p in pred]
+        hi = max(xs + ys) * 1.1
+        ax.fill_between(
+            [0, hi],
+            [0, hi * (1 - band)],
+            [0, hi * (1 + band)],
+            color="tab:green",
+            alpha=0.15,
+            label=f"goal: within {band:.0%}",
+        )
+        ax.plot([0, hi], [0, hi], color="gray", lw=1)
+        for g, marker in ((1, "o"), (2, "s")):
+            sel = [i for i, r in enumerate(rows) if r["gpus"] == g]
+            ax.scatter([xs[i] for i in sel], [ys[i] for i in sel], marker=marker, label=f"{g} x H200")
+        ax.set_xlabel(f"measured {unit}")
+        ax.set_ylabel(f"planned {unit}")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left")
+    a1.set_title("Step-time model (dskit/plan/speed.py)")
+    a2.set_title("Memory model (dskit/plan/memory.py)")
+    fig.suptitle(f"Planner vs measurement: {len(rows)} runs of 2-12-layer DeepSeek-V2-Lite on H200")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def fit_constants(files: list[Path]) -> None:
+    """speed.py's one-GPU constants by minimising the worst relative step-time error (a grid: the
+    max() of the two timelines is not linear) over one-GPU runs without offload."""
+    import numpy as np
+
+    rows = [
+        r for r in load_rows(files) if r["gpus"] == 1 and "offload_optimizer=none" in " ".join(r["overrides"])
+    ]
+    F, P, M = (
+        np.array([r["inputs"][k] for r in rows]) for k in ("flop_s_at_peak", "layer_passes", "micro_steps")
+    )
+    y = np.array([r["measured"]["step_s"] - r["predicted"]["optimizer_s"] for r in rows])
+    best = None
+    for eff in np.arange(0.30, 0.80, 0.01):
+        for g in np.arange(0, 0.02, 0.0005):
+            for b in np.arange(0, 0.03, 0.0005):
+                for h in np.arange(0, 0.15, 0.005):
+                    err = np.max(np.abs(np.maximum(F / eff + g * P, b * P + h * M) / y - 1))
+                    if best is None or err < best[0]:
+                        best = (err, eff, g, b, h)
+    err, eff, g, b, h = best
+    print(
+        f"GEMM_EFFICIENCY = {eff:.2f}\nGPU_LAYER_PASS_S = {g:.4f}\nHOST_LAYER_PASS_S = {b:.4f}\n"
+        f"HOST_MICRO_STEP_S = {h:.3f}\nworst step-time error {err:.1%} over {len(rows)} runs"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--set", action="append", choices=list(CONFIGS), help="configuration sets to measure")
+    ap.add_argument("--out", type=Path, help="JSON file to write (rewritten after every run)")
+    ap.add_argument("--work", type=Path, help="run dirs and logs (default: a temporary dir)")
+    ap.add_argument("--only", action="append", help="only configurations whose name contains this")
+    ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
+    ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
+    ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
+    ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
+    a = ap.parse_args()
+    if a.report:
+        report(a.report)
+        if a.plot:
+            plot_validation(a.report, a.plot)
+    elif a.fit:
+        fit_constants(a.fit)
+    else:
+        if not (a.set and a.out):
+            ap.error("--set and --out are needed to measure")
+        with tempfile.TemporaryDirectory(dir=a.work) as tmp:
+            measure(a.set, a.out, Path(tmp), a.budget_s, a.only)
+
+
+if __name__ == "__main__":
+    main()

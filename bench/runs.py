@@ -1,0 +1,30 @@
+"""What the bench scripts read back from a finished run: its per-step records and their steady state."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    """The trainer's per-step metrics of a rendered run directory (metrics.jsonl in its output dir)."""
+    from dskit.plan import load_plan
+
+    metrics = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl"
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    return [r for r in recs if "step_time_s" in r]
+
+
+def steady(recs: list[dict], warmup_steps: int) -> dict:
+    """Medians after the warm-up (compilation, allocator growth); memory peaks over every step."""
+    after = [r for r in recs if r["step"] > warmup_steps]
+    return {
+        "step_s": round(statistics.median(r["step_time_s"] for r in after), 4),
+        "tokens_per_s_per_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in after)),
+        "mfu": round(statistics.median(r["mfu"] for r in after), 4),
+        "peak_alloc_gib": max(r["peak_alloc_gib"] for r in recs),
+        "peak_reserved_gib": max(r["peak_reserved_gib"] for r in recs),
+        "loss_first": recs[0]["loss"],
+        "loss_last": recs[-1]["loss"],
+    }

@@ -1,0 +1,162 @@
+"""`dskit plan --explain` and `--plot`: every candidate the planner weighed, and why the winner won.
+
+Reads a `search.Search` (dskit/plan/search.py); computes nothing of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dskit.plan import Plan
+from dskit.plan.search import Row, Search
+
+COLUMNS = (
+    ("EP", 3),
+    ("mbs", 4),
+    ("accum", 5),
+    ("ckpt", 4),
+    ("offload", 7),
+    ("states", 7),
+    ("work", 6),
+    ("activ", 6),
+    ("loss", 6),
+    ("GiB/GPU", 8),
+    ("build", 6),
+    ("host/node", 9),
+    ("step s", 7),
+    ("tok/s/GPU", 9),
+    ("MFU", 5),
+)
+
+
+def row_dict(r: Row) -> dict[str, Any]:
+    c, f = r.candidate, r.fit
+    return {
+        "ep_size": c.ep_size,
+        "micro_batch": c.micro_batch,
+        "grad_accum": r.grad_accum,
+        "activation_checkpointing": c.ckpt_every,
+        "offload_optimizer": c.offload,
+        "memory": {
+            **f.steady.as_dict(),
+            "construction_gib": round(f.construction.total_gib, 2),
+            "host_gib": round(f.host.total_gib, 2),
+        },
+        "fits": r.fits,
+        "speed": r.speed.as_dict() if r.speed else None,
+        "verdict": r.verdict,
+    }
+
+
+def _cells(r: Row) -> list[str]:
+    c, f, e = r.candidate, r.fit, r.fit.steady
+    s = r.speed
+    return [
+        str(c.ep_size),
+        str(c.micro_batch),
+        str(r.grad_accum),
+        str(c.ckpt_every) if c.ckpt_every else "-",
+        "cpu" if c.offload else "-",
+        f"{e.states_gib:.1f}",
+        f"{e.working_set_gib:.1f}",
+        f"{e.activations_gib:.1f}",
+        f"{e.logits_gib:.1f}",
+        f"{e.total_gib:.1f}",
+        f"{f.construction.total_gib:.1f}",
+        f"{f.host.total_gib:.0f}",
+        f"{s.step_s:.3f}" if s else "?",
+        f"{s.tokens_per_s / 1000:.1f}k" if s else "?",
+        f"{s.mfu:.0%}" if s else "?",
+    ]
+
+
+def table(plan: Plan, found: Search) -> str:
+    """The candidate table: the chosen row first, then the other fits by speed, then what does not fit."""
+    shape = found.chosen.fit.shape
+    head = [
+        f"{plan.summary()}",
+        f"candidates: {len(found.rows)} (fit: {sum(r.fits for r in found.rows)}); GPU limit "
+        + (f"{shape.gpu_limit:.1f} GiB" if shape.gpu_limit else "none (cpu)")
+        + ", host limit "
+        + (f"{shape.host_limit:.0f} GiB/node" if shape.host_limit else "unknown"),
+        "memory in GiB per GPU (states, gathered working set, activations, loss, total; build = construction "
+        "peak); host = RAM per node; step time predicted by dskit/plan/speed.py",
+        "",
+    ]
+    widths = [w for _, w in COLUMNS]
+    lines = [" ".join(f"{n:>{w}}" for n, w in COLUMNS) + "  verdict"]
+    for r in found.rows:
+        lines.append(" ".join(f"{x:>{w}}" for x, w in zip(_cells(r), widths, strict=True)) + f"  {r.verdict}")
+    tail = []
+    s = found.chosen.speed
+    if s and s.unknown:
+        tail.append("not counted: " + "; ".join(s.unknown))
+    if found.unforced_best is not None:
+        tail.append(
+            f"without the overrides the planner would take: {found.unforced_best.candidate.describe()}"
+        )
+    return "\n".join(head + lines + ([""] + tail if tail else []))
+
+
+def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
+    """Memory breakdown (stacked bars, the limit as a line) and predicted tokens/s of the candidates:
+    the fits by speed, then the nearest misses, at most `top` bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    rows = found.rows[:top]
+    labels = [
+        f"EP{r.candidate.ep_size} mb{r.candidate.micro_batch}x{r.grad_accum}"
+        + (" ckpt" if r.candidate.ckpt_every else "")
+        + (" off" if r.candidate.offload else "")
+        for r in rows
+    ]
+    x = range(len(rows))
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(8, 0.6 * len(rows) + 3), 7), sharex=True)
+    bottom = [0.0] * len(rows)
+    for key, color in (
+        ("states_gib", "tab:blue"),
+        ("working_set_gib", "tab:cyan"),
+        ("activations_gib", "tab:orange"),
+        ("logits_gib", "tab:red"),
+        ("overhead_gib", "tab:gray"),
+    ):
+        vals = [getattr(r.fit.steady, key) for r in rows]
+        a1.bar(
+            x,
+            vals,
+            bottom=bottom,
+            color=color,
+            label={"logits_gib": "loss"}.get(key, key.removesuffix("_gib").replace("_", " ")),
+        )
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    limit = found.chosen.fit.shape.gpu_limit
+    if limit:
+        a1.axhline(limit, color="black", ls="--", lw=1, label=f"limit {limit:.0f} GiB")
+    a1.set_ylabel("GiB per GPU (steady state)")
+    a1.set_title(
+        f"{plan.model.name} on {plan.hardware.nodes}x{plan.hardware.procs_per_node} {plan.hardware.gpu}"
+    )
+    a1.legend(loc="upper right", fontsize=8)
+    speeds = [r.speed.tokens_per_s / 1000 if r.speed and r.fits else 0.0 for r in rows]
+    colors = [
+        "tab:green" if r.verdict == "chosen" else ("tab:olive" if r.fits else "lightgray") for r in rows
+    ]
+    a2.bar(x, speeds, color=colors)
+    a2.set_ylabel("predicted k tokens/s/GPU (0: does not fit)")
+    a2.set_xticks(list(x), labels, rotation=45, ha="right", fontsize=8)
+    for ax in (a1, a2):
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: no half-written image
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+    return path

@@ -1,0 +1,240 @@
+"""Predicted step time of one candidate configuration: the planner picks the fastest that fits.
+
+A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
+derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/test_plan_calibration.py). Per GPU,
+per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
+side by side, because the host enqueues kernels ahead of the GPU:
+
+    GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all)
+    host = grad_accum x (HOST_LAYER_PASS_S x layer passes + HOST_MICRO_STEP_S)
+    step = max(GPU, host) + optimizer
+
+- compute: T x FLOPs/token (6 x active parameters + causal attention; `model_math.py`), plus the forward
+  pass again for every checkpointed layer (a third of a layer's training FLOPs), at GEMM_EFFICIENCY of
+  the GPU's peak. The efficiency absorbs the token-proportional non-GEMM kernels (norms, RoPE, SwiGLU,
+  casts, MoE permutes), which were as long as the GEMMs in the H200 profile (bench/README.md).
+- layer passes: forward, backward, and the recompute of checkpointed layers. Each costs the GPU a little
+  beyond its FLOPs, and the host much more: ZeRO-3 runs hooks around every module and launches hundreds
+  of small kernels per layer. Small micro-steps are host-bound (measured: 4096-token micro-steps of a
+  4-layer V2-Lite take as long as 8192-token ones), large ones GPU-bound.
+- collectives: all-gathers of the 16-bit weights (forward, backward, recompute) and the gradient
+  reduce-scatter over the group's bandwidth (NVLink inside a node, the fabric across nodes), of which
+  ZeRO-3's prefetch hides ZERO3_OVERLAP; plus a measured synchronisation cost per layer pass.
+- all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
+  backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
+- optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
+  bandwidth on the GPU; with offload, DeepSpeed's CPU Adam on the host plus the PCIe round trip of
+  gradients and weights.
+
+Small micro-steps lose to the fixed and per-layer costs; long accumulation multiplies them; activation
+checkpointing buys memory with recompute. That trade is what the planner weighs (`search.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dskit.catalog import GPU
+from dskit.plan.model_math import ModelCounts
+
+# ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
+# --fit bench/results/h200x2-planner-{A,C}-2026-11-30.json: 11.0%) ----
+#: achieved fraction of the GPU's peak on the model's training FLOPs
+GEMM_EFFICIENCY = 0.45
+#: GPU time per layer pass beyond its FLOPs (ZeRO-3's copies of gathered and released weights, the
+#: MoE permutes' fixed part), seconds
+GPU_LAYER_PASS_S = 0.0065
+#: host time per layer pass (ZeRO-3's module hooks, hundreds of kernel launches), seconds; it runs
+#: ahead of the GPU asynchronously, so a micro-step costs the larger of the two timelines
+HOST_LAYER_PASS_S = 0.0115
+#: host time per micro-step besides the layers (the engine's forward/backward entry, the loss, the
+#: balance statistics), seconds
+HOST_MICRO_STEP_S = 0.055
+#: bytes FusedAdam reads and writes per parameter (bf16 weight and grad, fp32 master, m, v, and the
+#: ZeRO-3 flat-buffer copies): 18.5 ms for 2.26 B parameters at 4.8 TB/s in the H200 profile
+ADAM_BYTES_PER_PARAM = 39.0
+#: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
+#: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
+#: fitted on 2 x H200 (NVLink) runs of the same file, seconds
+SYNC_LAYER_PASS_S = 0.004
+
+# ---- first principles, cited ----
+#: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
+#: stream (DeepSpeed overlap_comm); not separable from SYNC_LAYER_PASS_S on 2 GPUs: half is the middle
+ZERO3_OVERLAP = 0.5
+#: DeepSpeed CPU-Adam: 0.22 s per billion parameters on a two-socket Xeon node (ZeRO-Offload, Ren et
+#: al. 2021, Table 3: 1 B parameters); ranks of a node share it
+CPU_ADAM_S_PER_BPARAM_NODE = 0.22
+#: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back. Once per step,
+#: not per micro-step: ZeRO-3 accumulates gradient partitions on the GPU and offloads them at the
+#: accumulation boundary (DeepSpeed 0.19.8, stage3.py `partition_grads`)
+OFFLOAD_BYTES_PER_PARAM = 6
+#: achieved share of the link bandwidth in AutoEP's all-to-all (uneven splits, the count exchange before
+#: each dispatch, small messages): EP 2 cost 24-54 ms more per step than EP 1 at the same shapes on
+#: 2 x H200, 0.2-0.5 of NVLink's rate (bench/results/h200x2-planner-*.json); fitted to 0.4
+A2A_EFFICIENCY = 0.4
+#: 16-bit weights and gradients
+WIRE_BYTES = 2
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the ranks are: what the bandwidths depend on."""
+
+    world: int
+    per_node: int
+    ep_size: int
+
+    @property
+    def expert_dp(self) -> int:
+        return self.world // self.ep_size
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds per optimizer step, by term (all per GPU)."""
+
+    compute_s: float  # GPU timeline: FLOPs at GEMM_EFFICIENCY
+    layer_gpu_s: float  # GPU timeline: per layer pass beyond FLOPs
+    collectives_s: float  # GPU timeline: ZeRO-3 gathers/reduce-scatters (exposed) and their synchronisation
+    all_to_all_s: float  # GPU timeline: AutoEP dispatch and combine
+    host_s: float  # host timeline: hooks and launches, overlapped with the GPU's
+    optimizer_s: float
+    tokens_per_step: int  # per GPU
+    flops_per_token: float
+    peak_tflops: float
+    unknown: tuple[str, ...]  # terms left out for want of a bandwidth (named in --explain)
+
+    @property
+    def gpu_s(self) -> float:
+        return self.compute_s + self.layer_gpu_s + self.collectives_s + self.all_to_all_s
+
+    @property
+    def bound(self) -> str:
+        """Which timeline sets the pace of the micro-steps."""
+        return "host" if self.host_s > self.gpu_s else "GPU"
+
+    @property
+    def step_s(self) -> float:
+        return max(self.gpu_s, self.host_s) + self.optimizer_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12)
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            k: round(v, 4) for k, v in asdict(self).items() if k.endswith("_s") and isinstance(v, float)
+        }
+        d["step_s"] = round(self.step_s, 4)
+        d["bound"] = self.bound
+        d["tokens_per_s_per_gpu"] = round(self.tokens_per_s)
+        d["mfu"] = round(self.mfu, 4)
+        if self.unknown:
+            d["not_counted"] = list(self.unknown)
+        return d
+
+
+def checkpointed_fraction(layers: int, ckpt_every: int) -> float:
+    """Share of layers recomputed in backward (dskit/train/model.py checkpoints layer i when i % N == 0)."""
+    return 0.0 if not ckpt_every else math.ceil(layers / ckpt_every) / layers
+
+
+def _bandwidth(group: int, spans_nodes: bool, gpu: GPU, fabric_gbs: float | None) -> float | None:
+    """GB/s per GPU for a collective over `group` ranks: NVLink/PCIe inside a node, else the fabric (a
+    ring or all-to-all spanning nodes runs at its slowest link)."""
+    return gpu.interconnect_gbs if not spans_nodes else fabric_gbs
+
+
+def predict(
+    cfg: dict[str, Any],
+    c: ModelCounts,
+    flops_per_token: float,
+    *,
+    gpu: GPU,
+    peak_tflops: float | None,
+    fabric_gbs: float | None,
+    layout: Layout,
+    micro_batch: int,
+    grad_accum: int,
+    seq_len: int,
+    ckpt_every: int,
+    offload: bool,
+) -> StepTime | None:
+    """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
+    `peak_tflops`: at the plan's precision."""
+    if peak_tflops is None or gpu.memory_bw_gbs is None:
+        return None
+    peak = peak_tflops * 1e12
+    L = cfg["num_hidden_layers"]
+    T = micro_batch * seq_len
+    frac = checkpointed_fraction(L, ckpt_every)
+    unknown: list[str] = []
+
+    compute = T * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
+    passes = L * (2 + frac)
+
+    # ZeRO-3: weights gathered per pass, gradients reduce-scattered once per micro-step; a group of one
+    # rank moves nothing. Experts are sharded over the expert-data-parallel group, the rest over all.
+    dense_params = c.total - c.experts_per_layer * _moe_layers(cfg)
+    expert_params = c.experts_per_layer * _moe_layers(cfg) / layout.ep_size
+    zero3 = 0.0
+    # AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node); the expert-data-
+    # parallel group strides by ep over all ranks, so it spans every node, as the dense group does.
+    multi_node = layout.world > layout.per_node
+    for params, group in ((dense_params, layout.world), (expert_params, layout.expert_dp)):
+        if group == 1:
+            continue
+        bw = _bandwidth(group, multi_node, gpu, fabric_gbs)
+        if bw is None:
+            unknown.append("ZeRO-3 collectives across nodes (fabric bandwidth unknown)")
+            continue
+        volume = WIRE_BYTES * params * (group - 1) / group * ((2 + frac) + 1)
+        zero3 += volume / (bw * GB) * (1 - ZERO3_OVERLAP)
+    if layout.world > 1:
+        zero3 += SYNC_LAYER_PASS_S * passes
+
+    a2a = 0.0
+    if layout.ep_size > 1:
+        bw = _bandwidth(layout.ep_size, layout.ep_size > layout.per_node, gpu, fabric_gbs)
+        if bw is None:
+            unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
+        else:
+            moe_passes = _moe_layers(cfg) * (2 * 2 + 2 * frac)  # dispatch + combine per pass
+            copy_bytes = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+            a2a = moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
+
+    local_params = c.total / layout.world
+    if offload:
+        pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
+        optimizer = (
+            local_params * layout.per_node / 1e9 * CPU_ADAM_S_PER_BPARAM_NODE
+            + local_params * OFFLOAD_BYTES_PER_PARAM / (pcie * GB)
+        )
+    else:
+        optimizer = local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
+
+    return StepTime(
+        compute_s=grad_accum * compute,
+        layer_gpu_s=grad_accum * GPU_LAYER_PASS_S * passes,
+        collectives_s=grad_accum * zero3,
+        all_to_all_s=grad_accum * a2a,
+        host_s=grad_accum * (HOST_LAYER_PASS_S * passes + HOST_MICRO_STEP_S),
+        optimizer_s=optimizer,
+        tokens_per_step=grad_accum * T,
+        flops_per_token=flops_per_token,
+        peak_tflops=peak_tflops,
+        unknown=tuple(dict.fromkeys(unknown)),
+    )
+
+
+def _moe_layers(cfg: dict[str, Any]) -> int:
+    L = cfg["num_hidden_layers"]
+    return L - min(cfg.get("first_k_dense_replace") or 0, L)

@@ -1,0 +1,60 @@
+"""The planner against the H200 measurements committed in bench/results (issue 12's three goals).
+
+Every run there was trained through the real trainer with one candidate forced; here today's plan is
+rebuilt for each and compared, so a change to the memory or step-time model that breaks calibration
+fails in CI (no GPU needed, nothing outside the repository read):
+- the plan's memory total within +-10% of the peak the allocator reserved;
+- predicted tokens/s/GPU within +-15% of the measured median;
+- for every configuration, the planner's own pick is a measured candidate within 5% of the fastest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = sorted((REPO / "bench" / "results").glob("h200x2-planner-*.json"))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("plan_bench", REPO / "bench" / "plan_bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+BENCH = _bench()
+ROWS = BENCH.load_rows(RESULTS)
+
+
+def _id(r: dict) -> str:
+    return f"{r['config']}:{'-'.join(o.split('=')[1] for o in r['overrides'])}"
+
+
+def test_the_measurements_cover_the_issue():
+    """At least 8 configurations on 1 and 2 GPUs, each with rejected candidates beside the pick."""
+    configs = {r["config"] for r in ROWS}
+    assert len(configs) >= 8 and {r["gpus"] for r in ROWS} == {1, 2}
+    assert all(sum(r["config"] == c for r in ROWS) >= 3 for c in configs)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=_id)
+def test_prediction_matches_measurement(row):
+    predicted, summary = BENCH.repredict(row)
+    m = row["measured"]
+    assert predicted["memory_gib"] == pytest.approx(m["peak_reserved_gib"], rel=0.10), summary
+    assert predicted["tokens_per_s_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"], rel=0.15), summary
+
+
+@pytest.mark.parametrize("config", sorted({r["config"] for r in ROWS}))
+def test_the_pick_is_the_fastest_measured(config):
+    rows = [r for r in ROWS if r["config"] == config]
+    pick = BENCH.planner_pick(rows[0]["sets"], rows[0]["gpus"])
+    fastest = max(r["measured"]["tokens_per_s_per_gpu"] for r in rows)
+    picked = [r for r in rows if r["overrides"] == pick]
+    assert picked, f"{config}: today's pick {pick} was never measured; rerun bench/plan_bench.py"
+    assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest, json.dumps(picked[0]["measured"])
