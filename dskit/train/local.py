@@ -6,6 +6,7 @@ The same entry point and the same launch contract as the cluster targets: the en
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,14 +39,42 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
             f"{nproc} processes, but the plan is for world size {world}: pass --nproc {world} "
             "or re-render with --nodes 1 --gpus-per-node N",
         )
-    Path(plan.run.checkpoint_dir, STOP_FILE).unlink(missing_ok=True)  # a stale request would stop us at once
+    stop = Path(plan.run.checkpoint_dir, STOP_FILE)
+    stop.unlink(missing_ok=True)  # a stale request would stop us at once
     env = {**os.environ, **plan.env, Env.RUN_FILE.value: str(run_file)}
     cmd = torchrun_words(sys.executable, nproc_per_node=world)
     print("+ " + " ".join(cmd), flush=True)
     with tempfile.TemporaryDirectory(prefix="dskit-local-") as tmp:
         exit_file = Path(tmp, "exit-codes")
-        status = subprocess.run(cmd, env={**env, EXIT_FILE_ENV: str(exit_file)}).returncode
+        with _stop_requests_to(stop):
+            status = subprocess.Popen(cmd, env={**env, EXIT_FILE_ENV: str(exit_file)}).wait()
         return relayed_exit(status, exit_file)
+
+
+class _stop_requests_to:
+    """USR1/TERM to this launcher become the STOP file, as the Slurm batch script's trap does: torchrun
+    does not forward USR1 (and would kill the ranks on TERM before they checkpoint), so the request
+    reaches every rank at its next step, they checkpoint and exit 75, and the same command resumes."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self, stop: Path):
+        self.stop = stop
+        self.previous: dict[int, object] = {}
+
+    def _request(self, signum: int, _frame: object) -> None:
+        print(f"dskit: {signal.Signals(signum).name} received; asking ranks to checkpoint", flush=True)
+        self.stop.parent.mkdir(parents=True, exist_ok=True)
+        self.stop.touch()
+
+    def __enter__(self) -> _stop_requests_to:
+        for sig in self.SIGNALS:
+            self.previous[sig] = signal.signal(sig, self._request)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
 def relayed_exit(status: int, exit_file: Path) -> int:
