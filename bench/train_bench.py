@@ -54,6 +54,9 @@ LOSERS: dict[str, tuple[list[str], dict]] = {
 PROBES: dict[str, tuple[list[str], dict]] = {
     "dskit, plan default (ZeRO-3)": ([], {}),
     "dskit + ZeRO-2": ([], {"zero_optimization": {"stage": 2}}),
+    # the plan's own choice for global batch 16 (micro-batch 16, no checkpointing): the 40% MFU goal
+    "dskit, gb16 plan choice (ZeRO-3)": (["training.global_batch=16"], {}),
+    "dskit + ZeRO-2, gb16 plan choice": (["training.global_batch=16"], {"zero_optimization": {"stage": 2}}),
 }
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
