@@ -1,9 +1,20 @@
 """Token data: tokenizers, `dskit data prepare` shards, the embedded corpus, and deterministic sampling.
 
-Shard directory layout (written by `prepare`, read by `TokenData.open`):
-    index.json     {"format": 1, "dtype": "uint16"|"uint32", "files": [[name, n_tokens], ...],
-                    "tokenizer": "byte" | path, "vocab_size": int, "eos_id": int, "documents": int}
-    tokens-00000.bin ...   flat token streams (documents packed, separated by EOS)
+Shard directory layout (format 2, written by `prepare`, read by `TokenData.open`):
+    index.json     {"format": 2, "kind": "text"|"chat", "dtype": "uint16"|"uint32",
+                    "files": [[stem, n_tokens, n_documents], ...], "tokenizer": "byte" | path,
+                    "vocab_size": int, "eos_id": int, "documents": int}
+    tokens-00000.bin   flat token stream (documents back to back; text documents end with EOS)
+    docs-00000.bin     uint64: the end offset of each document in the stream (sample boundaries)
+    mask-00000.bin     (chat only) uint8 per token: 1 where the token is a training target (assistant
+                       turns), 0 where it is context only (system/user turns, the template's markup)
+
+Two ways to cut training samples, chosen by the data's kind:
+- text (continued pre-training): windows of seq_len+1 tokens that cross document boundaries, every
+  token a target, as in GPT-style pre-training;
+- chat (fine-tuning): whole samples packed into rows of seq_len, never split; each sample's position
+  ids restart at 0, which transformers' DeepSeek path turns into attention confined to the sample
+  (a block-diagonal causal mask for SDPA/eager, varlen for FlashAttention).
 
 Sampling is a pure function of (seed, global sample number): resuming at step N reproduces exactly the
 batches an uninterrupted run would have seen, with no loader state to save.
@@ -21,7 +32,7 @@ import numpy as np
 from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
 
-FORMAT = 1
+FORMAT = 2  # 1: tokens only (no document ends, no loss mask); refused with a re-prepare hint
 SHARD_TOKENS = 1 << 28  # 256M tokens (512 MiB in uint16) per file
 
 
@@ -65,6 +76,17 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids))
 
+    def render_chat(self, messages: list[dict], *, generation_prompt: bool) -> str:
+        """The conversation as text through the tokenizer's own chat template (DeepSeek's for DeepSeek
+        tokenizers); special tokens stay in the text and `encode` maps them back to their ids."""
+        if not self._tok.chat_template:
+            raise SpecError(
+                "--tokenizer", f"{self.name} has no chat template (tokenizer_config.json 'chat_template')"
+            )
+        return self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
 
 def tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
@@ -81,7 +103,8 @@ def embedded_corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-def _read_documents(paths: list[str]) -> Iterator[str]:
+def _records(paths: list[str]) -> Iterator[str | list[dict]]:
+    """Documents in input order: a text, or a chat record's `messages` list."""
     for p in paths:
         path = Path(p)
         if path.is_dir():
@@ -98,7 +121,29 @@ def _read_documents(paths: list[str]) -> Iterator[str]:
             yield text
 
 
-def _read_jsonl(p: str, path: Path) -> Iterator[str]:
+ROLES = ("system", "user", "assistant")
+
+
+def _check_messages(where: str, msgs) -> list[dict]:
+    if not isinstance(msgs, list) or not msgs:
+        raise SpecError(where, "'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise SpecError(
+                f"{where} messages[{i}]", f"needs a 'role' (one of {', '.join(ROLES)}) and a string 'content'"
+            )
+        try:
+            m["content"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise SpecError(
+                f"{where} messages[{i}]", "'content' holds an unpaired surrogate escape"
+            ) from None
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise SpecError(where, "no 'assistant' message: nothing to train on")
+    return msgs
+
+
+def _read_jsonl(p: str, path: Path) -> Iterator[str | list[dict]]:
     n = 0
     try:
         with path.open(encoding="utf-8-sig") as f:  # a leading BOM (Windows editors) is dropped
@@ -109,8 +154,13 @@ def _read_jsonl(p: str, path: Path) -> Iterator[str]:
                     rec = json.loads(line)
                 except (json.JSONDecodeError, ValueError, RecursionError):
                     raise SpecError(f"{p}:{n}", "not a JSON line") from None
+                if isinstance(rec, dict) and "messages" in rec:
+                    yield _check_messages(f"{p}:{n}", rec["messages"])
+                    continue
                 if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                    raise SpecError(f"{p}:{n}", "each JSON line needs a string 'text' field")
+                    raise SpecError(
+                        f"{p}:{n}", "each JSON line needs a string 'text' field or a 'messages' list"
+                    )
                 try:
                     rec["text"].encode("utf-8")
                 except UnicodeEncodeError:  # a "\ud800" escape: no UTF-8 bytes to tokenize
@@ -122,6 +172,13 @@ def _read_jsonl(p: str, path: Path) -> Iterator[str]:
         raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
 
 
+def _read_documents(paths: list[str]) -> Iterator[str]:
+    """Text documents only (the embedded-corpus style inputs)."""
+    for r in _records(paths):
+        if isinstance(r, str):
+            yield r
+
+
 def pack(docs: Iterable[str], tok) -> Iterator[np.ndarray]:
     """Documents as token arrays, each followed by EOS (sequence packing: windows cross boundaries)."""
     eos = np.array([tok.eos_id], dtype=np.uint32)
@@ -129,8 +186,50 @@ def pack(docs: Iterable[str], tok) -> Iterator[np.ndarray]:
         yield np.concatenate([tok.encode(d), eos])
 
 
+def encode_chat(messages: list[dict], tok) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, mask) of one conversation rendered with the tokenizer's own chat template; mask 1 on
+    the assistant turns' tokens (their content and the template's end-of-turn, so the model learns to
+    stop), 0 on everything else.
+
+    The template is rendered once per assistant turn: the conversation before it with the generation
+    prompt (`Assistant:` in DeepSeek's template) is context; the text the full turn adds after that is
+    the target. Each piece is tokenized on its own, so the mask follows the turn boundaries exactly
+    (tokenizing the whole text could merge characters across a boundary into one token)."""
+    render = getattr(tok, "render_chat", None)
+    if render is None:
+        raise SpecError(
+            "--tokenizer",
+            "chat records ('messages') need a local tokenizer dir with a chat template, not 'byte'",
+        )
+    pieces: list[tuple[str, int]] = []
+    done = ""
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render(messages[:i], generation_prompt=True) if i else render([], generation_prompt=True)
+        full = render(messages[: i + 1], generation_prompt=False)
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise SpecError(
+                "--tokenizer",
+                f"{tok.name}: its chat template does not render a conversation as a prefix of the longer one; "
+                "loss masks need a prefix-stable template",
+            )
+        pieces += [(prompt[len(done) :], 0), (full[len(prompt) :], 1)]
+        done = full
+    last = render(messages, generation_prompt=False)
+    if not last.startswith(done):
+        raise SpecError("--tokenizer", f"{tok.name}: its chat template is not prefix-stable")
+    pieces.append((last[len(done) :], 0))  # trailing non-assistant turns: context with nothing to predict
+    ids = [tok.encode(t) for t, _ in pieces]
+    mask = [np.full(len(x), k, dtype=np.uint8) for x, (_, k) in zip(ids, pieces, strict=True)]
+    return np.concatenate(ids).astype(np.uint32), np.concatenate(mask)
+
+
 def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: bool = False) -> Path:
-    """Tokenize text/jsonl files into a shard directory, atomically (temp dir, then rename)."""
+    """Tokenize text/jsonl files into a shard directory, atomically (temp dir, then rename).
+
+    Any record with `messages` makes the set a chat set: every document gets a loss mask (text documents
+    are all target), and training packs whole samples."""
     from tqdm import tqdm
 
     out = Path(output).resolve()
@@ -138,27 +237,43 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     files: list[list] = []
     n_docs = 0
+    # The kind must be known before the first shard is written (text shards carry no mask): one cheap
+    # pass over the JSON lines' keys decides it.
+    chat = any(isinstance(r, list) for r in _records(inputs))
     with atomic_dir(out, force=force) as tmp:
         buf: list[np.ndarray] = []
+        masks: list[np.ndarray] = []
+        ends: list[int] = []
         buffered = 0
 
         def flush() -> None:
-            nonlocal buf, buffered
+            nonlocal buf, masks, ends, buffered
             if not buffered:
                 return
-            name = f"tokens-{len(files):05d}.bin"
-            np.concatenate(buf).astype(dtype).tofile(tmp / name)
-            files.append([name, buffered])
-            buf, buffered = [], 0
+            stem = f"{len(files):05d}"
+            np.concatenate(buf).astype(dtype).tofile(tmp / f"tokens-{stem}.bin")
+            np.asarray(ends, dtype=np.uint64).tofile(tmp / f"docs-{stem}.bin")
+            if chat:
+                np.concatenate(masks).tofile(tmp / f"mask-{stem}.bin")
+            files.append([stem, buffered, len(ends)])
+            buf, masks, ends, buffered = [], [], [], 0
 
         total = sum(Path(p).stat().st_size for p in inputs if Path(p).is_file())
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
-            for doc in _read_documents(inputs):
-                ids = next(pack([doc], tok))
+            for rec in _records(inputs):
+                if isinstance(rec, list):
+                    ids, mask = encode_chat(rec, tok)
+                    size = sum(len(m["content"].encode("utf-8")) for m in rec)
+                else:
+                    ids = next(pack([rec], tok))
+                    mask = np.ones(len(ids), dtype=np.uint8)
+                    size = len(rec.encode("utf-8", errors="replace"))
                 buf.append(ids)
+                masks.append(mask)
                 buffered += len(ids)
+                ends.append(buffered)
                 n_docs += 1
-                bar.update(len(doc.encode("utf-8", errors="replace")))
+                bar.update(size)
                 if buffered >= SHARD_TOKENS:
                     flush()
             flush()
@@ -166,6 +281,7 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
             raise SpecError("inputs", "no documents found")
         index = {
             "format": FORMAT,
+            "kind": "chat" if chat else "text",
             "dtype": np.dtype(dtype).name,
             "files": files,
             "tokenizer": tok.name,
@@ -174,7 +290,8 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
             "documents": n_docs,
         }
         (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-    print(f"wrote {out}: {n_docs} documents, {sum(n for _, n in files)} tokens, tokenizer {tok.name}")
+    kind = "chat (loss on assistant turns)" if chat else "text"
+    print(f"wrote {out}: {n_docs} {kind} documents, {sum(f[1] for f in files)} tokens, tokenizer {tok.name}")
     return out
 
 
@@ -182,67 +299,188 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
 
 
 @dataclass
+class Shard:
+    tokens: np.ndarray  # memmap
+    ends: np.ndarray  # uint64 document end offsets (memmap)
+    mask: np.ndarray | None  # uint8 memmap, chat only
+
+
+@dataclass
 class TokenData:
-    tokens: np.ndarray  # one flat stream (memmap for shard dirs)
+    """Every shard memory-mapped on its own: nothing is concatenated into RAM, whatever the corpus size."""
+
+    shards: list[Shard]
     vocab_size: int
     source: str
+    kind: str = "text"
+    eos_id: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.shards)
 
     @classmethod
     def open(cls, path: str | None) -> TokenData:
         if path is None:
             tok = ByteTokenizer()
             stream = np.concatenate(list(pack(embedded_corpus(), tok))).astype(np.uint16)
-            return cls(stream, tok.vocab_size, "embedded corpus (pydoc_data, byte tokenizer)")
+            ends = np.asarray([len(stream)], dtype=np.uint64)
+            return cls(
+                [Shard(stream, ends, None)],
+                tok.vocab_size,
+                "embedded corpus (pydoc_data, byte tokenizer)",
+                "text",
+                tok.eos_id,
+            )
         d = Path(path)
         idx = d / "index.json"
         if not idx.is_file():
             raise SpecError("data.path", f"{idx} not found; create shards with `dskit data prepare`")
         try:
             meta = json.loads(idx.read_text())
-            parts = []
-            for name, n in meta["files"]:
-                f = d / name
-                if not f.is_file() or f.stat().st_size != n * np.dtype(meta["dtype"]).itemsize:
-                    raise SpecError("data.path", f"{f} is missing or truncated (expected {n} tokens)")
-                parts.append(np.memmap(f, dtype=meta["dtype"], mode="r"))
+            if meta.get("format") != FORMAT:
+                raise SpecError(
+                    "data.path",
+                    f"{d} holds shard format {meta.get('format')!r}, this dskit reads format {FORMAT} "
+                    "(document ends and loss masks); prepare it again with `dskit data prepare`",
+                )
+            kind, dtype = meta["kind"], np.dtype(meta["dtype"])
+            if kind not in ("text", "chat"):
+                raise ValueError(f"kind {kind!r}")
+            shards = []
+            for stem, n, docs in meta["files"]:
+                parts = {"tokens": (n, dtype), "docs": (docs, np.dtype(np.uint64))}
+                if kind == "chat":
+                    parts["mask"] = (n, np.dtype(np.uint8))
+                maps = {}
+                for what, (count, dt) in parts.items():
+                    f = d / f"{what}-{stem}.bin"
+                    if not f.is_file() or f.stat().st_size != count * dt.itemsize:
+                        raise SpecError("data.path", f"{f} is missing or truncated (expected {count} values)")
+                    maps[what] = np.memmap(f, dtype=dt, mode="r")
+                shards.append(Shard(maps["tokens"], maps["docs"], maps.get("mask")))
         except (KeyError, ValueError, TypeError) as e:
             raise SpecError("data.path", f"{idx} is not a dskit shard index: {e}") from None
-        stream = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return cls(stream, int(meta["vocab_size"]), str(d))
+        return cls(shards, int(meta["vocab_size"]), str(d), kind, int(meta["eos_id"]))
+
+
+@dataclass
+class Batch:
+    """One micro-batch: [n, seq_len] int64 each; labels are IGNORE_INDEX where no loss is taken;
+    position_ids is None for text windows (positions 0..seq_len-1, attention across the window)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray | None
+
+
+IGNORE_INDEX = -100  # as dskit.train.loss (kept here so the data module does not import torch)
 
 
 class Sampler:
-    """Windows of seq_len+1 tokens, in a seeded permutation per epoch, addressed by global sample number.
+    """Training samples addressed by global sample number, in a seeded permutation per epoch.
 
-    Sample g of the run is window perm_e[g mod W] with e = g // W: any rank can compute its samples for
-    any step without state, so resume is exact and ranks never overlap.
+    Sample g of the run is unit perm_e[g mod U] with e = g // U: any rank can compute its samples for
+    any step without state, so resume is exact and ranks never overlap. A unit is a window of seq_len+1
+    tokens (text; windows stay inside one shard, losing under seq_len tokens per 256M-token shard) or a
+    pack of whole samples (chat: the samples in a seeded order, filled greedily into rows of seq_len).
     """
 
-    def __init__(self, data: TokenData, seq_len: int, seed: int):
+    def __init__(self, data: TokenData, seq_len: int, seed: int, *, packing: str = "pack"):
         self.data, self.seq_len, self.seed = data, seq_len, seed
-        self.windows = (len(data.tokens) - 1) // seq_len
+        self.chat = data.kind == "chat"
+        if self.chat:
+            self._build_packs(packing)
+            self.windows = len(self._pack_first) - 1
+        else:
+            per = [max(0, (len(s.tokens) - 1) // seq_len) for s in data.shards]
+            self._shard_first = np.cumsum([0, *per])
+            self.windows = int(self._shard_first[-1])
         if self.windows < 1:
             raise SpecError(
                 "data.path",
-                f"{data.source} has {len(data.tokens)} tokens, fewer than seq_len+1 ({seq_len + 1})",
+                f"{data.source} has {data.n_tokens} tokens, fewer than seq_len+1 ({seq_len + 1})",
             )
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
 
-    def _window(self, g: int) -> int:
+    def _build_packs(self, packing: str) -> None:
+        """Chat packs, once: document d spans tokens [start, end) of its shard and takes L-1 row slots
+        (its inputs are tokens[:-1], its labels tokens[1:]); one longer than seq_len+1 is cut to that
+        (counted and logged by the caller through `truncated`). `packing='pad'`: one sample per row."""
+        starts, ends, shard_of = [], [], []
+        for i, s in enumerate(self.data.shards):
+            e = s.ends.astype(np.int64)
+            starts.append(np.concatenate([[0], e[:-1]]))
+            ends.append(e)
+            shard_of.append(np.full(len(e), i, dtype=np.int32))
+        self._starts, self._ends = np.concatenate(starts), np.concatenate(ends)
+        self._shard = np.concatenate(shard_of)
+        lengths = np.minimum(self._ends - self._starts, self.seq_len + 1)
+        self.truncated = int(((self._ends - self._starts) > self.seq_len + 1).sum())
+        order = np.random.default_rng([self.seed, 0xDA7A]).permutation(len(lengths))
+        order = order[lengths[order] >= 2]  # one token predicts nothing
+        first, used = [0], 0
+        for j, d in enumerate(order):
+            need = int(lengths[d]) - 1
+            if used and (packing == "pad" or used + need > self.seq_len):
+                first.append(j)
+                used = 0
+            used += need
+        if len(order):
+            first.append(len(order))
+        self._order = order
+        self._pack_first = np.asarray(first if len(order) else [0], dtype=np.int64)
+
+    def _unit(self, g: int) -> int:
         epoch, i = divmod(g, self.windows)
         if epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
             self._perm_epoch = epoch
         return int(self._perm[i])
 
+    def _window(self, g: int) -> tuple[Shard, int]:
+        w = self._unit(g)
+        shard = int(np.searchsorted(self._shard_first, w, side="right")) - 1
+        return self.data.shards[shard], (w - int(self._shard_first[shard])) * self.seq_len
+
     def batch(self, first_sample: int, n: int) -> np.ndarray:
-        """[n, seq_len + 1] int64 token windows for global samples first_sample .. first_sample + n - 1."""
+        """[n, seq_len + 1] int64 token windows (text data) for global samples first_sample ...+n-1."""
+        if self.chat:
+            raise SpecError("data.path", f"{self.data.source} is chat data: read it with Sampler.get")
         out = np.empty((n, self.seq_len + 1), dtype=np.int64)
         for j in range(n):
-            s = self._window(first_sample + j) * self.seq_len
-            out[j] = self.data.tokens[s : s + self.seq_len + 1]
+            shard, s = self._window(first_sample + j)
+            out[j] = shard.tokens[s : s + self.seq_len + 1]
         return out
+
+    def get(self, first_sample: int, n: int) -> Batch:
+        """The micro-batch of global samples first_sample .. first_sample + n - 1."""
+        if not self.chat:
+            w = self.batch(first_sample, n)
+            return Batch(w[:, :-1], w[:, 1:], None)
+        L = self.seq_len
+        inputs = np.full((n, L), self.data.eos_id, dtype=np.int64)
+        labels = np.full((n, L), IGNORE_INDEX, dtype=np.int64)
+        # Padding gets its own run of positions 0.. so it reads as one more (label-less) sample.
+        pos = np.tile(np.arange(L, dtype=np.int64), (n, 1))
+        for j in range(n):
+            p = self._unit(first_sample + j)
+            at = 0
+            for d in self._order[self._pack_first[p] : self._pack_first[p + 1]]:
+                sh = self.data.shards[int(self._shard[d])]
+                s = int(self._starts[d])
+                e = min(int(self._ends[d]), s + L + 1)
+                toks = np.asarray(sh.tokens[s:e], dtype=np.int64)
+                keep = np.asarray(sh.mask[s + 1 : e], dtype=bool)
+                k = len(toks) - 1
+                inputs[j, at : at + k] = toks[:-1]
+                labels[j, at : at + k] = np.where(keep, toks[1:], IGNORE_INDEX)
+                pos[j, at : at + k] = np.arange(k)
+                at += k
+            if at < L:
+                pos[j, at:] = np.arange(L - at)
+        return Batch(inputs, labels, pos)
 
 
 def sample_index(step: int, micro: int, rank: int, *, grad_accum: int, world: int, micro_batch: int) -> int:

@@ -78,7 +78,13 @@ def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) 
     from dskit.train.loop import train
 
     device, rank, world = start_distributed(plan)
-    log.info("data: %s, %d tokens", data.source, len(data.tokens))
+    log.info("data: %s, %s, %d tokens", data.source, data.kind, data.n_tokens)
+    if getattr(sampler, "truncated", 0):
+        log.warning(
+            "data: %d samples are longer than seq_len+1 (%d tokens) and are cut to it",
+            sampler.truncated,
+            plan.parallel.seq_len + 1,
+        )
     engine = build_engine(plan, device, rank=rank)
     score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
     tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])

@@ -17,7 +17,7 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
-from dskit.train.data import Sampler, sample_index
+from dskit.train.data import IGNORE_INDEX, Sampler, sample_index
 from dskit.train.metrics import LogWindow, MemoryWatch, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
@@ -108,16 +108,10 @@ def train(
             first = sample_index(
                 step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
             )
-            batch = torch.from_numpy(sampler.batch(first, par.micro_batch)).to(device, non_blocking=True)
-            inputs, labels = batch[:, :-1], batch[:, 1:]
+            inputs, labels, extra = _to_device(sampler.get(first, par.micro_batch), device)
             tap.start()
-            if par.loss_chunk_tokens:  # the model computes the loss without materialising the logits
-                ce = engine(input_ids=inputs, labels=labels).loss
-                tap.stop()
-            else:
-                logits = engine(input_ids=inputs).logits
-                tap.stop()
-                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
+            tap.stop()
             aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
             engine.backward(ce + aux)
             engine.step()
@@ -152,10 +146,34 @@ def train(
     return 0
 
 
+def _to_device(b, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input_ids, labels, extra model kwargs). Packed chat rows carry position ids that restart at
+    each sample: transformers derives attention confined to each sample from them."""
+    inputs = torch.from_numpy(b.input_ids).to(device, non_blocking=True)
+    labels = torch.from_numpy(b.labels).to(device, non_blocking=True)
+    extra = {} if b.position_ids is None else {"position_ids": torch.from_numpy(b.position_ids).to(device)}
+    return inputs, labels, extra
+
+
+def _loss(engine, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, *, chunked: bool) -> torch.Tensor:
+    """Mean cross-entropy over the tokens with a label (IGNORE_INDEX: prompt turns, padding)."""
+    if chunked:  # the model computes the loss without materialising the logits
+        return engine(input_ids=inputs, labels=labels, **extra).loss
+    logits = engine(input_ids=inputs, **extra).logits
+    flat = labels.reshape(-1)
+    # sum / count, not reduction="mean": a micro-batch whose rows are all prompt would give 0/0 = NaN
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
 def _probe(plan: Plan, engine, sampler: Sampler, device: torch.device) -> dict[str, torch.Tensor]:
     """Probe logits for the final checkpoint, which `dskit export` uses to verify its output."""
     n = min(PROBE_TOKENS, plan.parallel.seq_len)
-    probe = torch.from_numpy(sampler.batch(0, 1)[:, :n]).to(device)
+    # The first sample's own tokens (a packed chat row's first sample starts at 0), no position ids:
+    # export compares them with a plain Hugging Face forward.
+    probe = torch.from_numpy(sampler.get(0, 1).input_ids[:, :n]).to(device)
     engine.eval()
     with torch.no_grad():
         logits = engine(input_ids=probe).logits.float().cpu()

@@ -1,0 +1,182 @@
+"""Training on your own data: chat records, loss masks, whole-sample packing (issue 17).
+
+The chat set and its tokenizer are made here (tests/chat_data.py): byte-level BPE from the `tokenizers`
+library with a DeepSeek-shaped chat template, saved like a published tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dskit import catalog
+from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, encode_chat, tokenizer
+from tests.chat_data import conversations, make_tokenizer, write_jsonl
+from tests.conftest import dskit
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def chat_shards(tmp_path_factory, tok_dir) -> Path:
+    d = tmp_path_factory.mktemp("chat")
+    write_jsonl(d / "chat.jsonl", conversations(120))
+    dskit(
+        "data",
+        "prepare",
+        str(d / "chat.jsonl"),
+        "-o",
+        str(d / "shards"),
+        "--tokenizer",
+        str(tok_dir),
+        check=True,
+    )
+    return d / "shards"
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok_dir):
+    tok = tokenizer(str(tok_dir))
+    msgs = conversations(1)[0]["messages"] + [
+        {"role": "user", "content": "red dog"},
+        {"role": "assistant", "content": "dog red"},
+    ]
+    ids, mask = encode_chat(msgs, tok)
+    # The whole text is the template's rendering, and the targets are each reply plus its end token.
+    assert tok.decode(ids) == tok._tok.apply_chat_template(msgs, tokenize=False)
+    replies = [m["content"] for m in msgs if m["role"] == "assistant"]
+    targets = tok.decode(ids[mask == 1])
+    assert targets == "".join(f" {r}<|end|>" for r in replies)
+    # No user or system text is a target.
+    for m in msgs:
+        if m["role"] != "assistant":
+            assert m["content"] not in targets
+
+
+def test_packed_rows_keep_samples_whole_with_labels_only_on_targets(chat_shards):
+    data = TokenData.open(str(chat_shards))
+    assert data.kind == "chat"
+    sampler = Sampler(data, 96, seed=3)
+    docs = Counter(
+        tuple(np.asarray(s.tokens[a:b]))
+        for s in data.shards
+        for a, b in zip([0, *s.ends[:-1]], s.ends, strict=True)
+    )
+    seen: Counter = Counter()
+    for g in range(sampler.windows):
+        b = sampler.get(g, 1)
+        pos, inp, lab = b.position_ids[0], b.input_ids[0], b.labels[0]
+        starts = [i for i in range(len(pos)) if pos[i] == 0] + [len(pos)]
+        for a, e in zip(starts, starts[1:], strict=False):
+            if (lab[a:e] == IGNORE_INDEX).all():
+                continue  # padding at the row's end
+            # each sample is one whole document: its inputs, then its last label (the EOS)
+            seen[(*inp[a:e], lab[e - 1])] += 1
+    assert sampler.truncated == 0
+    assert seen == docs  # one epoch of packs holds every sample once, whole
+
+
+def test_sampling_is_a_pure_function_of_seed_and_sample_number(chat_shards):
+    data = TokenData.open(str(chat_shards))
+    a, b = Sampler(data, 96, seed=3), Sampler(data, 96, seed=3)
+    # b jumps straight to sample 50 (a resume): it gets what a, reading from 0, gets there
+    for g in range(0, 60):
+        x = a.get(g, 1)
+    y = b.get(59, 1)
+    assert (x.input_ids == y.input_ids).all() and (x.labels == y.labels).all()
+    assert (x.position_ids == y.position_ids).all()
+
+
+def test_a_packed_row_gives_each_sample_the_logits_it_gets_alone(chat_shards):
+    """Attention never crosses samples: the packed row's logits for each sample equal that sample's
+    logits run alone (tiny DeepSeek-V2, MLA + MoE, SDPA on CPU, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from dskit.train.model import hf_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config(catalog.model("tiny-v2").config, "sdpa")).eval()
+    # as the trainer's model (dskit/train/model.py): with a KV cache transformers ignores packed position
+    # ids and the samples would attend to each other
+    model.config.use_cache = False
+    sampler = Sampler(TokenData.open(str(chat_shards)), 128, seed=3)
+    b = sampler.get(0, 2)
+    with torch.no_grad():
+        packed = model(
+            input_ids=torch.from_numpy(b.input_ids), position_ids=torch.from_numpy(b.position_ids)
+        ).logits
+        unmasked = model(input_ids=torch.from_numpy(b.input_ids)).logits
+        checked = 0
+        for row in range(2):
+            pos = b.position_ids[row]
+            starts = [i for i in range(len(pos)) if pos[i] == 0] + [len(pos)]
+            assert len(starts) > 2  # several samples in the row
+            for a, e in zip(starts, starts[1:], strict=False):
+                alone = model(input_ids=torch.from_numpy(b.input_ids[row : row + 1, a:e])).logits[0]
+                torch.testing.assert_close(packed[row, a:e], alone, rtol=1e-4, atol=1e-4)
+                if a:
+                    # without the position ids a later sample would see the earlier ones: the test can fail
+                    assert not torch.allclose(unmasked[row, a:e], alone, rtol=1e-4, atol=1e-4)
+                checked += 1
+    assert checked >= 4
+
+
+def test_old_shards_are_refused_with_a_re_prepare_hint(tmp_path):
+    d = tmp_path / "old"
+    d.mkdir()
+    np.arange(300, dtype=np.uint16).tofile(d / "tokens-00000.bin")
+    (d / "index.json").write_text(
+        json.dumps(
+            {
+                "format": 1,
+                "dtype": "uint16",
+                "files": [["tokens-00000.bin", 300]],
+                "tokenizer": "byte",
+                "vocab_size": 259,
+                "eos_id": 258,
+                "documents": 1,
+            }
+        )
+    )
+    with pytest.raises(Exception) as e:
+        TokenData.open(str(d))
+    assert str(e.value) == (
+        f"data.path: {d} holds shard format 1, this dskit reads format 2 (document ends and loss masks); "
+        "prepare it again with `dskit data prepare`"
+    )
+
+
+def test_chat_records_with_the_byte_tokenizer_are_one_line_and_exit_2(tmp_path):
+    write_jsonl(tmp_path / "chat.jsonl", conversations(2))
+    r = dskit("data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    assert r.stderr == (
+        "dskit: error: --tokenizer: chat records ('messages') need a local tokenizer dir with a chat template, "
+        "not 'byte'\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_message_without_a_known_role_is_one_line_and_exit_2(tmp_path, tok_dir):
+    write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "bot", "content": "hi"}]}])
+    r = dskit(
+        "data",
+        "prepare",
+        str(tmp_path / "chat.jsonl"),
+        "-o",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        str(tok_dir),
+    )
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"dskit: error: {tmp_path / 'chat.jsonl'}:1 messages[0]: needs a 'role' (one of system, user, assistant) "
+        "and a string 'content'\n"
+    )
