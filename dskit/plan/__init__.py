@@ -83,6 +83,10 @@ class RunPlan(_Frozen):
     seed: int
     log_every: int
     data_path: str | None
+    eval_path: str | None  # None: DATA/eval if the trainer finds one (`data prepare --eval-fraction`)
+    packing: Literal["pack", "pad"]
+    eval_every: int
+    eval_batches: int
     checkpoint_dir: str
     output_dir: str
     checkpoint_every: int
@@ -494,11 +498,13 @@ def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
     )
     out_dir = os.path.abspath(storage.output_dir) if storage.output_dir else f"{run_root}/outputs"
     data_path = os.path.abspath(spec.data.path) if spec.data.path else None
+    eval_path = os.path.abspath(spec.data.eval_path) if spec.data.eval_path else None
     for field, path in (
         ("storage.root", root),
         ("storage.checkpoint_dir", ckpt_dir),
         ("storage.output_dir", out_dir),
         ("data.path", data_path),
+        ("data.eval_path", eval_path),
     ):
         bad = first_unsafe(path or "")
         if bad is not None:  # the spec's strings are checked; the current directory may add one
@@ -514,6 +520,10 @@ def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
         seed=spec.training.seed,
         log_every=spec.training.log_every,
         data_path=data_path,
+        eval_path=eval_path,
+        packing=spec.data.packing,
+        eval_every=spec.training.eval_every,
+        eval_batches=spec.training.eval_batches,
         checkpoint_dir=ckpt_dir,
         output_dir=out_dir,
         checkpoint_every=spec.checkpoint.every,

@@ -22,6 +22,7 @@ batches an uninterrupted run would have seen, with no loader state to save.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -225,42 +226,103 @@ def encode_chat(messages: list[dict], tok) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(ids).astype(np.uint32), np.concatenate(mask)
 
 
-def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: bool = False) -> Path:
+EVAL_DIR = "eval"  # the held-out split inside a prepared dir (`--eval-fraction`)
+
+
+def held_out(doc: int, fraction: float) -> bool:
+    """Whether document number `doc` (input order) belongs to the eval split: a hash of the number, so
+    the split is the same whatever the process count or the corpus size, and about `fraction` of it."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.blake2b(doc.to_bytes(8, "little"), digest_size=8).digest(), "little")
+    return h < fraction * 2**64
+
+
+class ShardWriter:
+    """Token, document-end and (chat) mask files of one shard directory, cut every SHARD_TOKENS."""
+
+    def __init__(self, out: Path, dtype, chat: bool):
+        self.out, self.dtype, self.chat = out, dtype, chat
+        self.files: list[list] = []
+        self.docs = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.buf: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.ends: list[int] = []
+        self.buffered = 0
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        self.buf.append(ids)
+        self.masks.append(mask)
+        self.buffered += len(ids)
+        self.ends.append(self.buffered)
+        self.docs += 1
+        if self.buffered >= SHARD_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffered:
+            return
+        self.out.mkdir(exist_ok=True)
+        stem = f"{len(self.files):05d}"
+        np.concatenate(self.buf).astype(self.dtype).tofile(self.out / f"tokens-{stem}.bin")
+        np.asarray(self.ends, dtype=np.uint64).tofile(self.out / f"docs-{stem}.bin")
+        if self.chat:
+            np.concatenate(self.masks).tofile(self.out / f"mask-{stem}.bin")
+        self.files.append([stem, self.buffered, len(self.ends)])
+        self._reset()
+
+    def close(self, tok) -> None:
+        self.flush()
+        index = {
+            "format": FORMAT,
+            "kind": "chat" if self.chat else "text",
+            "dtype": np.dtype(self.dtype).name,
+            "files": self.files,
+            "tokenizer": tok.name,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "documents": self.docs,
+        }
+        (self.out / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+
+    @property
+    def tokens(self) -> int:
+        return sum(f[1] for f in self.files)
+
+
+def prepare(
+    inputs: list[str],
+    output: str,
+    *,
+    tokenizer: str = "byte",
+    force: bool = False,
+    eval_fraction: float = 0.0,
+) -> Path:
     """Tokenize text/jsonl files into a shard directory, atomically (temp dir, then rename).
 
     Any record with `messages` makes the set a chat set: every document gets a loss mask (text documents
-    are all target), and training packs whole samples."""
+    are all target), and training packs whole samples. With `eval_fraction`, about that share of the
+    documents goes to DIR/eval instead (`held_out`)."""
     from tqdm import tqdm
 
+    if not 0 <= eval_fraction < 1:
+        raise SpecError(
+            "--eval-fraction", f"{eval_fraction} is outside [0, 1); e.g. 0.01 holds out 1% of the documents"
+        )
     out = Path(output).resolve()
     tok = globals()["tokenizer"](tokenizer)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
-    files: list[list] = []
-    n_docs = 0
     # The kind must be known before the first shard is written (text shards carry no mask): one cheap
-    # pass over the JSON lines' keys decides it.
+    # pass over the JSON lines decides it.
     chat = any(isinstance(r, list) for r in _records(inputs))
     with atomic_dir(out, force=force) as tmp:
-        buf: list[np.ndarray] = []
-        masks: list[np.ndarray] = []
-        ends: list[int] = []
-        buffered = 0
-
-        def flush() -> None:
-            nonlocal buf, masks, ends, buffered
-            if not buffered:
-                return
-            stem = f"{len(files):05d}"
-            np.concatenate(buf).astype(dtype).tofile(tmp / f"tokens-{stem}.bin")
-            np.asarray(ends, dtype=np.uint64).tofile(tmp / f"docs-{stem}.bin")
-            if chat:
-                np.concatenate(masks).tofile(tmp / f"mask-{stem}.bin")
-            files.append([stem, buffered, len(ends)])
-            buf, masks, ends, buffered = [], [], [], 0
-
+        train, held = ShardWriter(tmp, dtype, chat), ShardWriter(tmp / EVAL_DIR, dtype, chat)
         total = sum(Path(p).stat().st_size for p in inputs if Path(p).is_file())
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
-            for rec in _records(inputs):
+            for n, rec in enumerate(_records(inputs)):
                 if isinstance(rec, list):
                     ids, mask = encode_chat(rec, tok)
                     size = sum(len(m["content"].encode("utf-8")) for m in rec)
@@ -268,30 +330,25 @@ def prepare(inputs: list[str], output: str, *, tokenizer: str = "byte", force: b
                     ids = next(pack([rec], tok))
                     mask = np.ones(len(ids), dtype=np.uint8)
                     size = len(rec.encode("utf-8", errors="replace"))
-                buf.append(ids)
-                masks.append(mask)
-                buffered += len(ids)
-                ends.append(buffered)
-                n_docs += 1
+                (held if held_out(n, eval_fraction) else train).add(ids, mask)
                 bar.update(size)
-                if buffered >= SHARD_TOKENS:
-                    flush()
-            flush()
-        if not files:
-            raise SpecError("inputs", "no documents found")
-        index = {
-            "format": FORMAT,
-            "kind": "chat" if chat else "text",
-            "dtype": np.dtype(dtype).name,
-            "files": files,
-            "tokenizer": tok.name,
-            "vocab_size": tok.vocab_size,
-            "eos_id": tok.eos_id,
-            "documents": n_docs,
-        }
-        (tmp / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+        if not train.docs:
+            raise SpecError(
+                "inputs", "no documents found" if not held.docs else "every document was held out for eval"
+            )
+        if eval_fraction and not held.docs:
+            raise SpecError(
+                "--eval-fraction",
+                f"{eval_fraction} of {train.docs} documents held out none; raise it or give an eval dir (data.eval_path)",
+            )
+        train.close(tok)
+        if held.docs:
+            held.close(tok)
     kind = "chat (loss on assistant turns)" if chat else "text"
-    print(f"wrote {out}: {n_docs} {kind} documents, {sum(f[1] for f in files)} tokens, tokenizer {tok.name}")
+    split = (
+        f"; eval split {held.docs} documents, {held.tokens} tokens in {out / EVAL_DIR}" if held.docs else ""
+    )
+    print(f"wrote {out}: {train.docs} {kind} documents, {train.tokens} tokens, tokenizer {tok.name}{split}")
     return out
 
 

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,13 +15,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.errors import SpecError
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.data import IGNORE_INDEX, Sampler, sample_index
-from dskit.train.metrics import LogWindow, MemoryWatch, current_gib
+from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
+from dskit.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("dskit.train")
 PROBE_TOKENS = 64
@@ -67,6 +70,7 @@ def train(
     engine,
     tap: RouterTap,
     sampler: Sampler,
+    eval_sampler: Sampler | None = None,
     *,
     rank: int,
     world: int,
@@ -88,6 +92,9 @@ def train(
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
+    evals = None
+    if eval_sampler:
+        evals = Evaluator(plan, eval_sampler, rank=rank, world=world, device=device, tb=window.tensorboard)
 
     def save(step: int, extra: dict | None = None) -> None:
         info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
@@ -125,6 +132,10 @@ def train(
         if warning and rank == 0:
             log.warning(warning)
 
+        # ------------------------------------------------------------ eval
+        if evals and (done % run.eval_every == 0 or done == opt.steps):
+            window.last["eval_loss"] = evals.run(engine, done)
+
         # ------------------------------------------------------------ checkpoint / stop
         if done == opt.steps:
             break
@@ -144,6 +155,57 @@ def train(
     stop.clear_file()
     window.close()
     return 0
+
+
+class Evaluator:
+    """Mean cross-entropy per labelled token over the same held-out samples every time (so the values
+    are comparable across steps): `eval_batches` micro-batches per rank, fewer when the held-out set
+    holds fewer samples than that, never repeating one. Collective: every rank calls it at the same
+    step. One record per eval in OUTPUT_DIR/eval.jsonl (metrics.jsonl keeps one training record per
+    log step, which `dskit status` and `dskit report` read), TensorBoard `eval/loss`, one log line."""
+
+    def __init__(
+        self, plan: Plan, sampler: Sampler, *, rank: int, world: int, device: torch.device, tb: TensorBoardLog
+    ):
+        self.sampler, self.rank, self.world, self.device = sampler, rank, world, device
+        self.micro = plan.parallel.micro_batch
+        self.chunked = bool(plan.parallel.loss_chunk_tokens)
+        self.batches = min(plan.run.eval_batches, sampler.windows // (world * self.micro))
+        if self.batches < 1:
+            raise SpecError(
+                "data.eval_path",
+                f"{sampler.data.source} holds {sampler.windows} eval samples, fewer than one micro-batch on every "
+                f"rank ({world} x {self.micro}); hold out more (data prepare --eval-fraction)",
+            )
+        self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0, name="eval.jsonl")
+        self.tensorboard = tb  # the training log's writer: one event file per run
+
+    def run(self, engine, step: int) -> float:
+        t0 = time.perf_counter()
+        engine.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x tokens, tokens
+        with torch.no_grad():
+            for b in range(self.batches):
+                first = (b * self.world + self.rank) * self.micro
+                inputs, labels, extra = _to_device(self.sampler.get(first, self.micro), self.device)
+                n = (labels != IGNORE_INDEX).sum()
+                ce = _loss(engine, inputs, labels, extra, chunked=self.chunked)
+                sums += torch.stack([ce.double() * n, n.double()])
+        engine.train()
+        dist.all_reduce(sums)
+        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        rec = {"step": step, "eval_loss": loss, "eval_tokens": int(sums[1].item()), "time": time.time()}
+        self.metrics.write(rec)
+        self.tensorboard.write(rec)
+        if self.rank == 0:
+            log.info(
+                "eval step %d loss %.4f over %d tokens (%.1f s)",
+                step,
+                loss,
+                rec["eval_tokens"],
+                time.perf_counter() - t0,
+            )
+        return loss
 
 
 def _to_device(b, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
