@@ -277,9 +277,17 @@ def cmd_data(a: argparse.Namespace) -> int:
     try:
         from dskit.train.data import prepare
 
-        prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force, eval_fraction=a.eval_fraction)
-    except ModuleNotFoundError as e:  # numpy/tqdm, or transformers for a tokenizer dir
-        raise _needs_extra("data prepare", "train", e) from None
+        prepare(
+            a.inputs,
+            a.output,
+            tokenizer=a.tokenizer,
+            force=a.force,
+            eval_fraction=a.eval_fraction,
+            text_field=a.text_field,
+        )
+    except ModuleNotFoundError as e:  # numpy/tqdm, transformers for a tokenizer dir; pyarrow, zstandard
+        extra = "data" if e.name in ("pyarrow", "zstandard") else "train"
+        raise _needs_extra("data prepare", extra, e) from None
     return 0
 
 
@@ -420,7 +428,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("data", help="data tools")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     d = dsub.add_parser("prepare", help="tokenize text/jsonl into token shards for training")
-    d.add_argument("inputs", nargs="+", help=".txt or .jsonl files (jsonl: the 'text' field)")
+    d.add_argument(
+        "inputs",
+        nargs="+",
+        help=".txt, .jsonl (also .gz/.zst), .parquet, .arrow files or a local datasets save_to_disk dir; records "
+        "with 'messages' are chat, others use the text field",
+    )
+    d.add_argument(
+        "--text-field", default="text", help="the text field/column of JSONL, Parquet and Arrow records"
+    )
     d.add_argument("-o", "--output", required=True, help="shard directory to create")
     d.add_argument(
         "--tokenizer", default="byte", help="'byte' (built in) or a local Hugging Face tokenizer dir"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dskit import catalog
-from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, encode_chat, tokenizer
+from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, encode_chat, prepare, tokenizer
 from tests.chat_data import conversations, make_tokenizer, write_jsonl
 from tests.conftest import dskit
 
@@ -179,4 +179,94 @@ def test_a_message_without_a_known_role_is_one_line_and_exit_2(tmp_path, tok_dir
     assert r.stderr == (
         f"dskit: error: {tmp_path / 'chat.jsonl'}:1 messages[0]: needs a 'role' (one of system, user, assistant) "
         "and a string 'content'\n"
+    )
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _write_inputs(d: Path, records: list[dict]) -> dict[str, Path]:
+    """The same records as JSONL, JSONL.gz, JSONL.zst, Parquet and a datasets save_to_disk dir."""
+    import gzip
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    body = "".join(json.dumps(r) + "\n" for r in records).encode()
+    out = {"jsonl": d / "a.jsonl", "gz": d / "a.jsonl.gz", "zst": d / "a.jsonl.zst"}
+    out["jsonl"].write_bytes(body)
+    out["gz"].write_bytes(gzip.compress(body))
+    out["zst"].write_bytes(zstandard.ZstdCompressor().compress(body))
+    out["parquet"] = d / "a.parquet"
+    pq.write_table(pa.Table.from_pylist(records), out["parquet"], row_group_size=7)
+    out["hf"] = d / "hf"
+    datasets.Dataset.from_list(records).save_to_disk(str(out["hf"]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_every_input_format_gives_byte_identical_shards(tmp_path, tok_dir, kind):
+    if kind == "chat":
+        records = conversations(30)
+    else:  # a configurable text field; other fields are ignored
+        records = [
+            {
+                "body": f"document {i}: " + " ".join(conversations(1, seed=i)[0]["messages"][1]["content"]),
+                "id": i,
+            }
+            for i in range(30)
+        ]
+    files = _write_inputs(tmp_path, records)
+    got = {}
+    for name, path in files.items():
+        out = tmp_path / f"out-{name}"
+        prepare([str(path)], str(out), tokenizer=str(tok_dir), text_field="body")
+        got[name] = {
+            f.name: f.read_bytes() for f in sorted(out.iterdir()) if f.is_file() and f.name != ".dskit-output"
+        }
+    assert all(g == got["jsonl"] for g in got.values()), {k: sorted(v) for k, v in got.items()}
+    assert json.loads(got["jsonl"]["index.json"])["kind"] == kind
+    assert json.loads(got["jsonl"]["index.json"])["documents"] == 30
+
+
+def test_a_hub_name_is_refused_with_how_to_download_it(tmp_path):
+    r = dskit("data", "prepare", "deepseek-ai/some-dataset", "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    assert r.stderr == (
+        "dskit: error: inputs: deepseek-ai/some-dataset is not a local path; dskit downloads nothing: fetch it first "
+        "(e.g. `huggingface-cli download --repo-type dataset NAME --local-dir DIR`, or datasets' save_to_disk) and "
+        "give the local files or dir\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_parquet_file_without_the_text_column_names_its_columns(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"content": "x", "id": 1}]), tmp_path / "a.parquet")
+    r = dskit("data", "prepare", str(tmp_path / "a.parquet"), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    assert r.stderr == (
+        f"dskit: error: {tmp_path / 'a.parquet'}: has columns content, id; none is 'text' (--text-field) or "
+        "'messages' (chat)\n"
+    )
+
+
+def test_a_datasets_dict_asks_for_one_split(tmp_path):
+    import datasets
+
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list([{"text": "a"}]),
+            "test": datasets.Dataset.from_list([{"text": "b"}]),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    r = dskit("data", "prepare", str(tmp_path / "dd"), "-o", str(tmp_path / "out"))
+    assert r.returncode == 2
+    assert (
+        r.stderr
+        == f"dskit: error: {tmp_path / 'dd'}: is a DatasetDict; give one split's dir (splits: test, train)\n"
     )

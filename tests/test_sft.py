@@ -28,7 +28,8 @@ STEPS, EVAL_EVERY = 24, 8
 
 
 def hf_first_step_loss(model_dir: Path, run_dir: Path, *, masked: bool = True) -> float:
-    """Mean over ranks of each rank's step-1 masked cross-entropy, batched exactly as the trainer does."""
+    """Mean over ranks of each rank's step-1 masked cross-entropy, batched exactly as the trainer does
+    (`masked=False`: on every token instead, the contrast)."""
     from transformers import AutoModelForCausalLM
 
     from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, sample_index
@@ -49,14 +50,15 @@ def hf_first_step_loss(model_dir: Path, run_dir: Path, *, masked: bool = True) -
                 logits = m(
                     input_ids=torch.from_numpy(b.input_ids), position_ids=torch.from_numpy(b.position_ids)
                 ).logits
-                total += (
-                    F.cross_entropy(
-                        logits.float().reshape(-1, logits.shape[-1]),
-                        torch.from_numpy(b.labels).reshape(-1),
-                        ignore_index=IGNORE_INDEX,
-                    ).item()
-                    / par.grad_accum
+                labels = torch.from_numpy(b.labels)
+                if not masked:  # every next token of the row, prompts included
+                    logits, labels = logits[:, :-1], torch.from_numpy(b.input_ids[:, 1:])
+                ce = F.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]),
+                    labels.reshape(-1),
+                    ignore_index=IGNORE_INDEX,
                 )
+                total += ce.item() / par.grad_accum
     return total / world
 
 

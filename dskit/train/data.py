@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,22 +105,185 @@ def embedded_corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-def _records(paths: list[str]) -> Iterator[str | list[dict]]:
-    """Documents in input order: a text, or a chat record's `messages` list."""
+# A hub dataset name or URL given as an input: nothing is downloaded, so say how to fetch it first.
+_REMOTE = re.compile(r"^(hf://|https?://|[A-Za-z0-9][\w.-]*/[\w.-]+$)")
+
+
+def _input_kind(path: Path) -> tuple[str, str]:
+    """(format, compression) from the name: jsonl/parquet/arrow/text and none/gz/zst."""
+    name = path.name.lower()
+    comp = "none"
+    for c in ("gz", "zst"):
+        if name.endswith("." + c):
+            comp, name = c, name[: -len(c) - 1]
+    if name.endswith(".jsonl"):
+        return "jsonl", comp
+    if name.endswith(".parquet") and comp == "none":
+        return "parquet", comp
+    if name.endswith(".arrow") and comp == "none":
+        return "arrow", comp
+    return "text", comp
+
+
+def _open_text(p: str, path: Path, comp: str, errors: str = "strict"):
+    """A text stream over the file, decompressed as its name says (BOM dropped). JSONL must be UTF-8;
+    plain text takes `errors="replace"` (a stray byte in a large corpus is not worth refusing it)."""
+    if comp == "gz":
+        import gzip
+
+        return gzip.open(path, "rt", encoding="utf-8-sig", errors=errors)
+    if comp == "zst":
+        import io
+
+        import zstandard
+
+        return io.TextIOWrapper(
+            zstandard.ZstdDecompressor().stream_reader(path.open("rb")), encoding="utf-8-sig", errors=errors
+        )
+    return path.open(encoding="utf-8-sig", errors=errors)
+
+
+def _check_input(p: str) -> Path:
+    path = Path(p)
+    if not path.exists():
+        if _REMOTE.match(p):
+            raise SpecError(
+                "inputs",
+                f"{p} is not a local path; dskit downloads nothing: fetch it first (e.g. `huggingface-cli download "
+                "--repo-type dataset NAME --local-dir DIR`, or datasets' save_to_disk) and give the local files or dir",
+            )
+        raise SpecError("inputs", f"{p} not found")
+    return path
+
+
+def _records(paths: list[str], text_field: str = "text") -> Iterator[str | list[dict]]:
+    """Documents in input order: a text, or a chat record's `messages` list. Streams every input
+    (JSONL line by line, Parquet and Arrow by record batch), so memory does not grow with its size."""
     for p in paths:
-        path = Path(p)
+        path = _check_input(p)
         if path.is_dir():
-            raise SpecError(f"{p}", "is a directory; give the .txt/.jsonl files in it (e.g. DIR/*.jsonl)")
-        if not path.is_file():
-            raise SpecError("inputs", f"{p} not found")
-        if path.suffix == ".jsonl":
-            yield from _read_jsonl(p, path)
+            yield from _read_arrow(p, _hf_dir_files(p, path), text_field)
+            continue
+        kind, comp = _input_kind(path)
+        if kind == "jsonl":
+            yield from _read_jsonl(p, path, comp, text_field)
+        elif kind == "parquet":
+            yield from _read_parquet(p, path, text_field)
+        elif kind == "arrow":
+            yield from _read_arrow(p, [path], text_field)
         else:
             try:
-                text = path.read_text(encoding="utf-8-sig", errors="replace")
-            except OSError as e:
-                raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
-            yield text
+                with _open_text(p, path, comp, errors="replace") as f:
+                    yield f.read()
+            except (OSError, EOFError) as e:
+                raise SpecError(f"{p}", f"cannot read it: {getattr(e, 'strerror', None) or e}") from None
+
+
+def _has_messages(paths: list[str], text_field: str) -> bool:
+    """Whether any record is a chat record: the schema says it for Parquet/Arrow; JSONL is scanned
+    (stopping at the first chat record)."""
+    for p in paths:
+        path = _check_input(p)
+        if path.is_dir() or _input_kind(path)[0] in ("parquet", "arrow"):
+            files = _hf_dir_files(p, path) if path.is_dir() else [path]
+            if (
+                _column(p, _arrow_schema(path if not path.is_dir() else files[0]).names, text_field)
+                == "messages"
+            ):
+                return True
+        elif any(isinstance(r, list) for r in _records([p], text_field)):
+            return True
+    return False
+
+
+def _column(p: str, names: list[str], text_field: str) -> str:
+    if "messages" in names:
+        return "messages"
+    if text_field in names:
+        return text_field
+    raise SpecError(
+        f"{p}",
+        f"has columns {', '.join(names)}; none is '{text_field}' (--text-field) or 'messages' (chat)",
+    )
+
+
+def _arrow_schema(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.suffix.lower() == ".parquet":
+        return pq.read_schema(path)
+    with pa.OSFile(str(path)) as f:
+        return pa.ipc.open_stream(f).schema
+
+
+def _hf_dir_files(p: str, path: Path) -> list[Path]:
+    """The Arrow files of a `datasets` save_to_disk directory, in its own order (state.json)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(q.name for q in path.iterdir() if (q / "state.json").is_file())
+        raise SpecError(
+            f"{p}", f"is a DatasetDict; give one split's dir (splits: {', '.join(splits) or 'none'})"
+        )
+    state = path / "state.json"
+    if not state.is_file():
+        raise SpecError(
+            f"{p}",
+            "is a directory; give the .txt/.jsonl/.parquet files in it (e.g. DIR/*.jsonl), or a datasets "
+            "save_to_disk dir (this one has no state.json)",
+        )
+    try:
+        names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    except (ValueError, KeyError, TypeError):
+        raise SpecError(f"{state}", "is not a datasets state.json (no _data_files list)") from None
+    for n in names:  # plain names only: a state.json cannot point outside its dir
+        if not isinstance(n, str) or Path(n).name != n or not (path / n).is_file():
+            raise SpecError(f"{state}", f"names {n!r}, which is not a file in {p}")
+    return [path / n for n in names]
+
+
+def _read_parquet(p: str, path: Path, text_field: str) -> Iterator[str | list[dict]]:
+    import pyarrow.parquet as pq
+
+    try:
+        f = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
+        raise SpecError(f"{p}", f"not a Parquet file: {e}") from None
+    col = _column(p, f.schema_arrow.names, text_field)
+    n = 0
+    for batch in f.iter_batches(batch_size=1024, columns=[col]):
+        for v in batch.column(0).to_pylist():
+            n += 1
+            yield _value(f"{p} row {n}", col, v)
+
+
+def _read_arrow(p: str, files: list[Path], text_field: str) -> Iterator[str | list[dict]]:
+    import pyarrow as pa
+
+    n = 0
+    for path in files:
+        try:
+            src = pa.OSFile(str(path))
+            reader = pa.ipc.open_stream(src)
+        except Exception as e:
+            raise SpecError(f"{path}", f"not an Arrow stream file: {e}") from None
+        with src:
+            col = _column(p, reader.schema.names, text_field)
+            for batch in reader:
+                for v in batch.column(col).to_pylist():
+                    n += 1
+                    yield _value(f"{p} row {n}", col, v)
+
+
+def _value(where: str, col: str, v) -> str | list[dict]:
+    if col == "messages":
+        return _check_messages(where, v)
+    if not isinstance(v, str):
+        raise SpecError(where, f"'{col}' is {type(v).__name__}, not a string")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SpecError(where, f"'{col}' holds an unpaired surrogate escape") from None
+    return v
 
 
 ROLES = ("system", "user", "assistant")
@@ -144,10 +308,10 @@ def _check_messages(where: str, msgs) -> list[dict]:
     return msgs
 
 
-def _read_jsonl(p: str, path: Path) -> Iterator[str | list[dict]]:
+def _read_jsonl(p: str, path: Path, comp: str = "none", field: str = "text") -> Iterator[str | list[dict]]:
     n = 0
     try:
-        with path.open(encoding="utf-8-sig") as f:  # a leading BOM (Windows editors) is dropped
+        with _open_text(p, path, comp) as f:  # a leading BOM (Windows editors) is dropped
             for n, line in enumerate(f, 1):  # noqa: B007 - n names the line in the error below
                 if not line.strip():
                     continue
@@ -158,26 +322,19 @@ def _read_jsonl(p: str, path: Path) -> Iterator[str | list[dict]]:
                 if isinstance(rec, dict) and "messages" in rec:
                     yield _check_messages(f"{p}:{n}", rec["messages"])
                     continue
-                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
                     raise SpecError(
-                        f"{p}:{n}", "each JSON line needs a string 'text' field or a 'messages' list"
+                        f"{p}:{n}", f"each JSON line needs a string '{field}' field or a 'messages' list"
                     )
                 try:
-                    rec["text"].encode("utf-8")
+                    rec[field].encode("utf-8")
                 except UnicodeEncodeError:  # a "\ud800" escape: no UTF-8 bytes to tokenize
-                    raise SpecError(f"{p}:{n}", "'text' holds an unpaired surrogate escape") from None
-                yield rec["text"]
+                    raise SpecError(f"{p}:{n}", f"'{field}' holds an unpaired surrogate escape") from None
+                yield rec[field]
     except UnicodeDecodeError:
         raise SpecError(f"{p}", "not UTF-8 text (JSONL must be UTF-8)") from None
-    except OSError as e:
-        raise SpecError(f"{p}", f"cannot read it: {e.strerror or e}") from None
-
-
-def _read_documents(paths: list[str]) -> Iterator[str]:
-    """Text documents only (the embedded-corpus style inputs)."""
-    for r in _records(paths):
-        if isinstance(r, str):
-            yield r
+    except (OSError, EOFError) as e:  # gzip/zstd raise these for a damaged or truncated stream
+        raise SpecError(f"{p}", f"cannot read it: {getattr(e, 'strerror', None) or e}") from None
 
 
 def pack(docs: Iterable[str], tok) -> Iterator[np.ndarray]:
@@ -300,6 +457,7 @@ def prepare(
     tokenizer: str = "byte",
     force: bool = False,
     eval_fraction: float = 0.0,
+    text_field: str = "text",
 ) -> Path:
     """Tokenize text/jsonl files into a shard directory, atomically (temp dir, then rename).
 
@@ -317,12 +475,12 @@ def prepare(
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     # The kind must be known before the first shard is written (text shards carry no mask): one cheap
     # pass over the JSON lines decides it.
-    chat = any(isinstance(r, list) for r in _records(inputs))
+    chat = _has_messages(inputs, text_field)
     with atomic_dir(out, force=force) as tmp:
         train, held = ShardWriter(tmp, dtype, chat), ShardWriter(tmp / EVAL_DIR, dtype, chat)
         total = sum(Path(p).stat().st_size for p in inputs if Path(p).is_file())
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
-            for n, rec in enumerate(_records(inputs)):
+            for n, rec in enumerate(_records(inputs, text_field)):
                 if isinstance(rec, list):
                     ids, mask = encode_chat(rec, tok)
                     size = sum(len(m["content"].encode("utf-8")) for m in rec)
