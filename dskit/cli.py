@@ -171,7 +171,8 @@ def cmd_render(a: argparse.Namespace) -> int:
     spec = _spec_from_args(a)
     plan = build_plan(spec)
     # what the render reads: --force must never replace a directory holding one of them
-    inputs = [a.spec, spec.data.path, spec.data.eval_path, spec.model.path]
+    sources = [x.path for x in spec.data.sources or []]
+    inputs = [a.spec, spec.data.path, spec.data.eval_path, *sources, spec.model.path]
     default = f"runs/{plan.name}-{a.target}"
     out = check_replaceable(default if a.output is None else a.output, force=a.force, inputs=inputs)
     for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:

@@ -202,7 +202,27 @@ class TrainingSpec(_Section):
     )
 
 
+class DataSource(_Section):
+    path: str = Field(..., min_length=1, description="Token shard directory from `dskit data prepare`.")
+    weight: float = Field(
+        ..., gt=0, le=1e6, description="Share of the samples, relative to the other sources."
+    )
+
+
 class DataSpec(_Section):
+    sources: list[DataSource] | None = Field(
+        None,
+        description="A mixture instead of data.path: [{path, weight}, ...]; each sample comes from one source, "
+        "in proportion to the weights, deterministically from (seed, sample number). Same tokenizer and kind.",
+    )
+
+    @field_validator("sources")
+    @classmethod
+    def _some_sources(cls, v: list | None) -> list | None:
+        if v is not None and not v:
+            raise ValueError("must list at least one {path, weight}, or be left out (use data.path)")
+        return v
+
     path: str | None = Field(
         None,
         description="Token shard directory from `dskit data prepare`. Default: the embedded corpus, "

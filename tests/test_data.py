@@ -270,3 +270,38 @@ def test_a_datasets_dict_asks_for_one_split(tmp_path):
         r.stderr
         == f"dskit: error: {tmp_path / 'dd'}: is a DatasetDict; give one split's dir (splits: test, train)\n"
     )
+
+
+# --------------------------------------------------------------------------- mixtures
+
+
+def test_a_mixture_draws_by_weight_as_a_pure_function_of_the_sample_number(tmp_path):
+    from dskit.train.data import Mixture
+
+    # two text sources whose tokens tell them apart: 'a' bytes and 'b' bytes
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.txt").write_text(name * 5000)
+        prepare([str(tmp_path / f"{name}.txt")], str(tmp_path / name))
+
+    def mixture() -> Mixture:
+        parts = [Sampler(TokenData.open(str(tmp_path / n)), 16, seed=5) for n in ("a", "b")]
+        return Mixture(parts, [3.0, 1.0], seed=5)
+
+    m = mixture()
+    rows = m.get(0, 4 * Mixture.BLOCK).input_ids
+    from_a = (rows == ord("a")).any(axis=1)
+    assert ((rows == ord("a")).all(axis=1) | (rows == ord("b")).any(axis=1)).all()  # one source per row
+    assert from_a.sum() == 3 * Mixture.BLOCK  # exactly 3:1 in every block
+    # a resumed run asks for sample 2500 first and gets what the uninterrupted run got
+    again = mixture().get(2500, 8)
+    assert (again.input_ids == rows[2500:2508]).all()
+
+
+def test_data_sources_with_data_path_is_one_line_and_exit_2(tmp_path):
+    spec = tmp_path / "dskit.yaml"
+    spec.write_text("data:\n  path: x\n  sources:\n    - {path: y, weight: 1}\n")
+    r = dskit("plan", str(spec), "--gpu", "cpu")
+    assert r.returncode == 2
+    assert r.stderr == (
+        "dskit: error: data.sources: given with data.path; use one of them (a one-source mixture is data.path)\n"
+    )

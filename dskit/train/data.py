@@ -604,6 +604,7 @@ class Sampler:
     def __init__(self, data: TokenData, seq_len: int, seed: int, *, packing: str = "pack"):
         self.data, self.seq_len, self.seed = data, seq_len, seed
         self.chat = data.kind == "chat"
+        self.truncated = 0  # chat samples cut to seq_len+1 (text windows cut nothing)
         if self.chat:
             self._build_packs(packing)
             self.windows = len(self._pack_first) - 1
@@ -618,6 +619,9 @@ class Sampler:
             )
         self._perm_epoch = -1
         self._perm = np.empty(0, dtype=np.int64)
+
+    def describe(self) -> str:
+        return f"{self.data.source}, {self.data.kind}, {self.data.n_tokens} tokens"
 
     def _build_packs(self, packing: str) -> None:
         """Chat packs, once: document d spans tokens [start, end) of its shard and takes L-1 row slots
@@ -696,6 +700,69 @@ class Sampler:
             if at < L:
                 pos[j, at:] = np.arange(L - at)
         return Batch(inputs, labels, pos)
+
+
+class Mixture:
+    """Samples drawn from several sources by weight, as a pure function of (seed, global sample number).
+
+    Sample numbers are cut into blocks of BLOCK; in every block each source gets its share of the
+    slots (largest remainder, so the shares are exact per block) and the slots are shuffled by a
+    generator seeded with (seed, block). Sample g is then source i's sample number
+    (block x slots_i + its rank among the block's slots of source i), read through that source's own
+    Sampler: no state to save, so resume stays exact, and each source runs through its own epochs.
+    """
+
+    BLOCK = 1024
+
+    def __init__(self, samplers: list[Sampler], weights: list[float], seed: int):
+        self.samplers, self.seed = samplers, seed
+        w = np.asarray(weights, dtype=np.float64)
+        share = w / w.sum() * self.BLOCK
+        n = np.floor(share).astype(np.int64)
+        rest = self.BLOCK - int(n.sum())
+        n[np.argsort(-(share - n), kind="stable")[:rest]] += 1
+        self.per_block = n
+        self.data = samplers[0].data
+        self.chat = samplers[0].chat
+        self._block, self._src, self._idx = -1, np.empty(0, np.int64), np.empty(0, np.int64)
+
+    @property
+    def truncated(self) -> int:
+        return sum(s.truncated for s in self.samplers)
+
+    def describe(self) -> str:
+        parts = [
+            f"{s.data.source} x{int(k)}/{self.BLOCK}"
+            for s, k in zip(self.samplers, self.per_block, strict=True)
+        ]
+        return "mixture of " + ", ".join(parts)
+
+    def _slots(self, block: int) -> None:
+        if block == self._block:
+            return
+        src = np.repeat(np.arange(len(self.samplers)), self.per_block)
+        src = src[np.random.default_rng([self.seed, 0x313C, block]).permutation(self.BLOCK)]
+        idx = np.empty(self.BLOCK, dtype=np.int64)
+        for i in range(len(self.samplers)):
+            at = np.flatnonzero(src == i)
+            idx[at] = block * self.per_block[i] + np.arange(len(at))
+        self._block, self._src, self._idx = block, src, idx
+
+    def source_of(self, g: int) -> tuple[int, int]:
+        """(source, that source's own sample number) of global sample g."""
+        block, j = divmod(g, self.BLOCK)
+        self._slots(block)
+        return int(self._src[j]), int(self._idx[j])
+
+    def get(self, first_sample: int, n: int) -> Batch:
+        rows = []
+        for g in range(first_sample, first_sample + n):
+            i, k = self.source_of(g)
+            rows.append(self.samplers[i].get(k, 1))
+        pos = None if rows[0].position_ids is None else np.concatenate([r.position_ids for r in rows])
+        return Batch(
+            np.concatenate([r.input_ids for r in rows]), np.concatenate([r.labels for r in rows]), pos
+        )
 
 
 def sample_index(step: int, micro: int, rank: int, *, grad_accum: int, world: int, micro_batch: int) -> int:

@@ -35,7 +35,7 @@ def read_contract(*, launcher_env: bool = True):
     """Plan, data, its sampler and the held-out set's sampler (or None) from DSKIT_RUN_FILE; SpecError
     (exit 2) on anything wrong."""
     from dskit.plan import load_plan
-    from dskit.train.data import Sampler, TokenData
+    from dskit.train.data import Mixture, Sampler, TokenData
 
     run_file = os.environ.get(Env.RUN_FILE.value)
     if not run_file:
@@ -59,13 +59,34 @@ def read_contract(*, launcher_env: bool = True):
                 f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
                 f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
             )
-    data = TokenData.open(plan.run.data_path)
     vocab = plan.model.config["vocab_size"]
+    if plan.run.data_sources:
+        parts = []
+        for i, (path, _) in enumerate(plan.run.data_sources):
+            try:
+                parts.append(TokenData.open(path))
+            except SpecError as e:  # TokenData names data.path; here it is one source's
+                raise (
+                    SpecError(f"data.sources[{i}].path", e.message) if e.field == "data.path" else e
+                ) from None
+            first, d = parts[0], parts[-1]
+            if (d.kind, d.vocab_size, d.eos_id) != (first.kind, first.vocab_size, first.eos_id):
+                raise SpecError(
+                    f"data.sources[{i}].path",
+                    f"{path} is {d.kind} data with vocabulary {d.vocab_size}; data.sources[0] is {first.kind} with "
+                    f"{first.vocab_size}: prepare every source with the same tokenizer and inputs of one kind",
+                )
+        data = parts[0]
+        samplers = [Sampler(d, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing) for d in parts]
+        sampler = Mixture(samplers, [w for _, w in plan.run.data_sources], plan.run.seed)
+    else:
+        data = TokenData.open(plan.run.data_path)
+        sampler = Sampler(data, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
     if data.vocab_size > vocab:
         raise SpecError(
-            "data.path", f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}"
+            "data.sources[0].path" if plan.run.data_sources else "data.path",
+            f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}",
         )
-    sampler = Sampler(data, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
     return plan, data, sampler, _eval_sampler(plan, data)
 
 
@@ -101,8 +122,8 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
     from dskit.train.loop import train
 
     device, rank, world = start_distributed(plan)
-    log.info("data: %s, %s, %d tokens", data.source, data.kind, data.n_tokens)
-    if getattr(sampler, "truncated", 0):
+    log.info("data: %s", sampler.describe())
+    if sampler.truncated:
         log.warning(
             "data: %d samples are longer than seq_len+1 (%d tokens) and are cut to it",
             sampler.truncated,
