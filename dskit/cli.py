@@ -285,6 +285,7 @@ def cmd_data(a: argparse.Namespace) -> int:
             force=a.force,
             eval_fraction=a.eval_fraction,
             text_field=a.text_field,
+            workers=a.workers,
         )
     except ModuleNotFoundError as e:  # numpy/tqdm, transformers for a tokenizer dir; pyarrow, zstandard
         extra = "data" if e.name in ("pyarrow", "zstandard") else "train"
@@ -447,6 +448,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_fraction,
         default=0.0,
         help="hold out about this share of the documents (0 to <1) in DIR/eval for the eval loss",
+    )
+    d.add_argument(
+        "--workers",
+        type=count,
+        default=1,
+        help="tokenizer processes (default 1); the shards are byte-identical for any number",
     )
     d.add_argument("--force", action="store_true", help="replace an existing directory")
     d.set_defaults(func=cmd_data)

@@ -305,3 +305,44 @@ def test_data_sources_with_data_path_is_one_line_and_exit_2(tmp_path):
     assert r.stderr == (
         "dskit: error: data.sources: given with data.path; use one of them (a one-source mixture is data.path)\n"
     )
+
+
+def test_shards_are_byte_identical_whatever_the_number_of_tokenizer_processes(tmp_path, tok_dir):
+    write_jsonl(tmp_path / "chat.jsonl", conversations(700, seed=4))  # three batches of 256 records
+    got = []
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        prepare(
+            [str(tmp_path / "chat.jsonl")],
+            str(out),
+            tokenizer=str(tok_dir),
+            eval_fraction=0.05,
+            workers=workers,
+        )
+        got.append({str(f.relative_to(out)): f.read_bytes() for f in sorted(out.rglob("*")) if f.is_file()})
+    assert got[0] == got[1]
+    assert "eval/index.json" in got[0]
+
+
+def test_a_bad_record_in_a_tokenizer_process_is_the_same_one_line(tmp_path, tok_dir):
+    # a tokenizer without a chat template: the error is raised where the template is applied, in a
+    # tokenizer process, and reaches the user as the same one line (SpecError survives pickling)
+    import shutil
+
+    plain = tmp_path / "plain-tok"
+    shutil.copytree(tok_dir, plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    write_jsonl(tmp_path / "chat.jsonl", conversations(3))
+    r = dskit(
+        "data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(tmp_path / "out"),
+        "--tokenizer", str(plain), "--workers", "2",
+    )  # fmt: skip
+    assert r.returncode == 2
+    assert (
+        r.stderr
+        == f"dskit: error: --tokenizer: {plain.resolve()} has no chat template (tokenizer_config.json 'chat_template')\n"
+    )
+    assert not (tmp_path / "out").exists()

@@ -450,6 +450,64 @@ class ShardWriter:
         return sum(f[1] for f in self.files)
 
 
+BATCH_RECORDS = 256  # records per task sent to a tokenizer process
+
+
+def _encode(rec: str | list[dict], tok) -> tuple[np.ndarray, np.ndarray, int]:
+    """(tokens, loss mask, input bytes for the progress bar) of one record."""
+    if isinstance(rec, list):
+        ids, mask = encode_chat(rec, tok)
+        return ids, mask, sum(len(m["content"].encode("utf-8")) for m in rec)
+    ids = next(pack([rec], tok))
+    return ids, np.ones(len(ids), dtype=np.uint8), len(rec.encode("utf-8", errors="replace"))
+
+
+_worker_tok = None
+
+
+def _worker_init(spec: str) -> None:
+    global _worker_tok
+    _worker_tok = tokenizer(spec)
+
+
+def _worker_encode(batch: list) -> list:
+    return [_encode(r, _worker_tok) for r in batch]
+
+
+def _batches(records: Iterator, size: int) -> Iterator[list]:
+    batch: list = []
+    for r in records:
+        batch.append(r)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _encoded(records: Iterator, tok, spec: str, workers: int) -> Iterator[list]:
+    """Encoded batches of records in input order. With workers > 1 each batch goes to a process pool
+    and at most 2 x workers batches are in flight, so memory stays bounded whatever the corpus size
+    (Pool.imap would read the whole input ahead). Spawned, not forked: the tokenizers library's own
+    thread pool does not survive a fork."""
+    if workers <= 1:
+        for batch in _batches(records, BATCH_RECORDS):
+            yield [_encode(r, tok) for r in batch]
+        return
+    import collections
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_worker_init, initargs=(spec,)) as pool:
+        pending: collections.deque = collections.deque()
+        for batch in _batches(records, BATCH_RECORDS):
+            pending.append(pool.apply_async(_worker_encode, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
 def prepare(
     inputs: list[str],
     output: str,
@@ -458,12 +516,14 @@ def prepare(
     force: bool = False,
     eval_fraction: float = 0.0,
     text_field: str = "text",
+    workers: int = 1,
 ) -> Path:
     """Tokenize text/jsonl files into a shard directory, atomically (temp dir, then rename).
 
     Any record with `messages` makes the set a chat set: every document gets a loss mask (text documents
     are all target), and training packs whole samples. With `eval_fraction`, about that share of the
-    documents goes to DIR/eval instead (`held_out`)."""
+    documents goes to DIR/eval instead (`held_out`). `workers` processes tokenize batches of records;
+    the output is byte-identical whatever their number (results are written in input order)."""
     from tqdm import tqdm
 
     if not 0 <= eval_fraction < 1:
@@ -480,16 +540,12 @@ def prepare(
         train, held = ShardWriter(tmp, dtype, chat), ShardWriter(tmp / EVAL_DIR, dtype, chat)
         total = sum(Path(p).stat().st_size for p in inputs if Path(p).is_file())
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:
-            for n, rec in enumerate(_records(inputs, text_field)):
-                if isinstance(rec, list):
-                    ids, mask = encode_chat(rec, tok)
-                    size = sum(len(m["content"].encode("utf-8")) for m in rec)
-                else:
-                    ids = next(pack([rec], tok))
-                    mask = np.ones(len(ids), dtype=np.uint8)
-                    size = len(rec.encode("utf-8", errors="replace"))
-                (held if held_out(n, eval_fraction) else train).add(ids, mask)
-                bar.update(size)
+            n = 0
+            for encoded in _encoded(_records(inputs, text_field), tok, tokenizer, workers):
+                for ids, mask, size in encoded:
+                    (held if held_out(n, eval_fraction) else train).add(ids, mask)
+                    n += 1
+                    bar.update(size)
         if not train.docs:
             raise SpecError(
                 "inputs", "no documents found" if not held.docs else "every document was held out for eval"
