@@ -107,7 +107,15 @@ def _eval_sampler(plan, data):
                 f"{path} is {held.kind} data with vocabulary {held.vocab_size}, the training data is {data.kind} "
                 f"with {data.vocab_size}: prepare both with the same tokenizer and inputs of one kind",
             )
-        return Sampler(held, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
+        sampler = Sampler(held, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
+        need = plan.hardware.world_size * plan.parallel.micro_batch
+        if sampler.windows < need:  # checked before the model is built, not at the first eval
+            raise SpecError(
+                field,
+                f"{path} holds {sampler.windows} eval samples of {plan.parallel.seq_len} tokens, fewer than one "
+                f"micro-batch on every rank ({need}); hold out more (data prepare --eval-fraction)",
+            )
+        return sampler
     except SpecError as e:  # TokenData names data.path; here the field is the eval set's
         raise SpecError(field, e.message) if e.field == "data.path" else e from None
 

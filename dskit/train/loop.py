@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
-from dskit.errors import SpecError
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
@@ -171,12 +170,7 @@ class Evaluator:
         self.micro = plan.parallel.micro_batch
         self.chunked = bool(plan.parallel.loss_chunk_tokens)
         self.batches = min(plan.run.eval_batches, sampler.windows // (world * self.micro))
-        if self.batches < 1:
-            raise SpecError(
-                "data.eval_path",
-                f"{sampler.data.source} holds {sampler.windows} eval samples, fewer than one micro-batch on every "
-                f"rank ({world} x {self.micro}); hold out more (data prepare --eval-fraction)",
-            )
+        # >= 1: entry._eval_sampler refused a held-out set smaller than one micro-batch per rank
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0, name="eval.jsonl")
         self.tensorboard = tb  # the training log's writer: one event file per run
 
