@@ -364,7 +364,7 @@ def encode_chat(messages: list[dict], tok) -> tuple[np.ndarray, np.ndarray]:
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = render(messages[:i], generation_prompt=True) if i else render([], generation_prompt=True)
+        prompt = render(messages[:i], generation_prompt=True)
         full = render(messages[: i + 1], generation_prompt=False)
         if not prompt.startswith(done) or not full.startswith(prompt):
             raise SpecError(
