@@ -18,7 +18,7 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
-from dskit.train.data import IGNORE_INDEX, Sampler, sample_index
+from dskit.train.data import IGNORE_INDEX, Mixture, Sampler, sample_index
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
@@ -68,7 +68,7 @@ def train(
     plan: Plan,
     engine,
     tap: RouterTap,
-    sampler: Sampler,
+    sampler: Sampler | Mixture,
     eval_sampler: Sampler | None = None,
     *,
     rank: int,
@@ -224,7 +224,7 @@ def _loss(engine, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, *, ch
     return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def _probe(plan: Plan, engine, sampler: Sampler, device: torch.device) -> dict[str, torch.Tensor]:
+def _probe(plan: Plan, engine, sampler: Sampler | Mixture, device: torch.device) -> dict[str, torch.Tensor]:
     """Probe logits for the final checkpoint, which `dskit export` uses to verify its output."""
     n = min(PROBE_TOKENS, plan.parallel.seq_len)
     # The first sample's own tokens (a packed chat row's first sample starts at 0), no position ids:
