@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   := runs/demo
 
-.PHONY: setup demo test test-fast examples lint clean
+.PHONY: setup demo test test-fast examples lint clean image
 
 # torch first, pinned: 2.13.0 is a CPU build on the development/CI machines; an unpinned torch
 # pulled in by deepspeed would be a multi-GB CUDA download.
@@ -33,13 +33,18 @@ test: setup
 	$(BIN)/python -m pytest
 
 # Unit + render + golden tests (under 2 minutes on 2 cores): no trainer, cluster, pod run or network.
-FAST := not train and not slurm and not ray and not network and not slow
+FAST := not train and not slurm and not ray and not network and not slow and not image
 test-fast: setup
 	DSKIT_PROPERTY_EXAMPLES=100 $(BIN)/python -m pytest -m "$(FAST)"
 
 # Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests).
 examples: setup
 	$(BIN)/python -m tests.regen_examples
+
+# Build a GPU profile's image with the container engine here (podman, buildah or docker): make image GPU=h100-80gb
+GPU ?= cpu
+image: setup
+	$(BIN)/dskit build image --gpu $(GPU)
 
 lint: setup
 	$(BIN)/ruff check dskit tests bench && $(BIN)/ruff format --check dskit tests bench

@@ -357,7 +357,7 @@ def plot_validation(files: list[Path], path: Path) -> None:
         ax.legend(loc="upper left")
     a1.set_title("Step-time model (dskit/plan/speed.py)")
     a2.set_title("Memory model (dskit/plan/memory.py)")
-    fig.suptitle(f"Planner vs measurement: {len(rows)} runs of 4-12-layer DeepSeek-V2-Lite on H200")
+    fig.suptitle(f"Planner vs measurement: {len(rows)} runs of 2-12-layer DeepSeek-V2-Lite on H200")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")

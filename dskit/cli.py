@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -119,15 +120,27 @@ def cmd_plan(a: argparse.Namespace) -> int:
     from dskit.plan import build_plan_searched, dump_plan
 
     if a.plot:
-        if not a.plot.endswith(".png"):
+        target = Path(a.plot)
+        if target.suffix.lower() != ".png":
             raise SpecError("--plot", f"{a.plot}: give a .png file name")
-        if not Path(a.plot).resolve().parent.is_dir():
-            raise SpecError("--plot", f"{Path(a.plot).parent} is not a directory")
+        if target.is_dir():
+            raise SpecError("--plot", f"{a.plot} is a directory; give a file name")
+        parent = target.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise SpecError("--plot", f"{parent} is not a writable directory")
         try:
             import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
         except ModuleNotFoundError as e:
             raise _needs_extra("plan --plot", "report", e) from None
     plan, found = build_plan_searched(_spec_from_args(a))
+    if a.plot:  # first: a plot that cannot be written fails before anything is printed
+        from dskit.explain import plot
+
+        try:
+            written = plot(plan, found, Path(a.plot))
+        except OSError as e:
+            raise SpecError("--plot", f"cannot write {a.plot}: {e.strerror or e}") from None
+        print(f"wrote {written}", file=sys.stderr)
     if a.explain:
         from dskit.explain import row_dict, table
 
@@ -147,10 +160,6 @@ def cmd_plan(a: argparse.Namespace) -> int:
     else:
         print(dump_plan(plan), end="")
         _print_summary(plan)
-    if a.plot:
-        from dskit.explain import plot
-
-        print(f"wrote {plot(plan, found, Path(a.plot))}", file=sys.stderr)
     return 0
 
 
@@ -210,6 +219,19 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     from dskit.doctor import main as doctor_main
 
     return doctor_main(as_json=a.json, build=a.build)
+
+
+def cmd_build(a: argparse.Namespace) -> int:
+    from dskit.build import build_image
+
+    return build_image(
+        a.gpu,
+        a.fabric,
+        tag=a.tag,
+        engine=a.engine,
+        build_args=a.build_arg,
+        engine_args=a.engine_arg,
+    )
 
 
 def cmd_status(a: argparse.Namespace) -> int:
@@ -398,6 +420,38 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--build", action="store_true", help="image build smoke test: no GPU or launcher expected")
     s.set_defaults(func=cmd_doctor)
+
+    s = sub.add_parser(
+        "build",
+        help="build a GPU profile's image with the container engine here (podman, buildah, docker)",
+        description="Renders the image for --gpu (as `dskit render image`), builds it from this checkout "
+        "and prints the tag, size and build time. Base images and torch's index are build arguments: "
+        "--build-arg BUILDER_IMAGE=... --build-arg RUNTIME_IMAGE=... --build-arg DSKIT_TORCH_INDEX=...",
+    )
+    s.add_argument("what", choices=("image",), help="what to build")
+    s.add_argument("--gpu", required=True, help="GPU profile (dskit catalog gpus; cpu for the CPU image)")
+    s.add_argument("--fabric", default="infiniband", help="network fabric (efa adds AWS's libraries)")
+    s.add_argument(
+        "--tag", help="image tag (default: the rendered one, e.g. dskit:cpu-torch2.13.0-cpu-ds0.19.8)"
+    )
+    s.add_argument(
+        "--engine", default="auto", help="podman | buildah | docker (default: the first of them found)"
+    )
+    s.add_argument(
+        "--build-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="passed to the engine (repeatable)",
+    )
+    s.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra engine flag, e.g. --engine-arg=--network=host (repeatable)",
+    )
+    s.set_defaults(func=cmd_build)
 
     s = sub.add_parser(
         "status",

@@ -166,8 +166,9 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
     except Exception as e:
         return [Check("deepspeed ops", FAIL, f"cannot read the op report: {e}")]
-    wanted = ["cpu_adam"] + (
-        ["fused_adam"] if gpu or os.environ.get("DSKIT_IMAGE_ARCH") else ["deepspeed_shm_comm"]
+    # fused_adam on the CPU accelerator too: DeepSpeed's engine takes its CPU FusedAdam there
+    wanted = ["cpu_adam", "fused_adam"] + (
+        [] if gpu or os.environ.get("DSKIT_IMAGE_ARCH") else ["deepspeed_shm_comm"]
     )
     checks = []
     for op in wanted:

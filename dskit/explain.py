@@ -153,7 +153,10 @@ def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
         ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp")  # renamed into place: no half-written image
-    fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return path

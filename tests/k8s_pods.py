@@ -259,7 +259,8 @@ class PodRun:
         os.kill(self.main.pid, signal.SIGTERM)
 
     def wait(self, timeout: float) -> int:
-        self._thread.join(timeout)
+        """The pod's exit code; like `wait_for`, `timeout` is how long it may go without new output."""
+        wait_for(lambda: not self._thread.is_alive(), timeout, f"pod {self.i} exit", self.pods, quiet=True)
         if self.error is not None:
             raise AssertionError(f"pod {self.i}: the harness failed") from self.error
         if not self.done:
@@ -267,13 +268,28 @@ class PodRun:
         return self.exit_code
 
 
-def wait_for(predicate, timeout: float, what: str, pods: Pods) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def wait_for(predicate, timeout: float, what: str, pods: Pods, *, quiet: bool = False) -> None:
+    """Wait as long as the pods make progress: fail after `timeout` seconds without new log output
+    (a hang), or after 4 x `timeout` in all. On a loaded machine a slow start still logs as it goes.
+    `quiet`: return at the deadline instead of raising (the caller reports)."""
+    start = last_change = time.time()
+    seen = -1
+    while True:
         if predicate():
             return
+        now = time.time()
+        size = sum(pods.log_path(i).stat().st_size for i in range(pods.nodes) if pods.log_path(i).exists())
+        if size != seen:
+            seen, last_change = size, now
+        if now - last_change > timeout or now - start > 4 * timeout:
+            if quiet:
+                return
+            stalled = now - last_change > timeout
+            raise TimeoutError(
+                f"{what} not reached: {'no new pod output for' if stalled else 'still progressing after'} "
+                f"{now - last_change if stalled else now - start:.0f}s\n{pods.logs()}"
+            )
         time.sleep(0.3)
-    raise TimeoutError(f"{what} not reached in {timeout}s\n{pods.logs()}")
 
 
 class JobController:

@@ -6,6 +6,7 @@ Kubernetes pod harness. `down()` removes everything `up()` made, also after a fa
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -43,6 +44,7 @@ class PrivateNet:
             sh("ip", "link", "add", self.bridge, "type", "bridge")
             sh("ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             sh("ip", "link", "set", self.bridge, "up")
+            self._allow_forwarding(True)
             for i in range(1, self.hosts + 1):
                 ns, veth = self.netns(i), f"{self.prefix}v{i}"
                 sh("ip", "netns", "add", ns)
@@ -70,6 +72,20 @@ class PrivateNet:
             sh("ip", "link", "del", f"{self.prefix}v{i}", check=False)
             sh("ip", "netns", "del", self.netns(i), check=False)
         sh("ip", "link", "del", self.bridge, check=False)
+        self._allow_forwarding(False)
+
+    def _allow_forwarding(self, on: bool) -> None:
+        """Let frames between the hosts cross the bridge whatever the FORWARD policy: docker's daemon
+        sets it to DROP and loads br_netfilter, which sends bridged frames through iptables, and the
+        hosts could then no longer reach each other (srun: "Communication connection failure")."""
+        if shutil.which("iptables") is None:
+            return
+        rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
+        if on:
+            sh("iptables", "-I", *rule, check=False)
+        else:
+            while sh("iptables", "-D", *rule, check=False).returncode == 0:
+                pass
 
 
 def stop_pids(pids: list[int], grace: float = 10) -> None:

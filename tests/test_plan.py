@@ -32,8 +32,9 @@ def plan_for(*sets: str, **flags):
 def test_default_two_node_plan():
     p = plan_for(hardware__nodes=2)
     assert p.hardware.world_size == 16
-    # EP: a divisor of 64 experts inside one 8-GPU node, the one the step-time model predicts fastest
-    assert p.parallel.ep_size in (1, 2, 4, 8) and p.parallel.expert_dp_size == 16 // p.parallel.ep_size
+    # EP: the step-time model's pick among the divisors of 64 inside one 8-GPU node (docs/planner.md:
+    # extrapolated from 2 x H200, where EP 1-2 beat larger EP at large micro-batches)
+    assert p.parallel.ep_size == 2 and p.parallel.expert_dp_size == 8
     assert p.speed["tokens_per_s_per_gpu"] > 0 and p.speed["mfu"] > 0
     assert p.parallel.micro_batch * p.parallel.grad_accum * 16 == p.parallel.global_batch
     assert p.parallel.precision == "bf16" and p.parallel.attention == "sdpa_cudnn"
@@ -192,7 +193,7 @@ def test_run_yaml_round_trips(tmp_path):
         ("[1, 2]", "must be a mapping"),
         (f"version: {PLAN_VERSION}\nname: x\n", "Field required"),
         ("a: [", "not valid YAML"),
-        ("version: 99\n", f"expected {PLAN_VERSION}"),
+        ("version: 99\n", "expected 2 or 3"),
     ],
 )
 def test_bad_run_yaml_is_one_clear_error(tmp_path, content, words):

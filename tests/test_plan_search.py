@@ -85,17 +85,87 @@ def test_small_micro_steps_are_host_bound_large_ones_gpu_bound():
     assert at(16).tokens_per_s > 1.5 * at(1).tokens_per_s
 
 
-def test_unknown_fabric_bandwidth_is_named_not_guessed():
+def test_an_unknown_fabric_is_not_timed_as_free():
+    """Several nodes over tcp (no bandwidth in the catalog): speed is not compared; the fit order
+    decides (EP inside a node, largest micro-batch), the summary says the number is a bound, a warning
+    says why. Leaving the term out would have made tcp look faster than InfiniBand."""
+    flags = {"hardware.nodes": 2, "hardware.gpus_per_node": 8, "hardware.gpu": "h100-80gb"}
+    tcp, _ = searched("training.global_batch=256", **flags, **{"network.fabric": "tcp"})
+    ib, _ = searched("training.global_batch=256", **flags, **{"network.fabric": "infiniband"})
+    assert tcp.parallel.ep_size == 8 and "at most" in tcp.summary()
+    assert any("speed not compared on network.fabric tcp" in w for w in tcp.warnings)
+    assert "at most" not in ib.summary() and not ib.speed.get("not_counted")
+    assert not any("speed not compared" in w for w in ib.warnings)
+
+
+def test_a_forced_ep_that_cannot_be_built_names_the_override():
+    from dskit.errors import SpecError
+
+    with pytest.raises(SpecError) as e:
+        searched(
+            "training.global_batch=1024",
+            "overrides.ep_size=1",
+            **{
+                "hardware.gpu": "a100-40gb",
+                "hardware.nodes": 64,
+                "hardware.gpus_per_node": 8,
+                "model.preset": "deepseek-v3",
+            },
+        )
+    assert e.value.field == "overrides.ep_size" and "the planner's own choice fits (EP 8" in e.value.message
+
+
+def test_offload_must_win_by_the_models_error():
+    """Its cost is not measured: a plan with offload loses to any fitting plan without it that is
+    predicted within OFFLOAD_MARGIN; such a loser's verdict says so."""
+    from dskit.plan import search
+
     plan, found = searched(
-        "training.global_batch=32",
         **{
+            "hardware.gpu": "v100-32gb",
             "hardware.nodes": 2,
             "hardware.gpus_per_node": 8,
-            "network.fabric": "tcp",
-            "hardware.gpu": "h100-80gb",
-        },
+            "model.preset": "deepseek-moe-16b",
+        }
     )
-    assert any("fabric bandwidth unknown" in x for x in plan.speed.get("not_counted", []))
+    assert not plan.parallel.offload_optimizer
+    faster = [
+        r
+        for r in found.rows
+        if r.fits and r.candidate.offload and r.speed.tokens_per_s > found.chosen.speed.tokens_per_s
+    ]
+    assert faster and all(
+        f"{search.OFFLOAD_MARGIN:.0%} an unmeasured optimizer offload" in r.verdict for r in faster
+    )
+    assert all(
+        r.speed.tokens_per_s < found.chosen.speed.tokens_per_s / (1 - search.OFFLOAD_MARGIN) for r in faster
+    )
+    forced, _ = searched(
+        **{
+            "overrides.offload_optimizer": "cpu",
+            "hardware.gpu": "v100-32gb",
+            "hardware.nodes": 2,
+            "hardware.gpus_per_node": 8,
+            "model.preset": "deepseek-moe-16b",
+        }
+    )
+    assert "optimizer states offloaded to CPU: set by overrides.offload_optimizer" in forced.warnings
+
+
+def test_a_tie_verdict_is_measured_from_the_fastest_and_names_the_reason():
+    _, found = searched(
+        **{
+            "hardware.gpu": "a100-40gb",
+            "hardware.gpus_per_node": 4,
+            "model.preset": "deepseek-moe-16b",
+            "training.seq_len": 2048,
+            "training.global_batch": 256,
+        }
+    )
+    fastest = max(r.speed.tokens_per_s for r in found.rows if r.fits)
+    for r in found.rows[1:]:
+        if r.fits and "tie" in r.verdict:
+            assert r.speed.tokens_per_s >= fastest * 0.97 and "the winner" in r.verdict
 
 
 def test_a_slower_override_is_allowed_and_named():
@@ -125,9 +195,12 @@ def test_cli_explain_table_json_and_plot(tmp_path):
     assert j["plan"]["speed"]["tokens_per_s_per_gpu"] > 0
     verdicts = [c["verdict"] for c in j["candidates"]]
     assert verdicts[0] == "chosen" and len(verdicts) == 20
-    bad = dskit(*args, "--plot", str(tmp_path / "c.jpg"))
-    assert bad.returncode == 2 and "--plot" in bad.stderr and bad.stderr.count("\n") == 1
-    assert not (tmp_path / "c.jpg").exists()
+    for where in (tmp_path / "c.jpg", tmp_path, tmp_path / "missing" / "c.png", "/proc/c.png"):
+        bad = dskit(*args, "--plot", str(where))
+        assert bad.returncode == 2 and "--plot" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+        assert bad.stdout == ""  # nothing printed before the failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.png"]  # no temporary left behind
+    assert dskit(*args, "--plot", str(tmp_path / "upper.PNG")).returncode == 0
 
 
 def test_cpu_plans_keep_the_fit_order():
@@ -143,9 +216,22 @@ def test_cpu_plans_keep_the_fit_order():
     )
 
 
+#: plans a one-node job of these must produce (they fit one node of that GPU)
+MUST_PLAN = {
+    ("deepseek-v2-lite", "h100-80gb"),
+    ("deepseek-v2-lite", "h200-141gb"),
+    ("deepseek-v2-lite", "a100-80gb"),
+    ("deepseek-coder-v2-lite", "h100-80gb"),
+    ("deepseek-moe-16b", "a100-40gb"),
+    ("tiny-v2", "cpu"),
+    ("tiny-v3", "cpu"),
+}
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
 @pytest.mark.parametrize("gpu", sorted(catalog.gpus()))
 @pytest.mark.parametrize("model", sorted(catalog.models()))
-def test_explain_works_for_every_catalog_model_and_gpu(model, gpu):
+def test_explain_works_for_every_catalog_model_and_gpu(model, gpu, nodes):
     """A table, or the one-line refusal with the numbers: never a crash."""
     from dskit.errors import SpecError
     from dskit.explain import row_dict, table
@@ -156,11 +242,18 @@ def test_explain_works_for_every_catalog_model_and_gpu(model, gpu):
         plan, found = build_plan_searched(
             load_spec(
                 sets=sets,
-                flags={"hardware.gpu": gpu, "model.preset": model, "hardware.gpus_per_node": per_node},
+                flags={
+                    "hardware.gpu": gpu,
+                    "model.preset": model,
+                    "hardware.gpus_per_node": per_node,
+                    "hardware.nodes": nodes,
+                },
             )
         )
-    except SpecError as e:
-        assert e.field and "\n" not in e.message
+    except SpecError as e:  # only "does not fit" refusals, each with numbers and what to change
+        assert e.field in ("hardware.nodes", "hardware.host_memory_gib") and "\n" not in e.message
+        assert "GiB" in e.message and "use " in e.message
+        assert (model, gpu) not in MUST_PLAN, e.message
         return
     text = table(plan, found)
     assert text.splitlines()[0] == plan.summary() and "chosen" in text

@@ -25,6 +25,7 @@ from dskit.text import describe, first_unsafe
 
 DEFAULT_MODEL = "deepseek-v2-lite"
 PLAN_VERSION = 3  # 2: typed slurm/kubernetes/ray sections; 3: speed (predicted step time)
+READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load
 
 
 class _Frozen(BaseModel):
@@ -128,7 +129,8 @@ class Plan(_Frozen):
     kubernetes: KubernetesSpec
     ray: RayPlan
     memory: dict[str, Any]
-    speed: dict[str, Any] | None  # predicted step time by term (dskit/plan/speed.py); None: no GPU peak
+    # predicted step time by term (dskit/plan/speed.py); None: no GPU peak, or a plan of version 2
+    speed: dict[str, Any] | None = None
     env: dict[str, str]  # the launch contract, minus RUN_FILE (each target adds its own path)
     deepspeed: dict[str, Any]
     warnings: list[str]
@@ -143,8 +145,15 @@ class Plan(_Frozen):
             f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
             f"~{self.memory['total_gib']} GiB/GPU"
             + (
-                f", predicted {self.speed['tokens_per_s_per_gpu']:,} tokens/s/GPU ({self.speed['mfu']:.0%} MFU)"
+                f", predicted {'at most ' if self.speed.get('not_counted') else ''}"
+                f"{self.speed['tokens_per_s_per_gpu']:,} tokens/s/GPU ({self.speed['mfu']:.0%} MFU)"
+                + (" (inter-node traffic not counted)" if self.speed.get("not_counted") else "")
                 if self.speed
+                else ""
+            )
+            + (
+                f" [overrides: predicted {self.speed['overrides_cost']:.0%} slower than the planner's choice]"
+                if self.speed and "overrides_cost" in self.speed
                 else ""
             )
         )
@@ -214,7 +223,12 @@ def _host_memory(spec: Spec, gpu: catalog.GPU) -> tuple[float | None, str]:
 
 
 def _search(
-    spec: Spec, shape: fit.Shape, per_rank: int, speed_of: search.SpeedOf, warnings: list[str]
+    spec: Spec,
+    shape: fit.Shape,
+    per_rank: int,
+    speed_of: search.SpeedOf,
+    fabric_name: str,
+    warnings: list[str],
 ) -> search.Search:
     """The fastest candidate that fits (`dskit/plan/search.py`), else SpecError (exit 2).
 
@@ -272,12 +286,19 @@ def _search(
         ep_for=ep_for,
     )
     if found.chosen.candidate.offload:
-        why = (
-            "predicted faster than every fitting candidate without it"
-            if any(r.fits and not r.candidate.offload for r in found.rows)
-            else "no candidate without it fits"
+        if o.offload_optimizer == "cpu":
+            warnings.append("optimizer states offloaded to CPU: set by overrides.offload_optimizer")
+        elif any(r.fits and not r.candidate.offload for r in found.rows):
+            warnings.append(
+                "optimizer states offloaded to CPU: predicted faster than every fitting plan without it"
+            )
+        else:
+            warnings.append("optimizer states offloaded to CPU: no plan without it fits; expect slower steps")
+    if found.chosen.speed and found.chosen.speed.unknown:
+        warnings.append(
+            f"speed not compared on network.fabric {fabric_name}: {'; '.join(found.chosen.speed.unknown)}; "
+            "the plan takes the fit order (largest EP inside a node, largest micro-batch)"
         )
-        warnings.append(f"optimizer states offloaded to CPU ({why}): expect slower steps")
     cost = found.forced_cost
     if cost is not None and cost > search.SPEED_TIE:
         own = found.unforced_best.candidate.describe()  # type: ignore[union-attr]
@@ -285,6 +306,17 @@ def _search(
             f"{', '.join(forced)} as set is predicted {cost:.0%} slower than the planner's own choice ({own})"
         )
     return found
+
+
+def _speed_section(found: search.Search) -> dict[str, Any] | None:
+    """The winner's predicted step time; with overrides that cost speed, what they cost."""
+    if not found.chosen.speed:
+        return None
+    d = found.chosen.speed.as_dict()
+    cost = found.forced_cost
+    if cost is not None and cost > search.SPEED_TIE:
+        d["overrides_cost"] = round(cost, 3)  # predicted share of tokens/s given up to the overrides
+    return d
 
 
 def build_plan(spec: Spec) -> Plan:
@@ -317,7 +349,7 @@ def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
         kubernetes=spec.kubernetes,
         ray=plan_ray(spec),
         memory=found.chosen.fit.as_dict(),
-        speed=found.chosen.speed.as_dict() if found.chosen.speed else None,
+        speed=_speed_section(found),
         env=launch_env(spec, gpu, fabric, run, launch),
         deepspeed=deepspeed_config(model, hardware, parallel, optim),
         warnings=warnings,
@@ -453,7 +485,7 @@ def plan_parallel(
             offload=c.offload,
         )
 
-    found = _search(spec, shape, per_rank, speed_of, warnings)
+    found = _search(spec, shape, per_rank, speed_of, fabric.name, warnings)
     c = found.chosen.candidate
     parallel = ParallelPlan(
         ep_size=c.ep_size,
@@ -612,10 +644,11 @@ def load_plan(path: str | Path) -> Plan:
     data = yamlsafe.load_file(p, "run.yaml")
     if not isinstance(data, dict):
         raise SpecError(str(p), "run.yaml must be a mapping (render it with `dskit render`)")
-    if data.get("version") != PLAN_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise SpecError(
             f"{p}: version",
-            f"expected {PLAN_VERSION}, got {data.get('version')!r}; re-render with this dskit",
+            f"expected {' or '.join(map(str, READABLE_VERSIONS))}, got {data.get('version')!r}; "
+            "re-render with this dskit",
         )
     try:
         return Plan.model_validate(data)

@@ -159,6 +159,12 @@ def explain_no_fit(
     """(field, message) when no candidate fits. `own`: the planner's pick without the user's overrides
     (`forced`: their spec keys), or None; it tells "your override does not fit" from "this cluster is
     too small". `ep_for(world)`: the EP size at another world size, for the "use N nodes" hint."""
+    if forced and own is not None:  # the override, not the cluster, is what does not fit
+        best = min(fits, key=lambda f: max(f.steady.total_gib, f.construction.total_gib))
+        return forced[0], (
+            f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
+            f"choice fits ({own.describe()}): remove {' and '.join(forced)}"
+        )
     b = min((f.construction for f in fits), key=lambda b: b.total_gib)  # the best EP's
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
         return "hardware.nodes", (
@@ -169,12 +175,6 @@ def explain_no_fit(
                 _more_nodes(s, fits, ep_for),
                 f"a GPU with more memory (hardware.gpu): one module alone is {b.gathered_gib:.1f} GiB",
             )
-        )
-    if forced and own is not None:
-        best = min(fits, key=lambda f: f.steady.total_gib)
-        return forced[0], (
-            f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
-            f"choice fits ({own.describe()}): remove {' and '.join(forced)}"
         )
     on_gpu = [f for f in fits if f.gpu_ok]
     if on_gpu:
@@ -213,7 +213,12 @@ def _gpu_limit(s: Shape) -> str:
 
 
 def _numbers(f: Fit) -> str:
-    e, s = f.steady, f.shape
+    e, s, b = f.steady, f.shape, f.construction
+    if s.gpu_limit is not None and b.total_gib > s.gpu_limit and b.total_gib >= e.total_gib:
+        return (
+            f"building it peaks at {b.total_gib:.1f} GiB/GPU at {f.candidate.describe()} ({b.shard_gib:.1f} weight "
+            f"shard, {b.gathered_gib:.1f} largest module, {b.autoep_copy_gib:.1f} AutoEP copy), over {_gpu_limit(s)}"
+        )
     if s.gpu_limit is not None and e.total_gib > s.gpu_limit:
         return (
             f"training needs {e.total_gib:.1f} GiB/GPU at {f.candidate.describe()} (states {e.states_gib:.1f}, "

@@ -2,18 +2,22 @@
 
 Candidates are EP size x micro-batch (the rest of the per-rank batch is gradient accumulation) x
 activation checkpointing (off, every layer) x optimizer offload (off, on). Each is checked against
-memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE) go to
-no recomputation, then to fewer accumulation steps, then to the faster. Recompute first: the model
-under-predicted checkpointed runs near capacity by up to 11% on H200 (bench/results/h200x2-planner-*),
-so a tie with checkpointing is usually a loss. Then accumulation: the seed post warns that long
-accumulation hurts MoE convergence, and a bigger micro-step is the same work in fewer, larger kernels.
+memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE of
+the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then less memory,
+then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
+first: offload's rate is not measured here, and the model under-predicted checkpointed runs near
+capacity by up to 11% on H200 (bench/results/h200x2-planner-*), so a tie with either is usually a loss.
+Then accumulation: the seed post warns that long accumulation hurts MoE convergence, and a bigger
+micro-step is the same work in fewer, larger kernels. Then memory: less of it is less risk. A plan
+with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
 
 Checkpointing every N-th layer (N > 1) is not searched: on one H200 it ran five times slower than
 checkpointing every layer at the same shape (issue 13), so the planner never proposes it; a user may
 still set it (`overrides.activation_checkpointing`).
 
-Where no step time can be predicted (the cpu profile has no peak), the order is the old fit-first one:
-no offload, the largest micro-batch, no checkpointing.
+Where no step time can be predicted (the cpu profile has no peak), or a fitting candidate has a term
+left out for an unknown bandwidth (multi-node on `network.fabric: tcp`), the order is the fit order:
+no offload, the largest EP inside a node, the largest micro-batch, no checkpointing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from dskit.plan.speed import StepTime
 
 #: candidates predicted within this share of the fastest are ties (the model's own error is larger)
 SPEED_TIE = 0.03
+#: optimizer offload's cost is first principles, not measured here: a plan with it must be predicted
+#: faster than every fitting plan without it by more than the step-time model's validated error (15%)
+OFFLOAD_MARGIN = 0.15
 
 SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
 
@@ -64,25 +71,36 @@ class Search:
 
 
 def _rank_key(row: Row) -> tuple:
+    """The tie order: no offload, no recompute, fewer accumulation steps, less memory, then speed."""
     c, s = row.candidate, row.speed
     return (c.offload, c.ckpt_every, row.grad_accum, row.fit.steady.total_gib, -s.tokens_per_s if s else 0.0)
 
 
-def _verdict(row: Row, best: Row) -> str:
+def timed(row: Row) -> bool:
+    """A prediction that counts every term (no bandwidth was unknown)."""
+    return row.speed is not None and not row.speed.unknown
+
+
+def _verdict(row: Row, best: Row, fastest: float | None) -> str:
     f = row.fit
     if not f.gpu_ok:
         peak = max(f.steady.total_gib, f.construction.total_gib)
         return f"over GPU memory: {peak:.1f} > {f.shape.gpu_limit:.1f} GiB"
     if not f.host_ok:
         return f"over host RAM: {f.host.total_gib:.1f} > {f.shape.host_limit:.1f} GiB/node"
-    if row.speed is None or best.speed is None:
-        return "fits; an earlier candidate in the fit order won"
-    loss = 1 - row.speed.tokens_per_s / best.speed.tokens_per_s
-    if loss > SPEED_TIE:
-        return f"{loss:.0%} slower"
-    speed = f"{abs(loss):.0%} {'slower' if loss >= 0 else 'faster'}"
+    if fastest is None or row.speed is None or best.speed is None:
+        return "fits; an earlier candidate in the fit order won (speed not predicted)"
+    d = 1 - row.speed.tokens_per_s / best.speed.tokens_per_s
+    speed = f"{abs(d):.0%} {'slower' if d >= 0 else 'faster'} than the winner"
     c, b = row.candidate, best.candidate
-    if c.ckpt_every > b.ckpt_every:
+    if c.offload and not b.offload and d < 0:
+        return f"{speed}, not by the {OFFLOAD_MARGIN:.0%} an unmeasured optimizer offload must win by"
+    behind = 1 - row.speed.tokens_per_s / fastest
+    if behind > SPEED_TIE:  # outside the tie window, which is measured from the fastest
+        return speed if d > 0 else f"{speed}: outside {SPEED_TIE:.0%} of the fastest"
+    if c.offload and not b.offload:
+        why = "the winner needs no offload"
+    elif c.ckpt_every > b.ckpt_every:
         why = "the winner recomputes less"
     elif row.grad_accum > best.grad_accum:
         why = "the winner accumulates fewer micro-steps"
@@ -90,25 +108,39 @@ def _verdict(row: Row, best: Row) -> str:
         why = f"the winner needs less memory ({best.fit.steady.total_gib:.1f} GiB)"
     else:
         why = "the winner is faster"
-    return f"tie ({speed}, within {SPEED_TIE:.0%}): {why}"
+    return f"tie ({speed}; within {SPEED_TIE:.0%} of the fastest): {why}"
+
+
+def _fastest(rows: list[Row]) -> Row:
+    top = max(r.speed.tokens_per_s for r in rows)  # type: ignore[union-attr]
+    return min((r for r in rows if r.speed.tokens_per_s >= top * (1 - SPEED_TIE)), key=_rank_key)  # type: ignore[union-attr]
 
 
 def rank(shape: fit.Shape, candidates: list[fit.Candidate], per_rank: int, speed_of: SpeedOf) -> list[Row]:
-    """Every candidate evaluated; the winner first (fits, fastest, tie-broken), then the rest."""
+    """Every candidate evaluated; the winner first (fits, fastest, tie-broken), then the rest.
+
+    Speed ranks only where every fitting candidate is fully timed: a term left out for an unknown
+    bandwidth (network.fabric tcp across nodes) would make the candidates that use it look free, so
+    then the fit order decides, as for the cpu profile."""
     rows = [Row(fit.evaluate(shape, c), speed_of(c), per_rank // c.micro_batch, "") for c in candidates]
     ok = [r for r in rows if r.fits]
     if not ok:
         return rows
-    if all(r.speed is not None for r in ok):
+    fastest = None
+    if all(timed(r) for r in ok):
+        best = _fastest(ok)
         fastest = max(r.speed.tokens_per_s for r in ok)  # type: ignore[union-attr]
-        near = [r for r in ok if r.speed.tokens_per_s >= fastest * (1 - SPEED_TIE)]  # type: ignore[union-attr]
-        best = min(near, key=_rank_key)
+        resident = [r for r in ok if not r.candidate.offload]
+        if best.candidate.offload and resident:
+            alt = _fastest(resident)
+            if alt.speed.tokens_per_s >= best.speed.tokens_per_s * (1 - OFFLOAD_MARGIN):  # type: ignore[union-attr]
+                best = alt
         ok.sort(key=lambda r: -r.speed.tokens_per_s)  # type: ignore[union-attr]
     else:
         best = ok[0]  # candidates arrive in the fit order
     rest = [r for r in ok if r is not best] + [r for r in rows if not r.fits]
     best = dataclasses.replace(best, verdict="chosen")
-    return [best] + [dataclasses.replace(r, verdict=_verdict(r, best)) for r in rest]
+    return [best] + [dataclasses.replace(r, verdict=_verdict(r, best, fastest)) for r in rest]
 
 
 def search(

@@ -1,7 +1,7 @@
 """Predicted step time of one candidate configuration: the planner picks the fastest that fits.
 
 A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
-derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/test_speed.py). Per GPU,
+derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/test_plan_calibration.py). Per GPU,
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 
@@ -67,10 +67,12 @@ ZERO3_OVERLAP = 0.5
 #: DeepSpeed CPU-Adam: 0.22 s per billion parameters on a two-socket Xeon node (ZeRO-Offload, Ren et
 #: al. 2021, Table 3: 1 B parameters); ranks of a node share it
 CPU_ADAM_S_PER_BPARAM_NODE = 0.22
-#: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back
+#: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back. Once per step,
+#: not per micro-step: ZeRO-3 accumulates gradient partitions on the GPU and offloads them at the
+#: accumulation boundary (DeepSpeed 0.19.8, stage3.py `partition_grads`)
 OFFLOAD_BYTES_PER_PARAM = 6
 #: achieved share of the link bandwidth in AutoEP's all-to-all (uneven splits, the count exchange before
-#: each dispatch, small messages): EP 2 cost 24-49 ms more per step than EP 1 at the same shapes on
+#: each dispatch, small messages): EP 2 cost 24-54 ms more per step than EP 1 at the same shapes on
 #: 2 x H200, 0.2-0.5 of NVLink's rate (bench/results/h200x2-planner-*.json); fitted to 0.4
 A2A_EFFICIENCY = 0.4
 #: 16-bit weights and gradients

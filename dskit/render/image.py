@@ -8,6 +8,7 @@ Build from the repository root (the context holds dskit itself):
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import yaml
@@ -15,6 +16,21 @@ import yaml
 from dskit import __version__, catalog
 from dskit.plan import Plan
 from dskit.render.common import q, render_template
+
+# What `pip install /tmp/dskit-src` in the image reads, relative to the repository root: pyproject.toml's
+# readme, the wheel's packages and its force-include sources (templates/ and the Helm chart).
+# tests/test_images.py checks this against pyproject.toml and builds the wheel from exactly these paths.
+WHEEL_SOURCES = ("pyproject.toml", "README.md", "dskit", "templates", "helm/dskit")
+SRC_DIR = "/tmp/dskit-src"
+
+# The ISA DeepSpeed's CPU ops are compiled for (install.sh; DSKIT_CPU_ISA overrides it at build time).
+# x86-64-v3 = AVX2, FMA, BMI2 (psABI microarchitecture levels): Intel Haswell (2013) and AMD Zen 1 on;
+# every GPU server of the catalog's generations has it (DGX-1's Broadwell-EP included). Not v4: AVX-512
+# is missing on AMD before Zen 4 and on Intel client CPUs.
+CPU_ISA = "x86-64-v3"
+
+# Values that go into the Dockerfile unquoted-by-shell (ARG defaults, FROM): image references, URLs.
+_DOCKER_VALUE = re.compile(r"^[A-Za-z0-9._:/@+-]*$")
 
 DOCKERFILE, INSTALL, LOCK, APPTAINER, ENROOT = (
     "Dockerfile",
@@ -91,15 +107,34 @@ def image_files(gpu_name: str, fabric_name: str = "infiniband") -> dict[str, str
         "efa_version": efa["installer"],
         "efa_url": efa["url"].format(version=efa["installer"]),
         "dir": f"images/{image_dir(gpu_name, fabric_name)}",
+        "cpu_isa": CPU_ISA,
     }
     install = render_template("image/install.sh.j2", **ctx, torch_index=q(tc["torch_index"] or ""))
+    docker_args = {
+        "builder_image": tc["builder_image"],
+        "runtime_image": tc["runtime_image"],
+        "torch_index": tc["torch_index"] or "",
+    }
+    for key, value in docker_args.items():
+        if not _DOCKER_VALUE.match(value):
+            raise ValueError(f"images.yaml: {key} {value!r} is not an image reference or URL")
     return {
-        DOCKERFILE: render_template("image/Dockerfile.j2", **ctx),
+        DOCKERFILE: render_template(
+            "image/Dockerfile.j2",
+            **ctx,
+            **{k: f'"{v}"' for k, v in docker_args.items()},
+            sources=copy_sources(),
+        ),
         INSTALL: install,
         LOCK: lock,
         APPTAINER: render_template("image/apptainer.def.j2", **ctx),
         ENROOT: render_template("image/enroot-import.sh.j2", **ctx, q_tag=q(tag)),
     }
+
+
+def copy_sources() -> list[tuple[str, str]]:
+    """(source, destination) of the Dockerfile's COPY lines for the dskit source tree."""
+    return [(src, f"{SRC_DIR}/{src}") for src in WHEEL_SOURCES]
 
 
 def image_dir(gpu_name: str, fabric_name: str = "infiniband") -> str:

@@ -12,8 +12,45 @@ torch_index=${DSKIT_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 "$PY" -m pip install ${torch_index:+--index-url "$torch_index"} "torch==2.13.0"
 "$PY" -m pip install -r "$here/requirements.lock"
 
-# DeepSpeed with its ops compiled now, not JIT-compiled by every worker at start-up.
+# DeepSpeed with its ops compiled now, not JIT-compiled by every worker at start-up...
 export DS_BUILD_OPS=0 DS_BUILD_CPU_ADAM=1
+# ...for a stated ISA, not the build host's: DeepSpeed's op builder compiles CPU code with -march=native
+# and picks its AVX-512 kernels when the build host has them (op_builder/builder.py, cpu_arch() and
+# simd_width(); there is no switch), and such an image dies of "illegal instruction" on older nodes.
+# The compilers it calls go through a wrapper that puts the baseline in place of both.
+isa=${DSKIT_CPU_ISA:-x86-64-v3}
+case "$isa" in
+  x86-64 | x86-64-v2 | x86-64-v3 | x86-64-v4 | native) ;;
+  *) echo "install.sh: error: DSKIT_CPU_ISA: unknown value; one of: x86-64, x86-64-v2, x86-64-v3, x86-64-v4, native" >&2; exit 2 ;;
+esac
+if [ "$(uname -m)" = x86_64 ] && [ "$isa" != native ]; then
+  case "$isa" in
+    x86-64-v4) simd=-D__AVX512__ ;;
+    x86-64-v3) simd=-D__AVX256__ ;;
+    *) simd=-D__SCALAR__ ;;
+  esac
+  wrap=$(mktemp -d)
+  for cc in gcc g++; do
+    real=$(command -v "$cc")
+    cat >"$wrap/$cc" <<EOF
+#!/bin/bash
+args=()
+for a in "\$@"; do
+  case "\$a" in
+    -march=native) args+=(-march=$isa) ;;
+    -D__AVX512__ | -D__AVX256__ | -D__SCALAR__) args+=($simd) ;;
+    *) args+=("\$a") ;;
+  esac
+done
+exec $real "\${args[@]}"
+EOF
+    chmod +x "$wrap/$cc"
+  done
+  export CC="$wrap/gcc" CXX="$wrap/g++"
+fi
+# FusedAdam: the engine's Adam on GPUs, and on the CPU accelerator too (its CPU FusedAdam op), where a
+# runtime image without compilers could not JIT-compile it.
+export DS_BUILD_FUSED_ADAM=1
 export DS_BUILD_SHM_COMM=1 DS_ACCELERATOR=cpu
 # --no-cache-dir: a cached DeepSpeed wheel built without these flags would be reused silently
 "$PY" -m pip install --no-cache-dir --no-build-isolation "deepspeed==0.19.8"
