@@ -77,7 +77,7 @@ def construction_worker(run_dir: str) -> None:
     from dskit.train.entry import build_engine, read_contract, setup_logging, start_distributed
 
     setup_logging(int(os.environ["RANK"]))
-    plan, _, _ = read_contract()
+    plan, *_ = read_contract()
     ds = json.loads(json.dumps(plan.deepspeed))
     ds.pop("optimizer", None)
     ds["zero_optimization"].pop("offload_optimizer", None)

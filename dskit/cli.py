@@ -21,6 +21,15 @@ def count(text: str) -> int:
     return int(text)
 
 
+def _fraction(text: str) -> float:
+    """A share in [0, 1) written as a plain decimal (no 'nan', 'inf', '1e-2' surprises: 0.01)."""
+    if not re.fullmatch(r"0?\.[0-9]{1,12}|0", text):
+        raise argparse.ArgumentTypeError(
+            f"invalid fraction: {text!r} (a decimal from 0 to below 1, e.g. 0.01)"
+        )
+    return float(text)
+
+
 # Flags that map 1:1 onto spec fields (dest -> dotted spec key).
 SPEC_FLAGS: dict[str, tuple[str, Any, str]] = {
     "job_name": ("name", str, "run/job name (spec: name)"),
@@ -171,7 +180,8 @@ def cmd_render(a: argparse.Namespace) -> int:
     spec = _spec_from_args(a)
     plan = build_plan(spec)
     # what the render reads: --force must never replace a directory holding one of them
-    inputs = [a.spec, spec.data.path, spec.model.path]
+    sources = [x.path for x in spec.data.sources or []]
+    inputs = [a.spec, spec.data.path, spec.data.eval_path, *sources, spec.model.path]
     default = f"runs/{plan.name}-{a.target}"
     out = check_replaceable(default if a.output is None else a.output, force=a.force, inputs=inputs)
     for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:
@@ -290,9 +300,18 @@ def cmd_data(a: argparse.Namespace) -> int:
     try:
         from dskit.train.data import prepare
 
-        prepare(a.inputs, a.output, tokenizer=a.tokenizer, force=a.force)
-    except ModuleNotFoundError as e:  # numpy/tqdm, or transformers for a tokenizer dir
-        raise _needs_extra("data prepare", "train", e) from None
+        prepare(
+            a.inputs,
+            a.output,
+            tokenizer=a.tokenizer,
+            force=a.force,
+            eval_fraction=a.eval_fraction,
+            text_field=a.text_field,
+            workers=a.workers,
+        )
+    except ModuleNotFoundError as e:  # numpy/tqdm, transformers for a tokenizer dir; pyarrow, zstandard
+        extra = "data" if e.name in ("pyarrow", "zstandard") else "train"
+        raise _needs_extra("data prepare", extra, e) from None
     return 0
 
 
@@ -465,10 +484,30 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("data", help="data tools")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")
     d = dsub.add_parser("prepare", help="tokenize text/jsonl into token shards for training")
-    d.add_argument("inputs", nargs="+", help=".txt or .jsonl files (jsonl: the 'text' field)")
+    d.add_argument(
+        "inputs",
+        nargs="+",
+        help=".txt, .jsonl (also .gz/.zst), .parquet, .arrow files or a local datasets save_to_disk dir; records "
+        "with 'messages' are chat, others use the text field",
+    )
+    d.add_argument(
+        "--text-field", default="text", help="the text field/column of JSONL, Parquet and Arrow records"
+    )
     d.add_argument("-o", "--output", required=True, help="shard directory to create")
     d.add_argument(
         "--tokenizer", default="byte", help="'byte' (built in) or a local Hugging Face tokenizer dir"
+    )
+    d.add_argument(
+        "--eval-fraction",
+        type=_fraction,
+        default=0.0,
+        help="hold out about this share of the documents (0 to <1) in DIR/eval for the eval loss",
+    )
+    d.add_argument(
+        "--workers",
+        type=count,
+        default=1,
+        help="tokenizer processes (default 1); the shards are byte-identical for any number",
     )
     d.add_argument("--force", action="store_true", help="replace an existing directory")
     d.set_defaults(func=cmd_data)

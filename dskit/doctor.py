@@ -166,10 +166,10 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
     except Exception as e:
         return [Check("deepspeed ops", FAIL, f"cannot read the op report: {e}")]
-    # fused_adam on the CPU accelerator too: DeepSpeed's engine takes its CPU FusedAdam there
-    wanted = ["cpu_adam", "fused_adam"] + (
-        [] if gpu or os.environ.get("DSKIT_IMAGE_ARCH") else ["deepspeed_shm_comm"]
-    )
+    # cpu_adam: optimizer offload. fused_adam: the engine's Adam on GPUs (the CPU accelerator runs
+    # torch's AdamW, the plan's optimizer.params.torch_adam). shm_comm: DeepSpeed's CPU collectives.
+    is_gpu = gpu or bool(os.environ.get("DSKIT_IMAGE_ARCH"))
+    wanted = ["cpu_adam"] + (["fused_adam"] if is_gpu else ["deepspeed_shm_comm"])
     checks = []
     for op in wanted:
         if installed_ops.get(op):

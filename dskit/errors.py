@@ -20,6 +20,18 @@ class SpecError(Exception):
         self.field = field
         self.message = message
 
+    def __reduce__(self):
+        # raised in a `data prepare` worker process and re-raised in the parent: rebuild it from the
+        # escaped parts without escaping them twice
+        return (_rebuild, (self.field, self.message))
+
+
+def _rebuild(field: str, message: str) -> SpecError:
+    e = SpecError.__new__(SpecError)
+    Exception.__init__(e, f"{field}: {message}")
+    e.field, e.message = field, message
+    return e
+
 
 def one_of(values) -> str:
     """Render allowed values for an error message: 'one of: a, b, c'."""

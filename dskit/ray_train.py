@@ -25,12 +25,12 @@ def _worker(config: dict) -> None:
     from dskit.train.entry import read_contract, run, setup_logging
 
     setup_logging(ctx.get_world_rank())
-    plan, data, sampler = read_contract(launcher_env=False)
+    plan, data, sampler, eval_sampler = read_contract(launcher_env=False)
     if ctx.get_world_size() != plan.hardware.world_size:
         raise RuntimeError(
             f"Ray started {ctx.get_world_size()} workers, the plan is for {plan.hardware.world_size}"
         )
-    code = run(plan, data, sampler, reporter=lambda rec: ray.train.report(rec))
+    code = run(plan, data, sampler, eval_sampler, reporter=lambda rec: ray.train.report(rec))
     if code == EXIT_REQUEUE:
         raise RuntimeError("stopped on request after a checkpoint; a restarted worker group resumes from it")
     if code != 0:

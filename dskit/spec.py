@@ -174,6 +174,19 @@ class TrainingSpec(_Section):
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="Gradient norm clip (0 disables).")
     seed: int = Field(1234, ge=0, le=2**32 - 1, description="Seed for init and data order.")
     log_every: int = Field(10, ge=1, description="Steps between log lines / metrics records.")
+    eval_every: int = Field(
+        200,
+        ge=1,
+        description="Steps between eval losses on the held-out set (and one at the end); only when there is "
+        "one: data.eval_path, or DATA/eval from `dskit data prepare --eval-fraction`.",
+    )
+    eval_batches: int = Field(
+        8,
+        ge=1,
+        le=100000,
+        description="Micro-batches per rank in one eval (the same held-out samples every time; fewer when "
+        "the held-out set is smaller).",
+    )
     profile_steps: int = Field(
         0,
         ge=0,
@@ -189,11 +202,41 @@ class TrainingSpec(_Section):
     )
 
 
+class DataSource(_Section):
+    path: str = Field(..., min_length=1, description="Token shard directory from `dskit data prepare`.")
+    weight: float = Field(
+        ..., gt=0, le=1e6, description="Share of the samples, relative to the other sources."
+    )
+
+
 class DataSpec(_Section):
+    sources: list[DataSource] | None = Field(
+        None,
+        description="A mixture instead of data.path: [{path, weight}, ...]; each sample comes from one source, "
+        "in proportion to the weights, deterministically from (seed, sample number). Same tokenizer and kind.",
+    )
+
+    @field_validator("sources")
+    @classmethod
+    def _some_sources(cls, v: list | None) -> list | None:
+        if v is not None and not v:
+            raise ValueError("must list at least one {path, weight}, or be left out (use data.path)")
+        return v
+
     path: str | None = Field(
         None,
         description="Token shard directory from `dskit data prepare`. Default: the embedded corpus, "
         "byte-tokenized at start (demo and tests).",
+    )
+    eval_path: str | None = Field(
+        None,
+        description="Held-out shard directory for the eval loss. Default: DATA/eval when `data prepare "
+        "--eval-fraction` wrote one, else no eval.",
+    )
+    packing: Literal["pack", "pad"] = Field(
+        "pack",
+        description="Chat data: 'pack' fills each row with whole samples (attention stays inside each), "
+        "'pad' puts one sample per row. Text data always uses windows across documents.",
     )
 
 

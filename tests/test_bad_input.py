@@ -418,7 +418,7 @@ CASES: dict[str, tuple[Setup, str]] = {
     "latin-1 JSONL": (prepare_jsonl('{"text": "café"}\n'.encode("latin-1")), f"not UTF-8 text|{NO_TRAIN}"),
     "data prepare of a directory": (
         lambda d: ["data", "prepare", str(d), "-o", str(d / "shards")],
-        f"is a directory; give the .txt/.jsonl files|{NO_TRAIN}",
+        f"is a directory; give the .txt/.jsonl/.parquet files|{NO_TRAIN}",
     ),
     "binary JSONL": (prepare_jsonl(bytes(range(256)) * 4), f"not UTF-8 text|{NO_TRAIN}"),
     # flags
@@ -540,13 +540,13 @@ def test_status_against_a_server_answering_garbage_is_one_line(tmp_path, body):
 
 def test_a_jsonl_with_a_byte_order_mark_is_read(tmp_path):
     pytest.importorskip("numpy")
-    from dskit.train.data import _read_documents
+    from dskit.train.data import _records
 
     f = tmp_path / "a.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n')
     t = tmp_path / "b.txt"
     t.write_bytes(b"\xef\xbb\xbfhi")
-    assert list(_read_documents([str(f), str(t)])) == ["hello", "hi"]
+    assert list(_records([str(f), str(t)])) == ["hello", "hi"]
 
 
 def test_shards_linked_into_a_cache_are_accepted(tmp_path):

@@ -84,6 +84,11 @@ class RunPlan(_Frozen):
     seed: int
     log_every: int
     data_path: str | None
+    data_sources: list[tuple[str, float]] | None  # a mixture (path, weight); then data_path is None
+    eval_path: str | None  # None: DATA/eval if the trainer finds one (`data prepare --eval-fraction`)
+    packing: Literal["pack", "pad"]
+    eval_every: int
+    eval_batches: int
     checkpoint_dir: str
     output_dir: str
     checkpoint_every: int
@@ -526,11 +531,21 @@ def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
     )
     out_dir = os.path.abspath(storage.output_dir) if storage.output_dir else f"{run_root}/outputs"
     data_path = os.path.abspath(spec.data.path) if spec.data.path else None
+    sources = None
+    if spec.data.sources is not None:
+        if data_path is not None:
+            raise SpecError(
+                "data.sources", "given with data.path; use one of them (a one-source mixture is data.path)"
+            )
+        sources = [(os.path.abspath(x.path), x.weight) for x in spec.data.sources]
+    eval_path = os.path.abspath(spec.data.eval_path) if spec.data.eval_path else None
     for field, path in (
         ("storage.root", root),
         ("storage.checkpoint_dir", ckpt_dir),
         ("storage.output_dir", out_dir),
         ("data.path", data_path),
+        ("data.eval_path", eval_path),
+        *((f"data.sources[{i}].path", path) for i, (path, _) in enumerate(sources or [])),
     ):
         bad = first_unsafe(path or "")
         if bad is not None:  # the spec's strings are checked; the current directory may add one
@@ -546,6 +561,11 @@ def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
         seed=spec.training.seed,
         log_every=spec.training.log_every,
         data_path=data_path,
+        data_sources=sources,
+        eval_path=eval_path,
+        packing=spec.data.packing,
+        eval_every=spec.training.eval_every,
+        eval_batches=spec.training.eval_batches,
         checkpoint_dir=ckpt_dir,
         output_dir=out_dir,
         checkpoint_every=spec.checkpoint.every,

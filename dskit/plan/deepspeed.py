@@ -62,8 +62,10 @@ def deepspeed_config(
         "wall_clock_breakdown": False,
     }
     if not on_gpu and not offload_optimizer:
-        # FusedAdam is a CUDA op; on the CPU accelerator use torch's AdamW.
-        cfg["optimizer"]["torch_adam"] = True
+        # FusedAdam is a CUDA op; on the CPU accelerator use torch's AdamW. DeepSpeed reads the switch
+        # from optimizer.params (engine.get_optimizer_configuration pops it there): one level up it is
+        # ignored and DeepSpeed JIT-compiles its CPU FusedAdam instead.
+        cfg["optimizer"]["params"]["torch_adam"] = True
     if parallel.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     else:

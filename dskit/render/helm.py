@@ -53,6 +53,8 @@ def _under_root(plan: Plan) -> None:
         ("storage.checkpoint_dir", plan.run.checkpoint_dir),
         ("storage.output_dir", plan.run.output_dir),
         ("data.path", plan.run.data_path),
+        ("data.eval_path", plan.run.eval_path),
+        *((f"data.sources[{i}].path", path) for i, (path, _) in enumerate(plan.run.data_sources or [])),
     ):
         if path is not None and not (path + "/").startswith(root):
             raise SpecError(

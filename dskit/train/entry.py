@@ -32,9 +32,10 @@ def setup_logging(rank: int) -> None:
 
 
 def read_contract(*, launcher_env: bool = True):
-    """Plan, data and sampler from DSKIT_RUN_FILE; SpecError (exit 2) on anything wrong."""
+    """Plan, data, its sampler and the held-out set's sampler (or None) from DSKIT_RUN_FILE; SpecError
+    (exit 2) on anything wrong."""
     from dskit.plan import load_plan
-    from dskit.train.data import Sampler, TokenData
+    from dskit.train.data import Mixture, Sampler, TokenData
 
     run_file = os.environ.get(Env.RUN_FILE.value)
     if not run_file:
@@ -58,17 +59,68 @@ def read_contract(*, launcher_env: bool = True):
                 f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
                 f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
             )
-    data = TokenData.open(plan.run.data_path)
     vocab = plan.model.config["vocab_size"]
+    if plan.run.data_sources:
+        parts = []
+        for i, (path, _) in enumerate(plan.run.data_sources):
+            try:
+                parts.append(TokenData.open(path))
+            except SpecError as e:  # TokenData names data.path; here it is one source's
+                raise (
+                    SpecError(f"data.sources[{i}].path", e.message) if e.field == "data.path" else e
+                ) from None
+            first, d = parts[0], parts[-1]
+            if (d.kind, d.vocab_size, d.eos_id) != (first.kind, first.vocab_size, first.eos_id):
+                raise SpecError(
+                    f"data.sources[{i}].path",
+                    f"{path} is {d.kind} data with vocabulary {d.vocab_size}; data.sources[0] is {first.kind} with "
+                    f"{first.vocab_size}: prepare every source with the same tokenizer and inputs of one kind",
+                )
+        data = parts[0]
+        samplers = [Sampler(d, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing) for d in parts]
+        sampler = Mixture(samplers, [w for _, w in plan.run.data_sources], plan.run.seed)
+    else:
+        data = TokenData.open(plan.run.data_path)
+        sampler = Sampler(data, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
     if data.vocab_size > vocab:
         raise SpecError(
-            "data.path", f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}"
+            "data.sources[0].path" if plan.run.data_sources else "data.path",
+            f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}",
         )
-    sampler = Sampler(data, plan.parallel.seq_len, plan.run.seed)
-    return plan, data, sampler
+    return plan, data, sampler, _eval_sampler(plan, data)
 
 
-def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) -> int:
+def _eval_sampler(plan, data):
+    """The held-out set: data.eval_path, or DATA/eval written by `data prepare --eval-fraction`."""
+    from dskit.train.data import EVAL_DIR, Sampler, TokenData
+
+    path, field = plan.run.eval_path, "data.eval_path"
+    if path is None and plan.run.data_path and Path(plan.run.data_path, EVAL_DIR, "index.json").is_file():
+        path, field = str(Path(plan.run.data_path, EVAL_DIR)), "data.path"
+    if path is None:
+        return None
+    try:
+        held = TokenData.open(path)
+        if (held.kind, held.vocab_size, held.eos_id) != (data.kind, data.vocab_size, data.eos_id):
+            raise SpecError(
+                field,
+                f"{path} is {held.kind} data with vocabulary {held.vocab_size}, the training data is {data.kind} "
+                f"with {data.vocab_size}: prepare both with the same tokenizer and inputs of one kind",
+            )
+        sampler = Sampler(held, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
+        need = plan.hardware.world_size * plan.parallel.micro_batch
+        if sampler.windows < need:  # checked before the model is built, not at the first eval
+            raise SpecError(
+                field,
+                f"{path} holds {sampler.windows} eval samples of {plan.parallel.seq_len} tokens, fewer than one "
+                f"micro-batch on every rank ({need}); hold out more (data prepare --eval-fraction)",
+            )
+        return sampler
+    except SpecError as e:  # TokenData names data.path; here the field is the eval set's
+        raise SpecError(field, e.message) if e.field == "data.path" else e from None
+
+
+def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], None] | None = None) -> int:
     """Build model + engine and train. The caller owns the process group's lifetime."""
     import warnings
 
@@ -78,11 +130,21 @@ def run(plan, data, sampler, *, reporter: Callable[[dict], None] | None = None) 
     from dskit.train.loop import train
 
     device, rank, world = start_distributed(plan)
-    log.info("data: %s, %d tokens", data.source, len(data.tokens))
+    log.info("data: %s", sampler.describe())
+    if sampler.truncated:
+        log.warning(
+            "data: %d samples are longer than seq_len+1 (%d tokens) and are cut to it",
+            sampler.truncated,
+            plan.parallel.seq_len + 1,
+        )
     engine = build_engine(plan, device, rank=rank)
     score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
     tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
-    return train(plan, engine, tap, sampler, rank=rank, world=world, device=device, reporter=reporter)
+    if eval_sampler is not None:
+        log.info("eval: %s, every %d steps and at the end", eval_sampler.data.source, plan.run.eval_every)
+    return train(
+        plan, engine, tap, sampler, eval_sampler, rank=rank, world=world, device=device, reporter=reporter
+    )
 
 
 def start_distributed(plan):
@@ -202,14 +264,14 @@ def main() -> int:
 def _main() -> int:
     setup_logging(int(os.environ.get("RANK", "0")))
     try:
-        plan, data, sampler = read_contract()
+        plan, data, sampler, eval_sampler = read_contract()
     except SpecError as e:
         _error_line(e)
         return EXIT_BAD_INPUT
     import torch.distributed as dist
 
     try:
-        return run(plan, data, sampler)
+        return run(plan, data, sampler, eval_sampler)
     except SpecError as e:
         _error_line(e)
         return EXIT_BAD_INPUT

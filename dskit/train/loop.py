@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
-from dskit.train.data import Sampler, sample_index
-from dskit.train.metrics import LogWindow, MemoryWatch, current_gib
+from dskit.train.data import IGNORE_INDEX, Mixture, Sampler, sample_index
+from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
+from dskit.train.tensorboard import TensorBoardLog
 
 log = logging.getLogger("dskit.train")
 PROBE_TOKENS = 64
@@ -66,7 +68,8 @@ def train(
     plan: Plan,
     engine,
     tap: RouterTap,
-    sampler: Sampler,
+    sampler: Sampler | Mixture,
+    eval_sampler: Sampler | None = None,
     *,
     rank: int,
     world: int,
@@ -88,6 +91,9 @@ def train(
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
+    evals = None
+    if eval_sampler:
+        evals = Evaluator(plan, eval_sampler, rank=rank, world=world, device=device, tb=window.tensorboard)
 
     def save(step: int, extra: dict | None = None) -> None:
         info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
@@ -108,16 +114,10 @@ def train(
             first = sample_index(
                 step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
             )
-            batch = torch.from_numpy(sampler.batch(first, par.micro_batch)).to(device, non_blocking=True)
-            inputs, labels = batch[:, :-1], batch[:, 1:]
+            inputs, labels, extra = _to_device(sampler.get(first, par.micro_batch), device)
             tap.start()
-            if par.loss_chunk_tokens:  # the model computes the loss without materialising the logits
-                ce = engine(input_ids=inputs, labels=labels).loss
-                tap.stop()
-            else:
-                logits = engine(input_ids=inputs).logits
-                tap.stop()
-                ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
+            tap.stop()
             aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
             engine.backward(ce + aux)
             engine.step()
@@ -130,6 +130,10 @@ def train(
         warning = watch.observe(done, current_gib(device))
         if warning and rank == 0:
             log.warning(warning)
+
+        # ------------------------------------------------------------ eval
+        if evals and (done % run.eval_every == 0 or done == opt.steps):
+            window.last["eval_loss"] = evals.run(engine, done)
 
         # ------------------------------------------------------------ checkpoint / stop
         if done == opt.steps:
@@ -152,10 +156,80 @@ def train(
     return 0
 
 
-def _probe(plan: Plan, engine, sampler: Sampler, device: torch.device) -> dict[str, torch.Tensor]:
+class Evaluator:
+    """Mean cross-entropy per labelled token over the same held-out samples every time (so the values
+    are comparable across steps): `eval_batches` micro-batches per rank, fewer when the held-out set
+    holds fewer samples than that, never repeating one. Collective: every rank calls it at the same
+    step. One record per eval in OUTPUT_DIR/eval.jsonl (metrics.jsonl keeps one training record per
+    log step, which `dskit status` and `dskit report` read), TensorBoard `eval/loss`, one log line."""
+
+    def __init__(
+        self, plan: Plan, sampler: Sampler, *, rank: int, world: int, device: torch.device, tb: TensorBoardLog
+    ):
+        self.sampler, self.rank, self.world, self.device = sampler, rank, world, device
+        self.micro = plan.parallel.micro_batch
+        self.chunked = bool(plan.parallel.loss_chunk_tokens)
+        self.batches = min(plan.run.eval_batches, sampler.windows // (world * self.micro))
+        # >= 1: entry._eval_sampler refused a held-out set smaller than one micro-batch per rank
+        self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0, name="eval.jsonl")
+        self.tensorboard = tb  # the training log's writer: one event file per run
+
+    def run(self, engine, step: int) -> float:
+        t0 = time.perf_counter()
+        engine.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x tokens, tokens
+        with torch.no_grad():
+            for b in range(self.batches):
+                first = (b * self.world + self.rank) * self.micro
+                inputs, labels, extra = _to_device(self.sampler.get(first, self.micro), self.device)
+                n = (labels != IGNORE_INDEX).sum()
+                ce = _loss(engine, inputs, labels, extra, chunked=self.chunked)
+                sums += torch.stack([ce.double() * n, n.double()])
+        engine.train()
+        dist.all_reduce(sums)
+        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        rec = {"step": step, "eval_loss": loss, "eval_tokens": int(sums[1].item()), "time": time.time()}
+        self.metrics.write(rec)
+        self.tensorboard.write(rec)
+        if self.rank == 0:
+            log.info(
+                "eval step %d loss %.4f over %d tokens (%.1f s)",
+                step,
+                loss,
+                rec["eval_tokens"],
+                time.perf_counter() - t0,
+            )
+        return loss
+
+
+def _to_device(b, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input_ids, labels, extra model kwargs). Packed chat rows carry position ids that restart at
+    each sample: transformers derives attention confined to each sample from them."""
+    inputs = torch.from_numpy(b.input_ids).to(device, non_blocking=True)
+    labels = torch.from_numpy(b.labels).to(device, non_blocking=True)
+    extra = {} if b.position_ids is None else {"position_ids": torch.from_numpy(b.position_ids).to(device)}
+    return inputs, labels, extra
+
+
+def _loss(engine, inputs: torch.Tensor, labels: torch.Tensor, extra: dict, *, chunked: bool) -> torch.Tensor:
+    """Mean cross-entropy over the tokens with a label (IGNORE_INDEX: prompt turns, padding)."""
+    if chunked:  # the model computes the loss without materialising the logits
+        return engine(input_ids=inputs, labels=labels, **extra).loss
+    logits = engine(input_ids=inputs, **extra).logits
+    flat = labels.reshape(-1)
+    # sum / count, not reduction="mean": a micro-batch whose rows are all prompt would give 0/0 = NaN
+    total = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), flat, ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def _probe(plan: Plan, engine, sampler: Sampler | Mixture, device: torch.device) -> dict[str, torch.Tensor]:
     """Probe logits for the final checkpoint, which `dskit export` uses to verify its output."""
     n = min(PROBE_TOKENS, plan.parallel.seq_len)
-    probe = torch.from_numpy(sampler.batch(0, 1)[:, :n]).to(device)
+    # The first sample's own tokens (a packed chat row's first sample starts at 0), no position ids:
+    # export compares them with a plain Hugging Face forward.
+    probe = torch.from_numpy(sampler.get(0, 1).input_ids[:, :n]).to(device)
     engine.eval()
     with torch.no_grad():
         logits = engine(input_ids=probe).logits.float().cpu()

@@ -82,9 +82,9 @@ class MemoryWatch:
 class MetricsLog:
     """One JSON record per log step in OUTPUT_DIR/metrics.jsonl (rank 0 only), appended across restarts."""
 
-    def __init__(self, output_dir: str, enabled: bool):
+    def __init__(self, output_dir: str, enabled: bool, name: str = "metrics.jsonl"):
         self.enabled = enabled
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path = Path(output_dir) / name
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 

@@ -18,6 +18,7 @@ TB_DIR = "tensorboard"
 # metrics.jsonl key -> TensorBoard tag
 SCALARS = {
     "loss": "train/loss",
+    "eval_loss": "eval/loss",
     "aux_loss": "train/aux_loss",
     "lr": "train/lr",
     "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu",

@@ -48,8 +48,7 @@ EOF
   done
   export CC="$wrap/gcc" CXX="$wrap/g++"
 fi
-# FusedAdam: the engine's Adam on GPUs, and on the CPU accelerator too (its CPU FusedAdam op), where a
-# runtime image without compilers could not JIT-compile it.
+# FusedAdam: the engine's Adam on GPUs, prebuilt so a runtime image without nvcc never JIT-compiles it
 export DS_BUILD_FUSED_ADAM=1
 # --no-cache-dir: a cached DeepSpeed wheel built without these flags would be reused silently
 "$PY" -m pip install --no-cache-dir --no-build-isolation "deepspeed==0.19.8"

@@ -48,9 +48,7 @@ EOF
   done
   export CC="$wrap/gcc" CXX="$wrap/g++"
 fi
-# FusedAdam: the engine's Adam on GPUs, and on the CPU accelerator too (its CPU FusedAdam op), where a
-# runtime image without compilers could not JIT-compile it.
-export DS_BUILD_FUSED_ADAM=1
+# the CPU accelerator trains with torch's AdamW (the plan sets optimizer.params.torch_adam): no FusedAdam
 export DS_BUILD_SHM_COMM=1 DS_ACCELERATOR=cpu
 # --no-cache-dir: a cached DeepSpeed wheel built without these flags would be reused silently
 "$PY" -m pip install --no-cache-dir --no-build-isolation "deepspeed==0.19.8"
