@@ -18,8 +18,10 @@ arch=$(sed -n 's/^ENV TORCH_CUDA_ARCH_LIST="\([^"]*\)".*/\1/p' "$image_dir/Docke
 sed -n '/^# DeepSpeed with its ops compiled now/,/"deepspeed==[^"]*"$/p' "$image_dir/install.sh" >"$work/ds.sh"
 grep -q 'deepspeed==' "$work/ds.sh"
 
-python3 -m venv --system-site-packages "$work/venv"
+python3 -m venv "$work/venv"
 py=$work/venv/bin/python
+# the machine's python3 may itself be a venv (torch in /opt/...): --system-site-packages would skip it
+python3 -c 'import site; print("\n".join(site.getsitepackages()))' >"$("$py" -c 'import site; print(site.getsitepackages()[0])')/machine.pth"
 export PIP_NO_INDEX=1 PIP_FIND_LINKS="$sdists" PIP_DISABLE_PIP_VERSION_CHECK=1
 find "$wheels" -maxdepth 1 -name '*.whl' ! -name 'deepspeed-*' -exec "$py" -m pip install -q --no-deps {} +
 t0=$(date +%s.%N)
@@ -31,7 +33,7 @@ build_s=$(python3 -c "import time; print(round(time.time() - $t0, 1))")
 # the same 10 steps: ops from the image build (fresh extension dir: nothing to reuse), then the JIT path
 steps() { # NAME PYTHON EXTRA_PYTHONPATH
   local rd=$work/$1
-  PYTHONPATH=$repo "$2" -m dskit render slurm --force -o "$rd" --gpu h200-141gb --gpus-per-node 1 \
+  PYTHONPATH=$3$repo "$2" -m dskit render slurm --force -o "$rd" --gpu h200-141gb --gpus-per-node 1 \
     --model deepseek-v2-lite --runtime none --set model.num_layers=4 --set training.seq_len=4096 \
     --set training.global_batch=16 --set training.steps=10 --set training.log_every=1 \
     --set checkpoint.final=false --set "storage.root=$work/storage-$1" >/dev/null
