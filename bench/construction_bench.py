@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import platform
@@ -24,6 +23,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import runs  # noqa: E402  (bench/runs.py, beside this script)
+
 GPU = "h200-141gb"
 MODEL = "deepseek-v2-lite"
 
@@ -135,27 +138,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     base = [f"training.seq_len={a.seq_len}", f"training.global_batch={4 * a.gpus}"]
     host = [f"hardware.host_memory_gib={a.host_gib:g}"]
-    result: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        )
-        .stdout.strip()
-        .splitlines(),
-        "host": platform.node(),
-    }
-    import deepspeed
-    import torch
-    import transformers
-
-    result["versions"] = {
-        "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__,
-        "transformers": transformers.__version__,
-    }
+    result: dict = {**runs.header(), "host": platform.node()}
     result["plan_full_depth_this_host"] = plan_verdict([*base, *host], a.gpus, work)
     print("plan, full depth, this host:", result["plan_full_depth_this_host"]["says"], flush=True)
 

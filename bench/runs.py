@@ -2,9 +2,35 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import statistics
+import subprocess
+import sys
 from pathlib import Path
+
+
+def header() -> dict:
+    """What every result file starts with: the command, the date, the GPUs and the library versions."""
+    import deepspeed
+    import torch
+    import transformers
+
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    )
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": smi.stdout.strip().splitlines(),
+        "versions": {
+            "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__,
+            "transformers": transformers.__version__,
+        },
+    }
 
 
 def step_records(run_dir: Path) -> list[dict]:

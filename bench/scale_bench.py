@@ -20,7 +20,6 @@ the real path: plan -> rendered run dir -> `dskit train --local` (the torchrun w
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import signal
 import subprocess
@@ -156,28 +155,12 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", required=True)
     a = ap.parse_args()
-    import deepspeed
-    import torch
-    import transformers
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     counts = [int(x) for x in a.gpus.split(",")]
     result: dict = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-        )
-        .stdout.strip()
-        .splitlines(),
-        "versions": {
-            "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__,
-            "transformers": transformers.__version__,
-        },
+        **runs.header(),
         "shape": (
             f"DeepSeek-V2-Lite config, {a.layers} layers, {EXPERTS_PER_GPU_AT_EP8} routed experts per GPU "
             f"(8*G in all, top-6), EP = G, ZeRO-3, seq {a.seq_len}, micro-batch {a.micro_batch} per GPU"

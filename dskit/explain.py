@@ -103,10 +103,9 @@ def table(plan: Plan, found: Search) -> str:
 def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
     """Memory breakdown (stacked bars, the limit as a line) and predicted tokens/s of the candidates:
     the fits by speed, then the nearest misses, at most `top` bars."""
-    import matplotlib
+    from dskit.report import pyplot
 
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = found.rows[:top]
     labels = [

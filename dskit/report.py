@@ -85,7 +85,8 @@ def locate(run_dir: str | Path) -> RunFiles:
 # --------------------------------------------------------------------------- plots
 
 
-def _plt():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (the `report` extra; every dskit plot goes through here)."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: a login node or CI has no display
@@ -105,12 +106,12 @@ def _restart_lines(ax, s: Series, color: str = "tab:red") -> None:
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
+    pyplot().close(fig)
     return path
 
 
 def plot_loss(s: Series, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     a1.plot(*s.column("loss"), color="tab:blue", lw=1.5, label="cross-entropy")
     a1.set_ylabel("loss (nats/token)")
@@ -126,7 +127,7 @@ def plot_loss(s: Series, path: Path) -> Path:
 
 
 def plot_throughput(s: Series, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     a1.plot(*s.column("tokens_per_s_per_gpu"), color="tab:green", lw=1.5)
     a1.set_ylabel("tokens/s per GPU")
@@ -154,7 +155,7 @@ def plot_throughput(s: Series, path: Path) -> Path:
 
 
 def plot_memory(s: Series, path: Path, estimate_gib: float | None, capacity_gib: float | None) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(*s.column("peak_alloc_gib"), color="tab:blue", lw=1.5, label="peak allocated")
     ax.plot(*s.column("peak_reserved_gib"), color="tab:cyan", lw=1.5, ls="--", label="peak reserved")
@@ -173,7 +174,7 @@ def plot_memory(s: Series, path: Path, estimate_gib: float | None, capacity_gib:
 
 
 def plot_lr(s: Series, path: Path) -> Path:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.plot(*s.column("lr"), color="tab:gray", lw=1.5)
     _restart_lines(ax, s)
@@ -192,7 +193,7 @@ def plot_expert_load(s: Series, path: Path) -> Path | None:
     steps, per_layer = s.column("expert_load_per_layer")
     if not with_counts and not per_layer:
         return None
-    plt = _plt()
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
     from matplotlib.ticker import MaxNLocator
 

@@ -349,23 +349,15 @@ def test_a_bad_record_in_a_tokenizer_process_is_the_same_one_line(tmp_path, tok_
 
 
 def test_an_eval_set_smaller_than_one_micro_batch_per_rank_is_refused_before_training(tmp_path, tok_dir):
-    import subprocess
-    import sys
-
     from tests.conftest import render_tiny
-    from tests.test_train import _trainer_env
+    from tests.test_train import rank0_alone
 
     write_jsonl(tmp_path / "chat.jsonl", conversations(200))
     prepare(
         [str(tmp_path / "chat.jsonl")], str(tmp_path / "shards"), tokenizer=str(tok_dir), eval_fraction=0.01
     )
     rd = render_tiny(tmp_path, "tiny-v2", extra=[f"data.path={tmp_path / 'shards'}"])
-    r = subprocess.run(
-        [sys.executable, "-m", "dskit.train"],
-        env=_trainer_env(rd / "run.yaml"),
-        capture_output=True,
-        text=True,
-    )
+    r = rank0_alone(rd / "run.yaml")
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith(f"dskit: error: data.path: {tmp_path / 'shards' / 'eval'} holds ")
     assert r.stderr.endswith(

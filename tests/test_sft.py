@@ -21,6 +21,7 @@ from dskit import catalog
 from dskit.plan import load_plan
 from tests.chat_data import conversations, make_tokenizer, write_jsonl
 from tests.conftest import dskit, render_tiny
+from tests.hf_reference import first_step_loss
 from tests.test_train import losses, run
 
 pytestmark = pytest.mark.train
@@ -28,38 +29,10 @@ STEPS, EVAL_EVERY = 24, 8
 
 
 def hf_first_step_loss(model_dir: Path, run_dir: Path, *, masked: bool = True) -> float:
-    """Mean over ranks of each rank's step-1 masked cross-entropy, batched exactly as the trainer does
-    (`masked=False`: on every token instead, the contrast)."""
     from transformers import AutoModelForCausalLM
 
-    from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, sample_index
-
-    plan = load_plan(run_dir / "run.yaml")
-    par, world = plan.parallel, plan.hardware.world_size
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).eval()
-    m.config.use_cache = False
-    sampler = Sampler(TokenData.open(plan.run.data_path), par.seq_len, plan.run.seed)
-    total = 0.0
-    with torch.no_grad():
-        for rank in range(world):
-            for micro in range(par.grad_accum):
-                first = sample_index(
-                    0, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
-                )
-                b = sampler.get(first, par.micro_batch)
-                logits = m(
-                    input_ids=torch.from_numpy(b.input_ids), position_ids=torch.from_numpy(b.position_ids)
-                ).logits
-                labels = torch.from_numpy(b.labels)
-                if not masked:  # every next token of the row, prompts included
-                    logits, labels = logits[:, :-1], torch.from_numpy(b.input_ids[:, 1:])
-                ce = F.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]),
-                    labels.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                )
-                total += ce.item() / par.grad_accum
-    return total / world
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
+    return first_step_loss(m, run_dir, masked=masked)
 
 
 def hf_eval_loss(model_dir: Path, run_dir: Path) -> float:

@@ -300,7 +300,9 @@ def test_usr1_to_the_launcher_checkpoints_and_exits_for_requeue(tmp_path):
     assert not (Path(plan.run.checkpoint_dir) / STOP_FILE).exists()  # consumed, so a requeue runs on
 
 
-def _trainer_env(run_file: Path) -> dict:
+def rank0_alone(run_file: Path) -> subprocess.CompletedProcess:
+    """`python -m dskit.train` as rank 0 of 2 with the launch contract's env and no peer: input checks
+    that run before the process group forms must answer on their own (one line, exit 2)."""
     env = {**os.environ, "DSKIT_RUN_FILE": str(run_file), "DSKIT_GPU_PROFILE": "cpu"}
     env.update(
         RANK="0",
@@ -310,26 +312,19 @@ def _trainer_env(run_file: Path) -> dict:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT="1",
     )
-    return env
+    return subprocess.run([sys.executable, "-m", "dskit.train"], env=env, capture_output=True, text=True)
 
 
 def test_bad_run_yaml_is_one_line_and_exit_2(tmp_path):
     bad = tmp_path / "run.yaml"
     bad.write_text("version: 1\nname: [oops\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "dskit.train"], env=_trainer_env(bad), capture_output=True, text=True
-    )
+    r = rank0_alone(bad)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "not valid YAML" in r.stderr
 
 
 def test_missing_data_is_one_line_and_exit_2(tmp_path):
     rd = render_tiny(tmp_path, "tiny-v2", extra=[f"data.path={tmp_path / 'nope'}"])
-    r = subprocess.run(
-        [sys.executable, "-m", "dskit.train"],
-        env=_trainer_env(rd / "run.yaml"),
-        capture_output=True,
-        text=True,
-    )
+    r = rank0_alone(rd / "run.yaml")
     assert r.returncode == 2, r.stderr
     assert (
         r.stderr.strip() == f"dskit: error: data.path: {tmp_path / 'nope' / 'index.json'} not found; "

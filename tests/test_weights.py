@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dskit import catalog
 from dskit.plan import load_plan
 from tests.conftest import dskit, render_tiny
+from tests.hf_reference import first_step_loss
 from tests.test_train import losses, run
 
 pytestmark = pytest.mark.train
@@ -53,33 +53,16 @@ def save_checkpoint(model: str, out: Path, *, train_steps: int = 30) -> Path:
 
 
 def hf_first_step_loss(model_dir: Path, run_dir: Path, *, fresh_seed: int | None = None) -> float:
-    """Mean over ranks of each rank's step-1 cross-entropy, exactly as the trainer batches it."""
+    """The saved model's step-1 loss on the trainer's batches; `fresh_seed`: a freshly initialised
+    model of the same config instead (the contrast: the weights were really loaded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dskit.train.data import Sampler, TokenData, sample_index
-
-    plan = load_plan(run_dir / "run.yaml")
-    par, world = plan.parallel, plan.hardware.world_size
     if fresh_seed is None:
         m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True)
     else:
         torch.manual_seed(fresh_seed)
         m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16)
-    m.eval()
-    sampler = Sampler(TokenData.open(plan.run.data_path), par.seq_len, plan.run.seed)
-    total = 0.0
-    with torch.no_grad():
-        for rank in range(world):
-            for micro in range(par.grad_accum):
-                first = sample_index(
-                    0, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
-                )
-                batch = torch.from_numpy(sampler.batch(first, par.micro_batch))
-                logits = m(input_ids=batch[:, :-1]).logits.float()
-                total += F.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
-                ).item()
-    return total / (world * par.grad_accum)
+    return first_step_loss(m, run_dir)
 
 
 @pytest.mark.parametrize("model,ranks", [("tiny-v2", 2), ("tiny-v2", 4), ("tiny-v3", 2), ("tiny-v3", 4)])
