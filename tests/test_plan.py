@@ -212,6 +212,18 @@ def test_memory_watch_flags_steady_growth_only():
     assert not any(flat.observe(s, {"host": 2.0 + (s % 3) * 0.01}) for s in range(1, 101))
 
 
+def test_allocator_retries_are_named_with_the_remedy():
+    """Near capacity the caching allocator frees and retries (measured: 5x slower steps, issue 13)."""
+    import torch
+
+    from dskit.train.metrics import alloc_retries, alloc_retry_warning
+
+    assert alloc_retries(torch.device("cpu")) == 0  # a CPU run has no such allocator: no field, no warning
+    msg = alloc_retry_warning(12, 10, 135.6, 139.8)
+    assert "retried 12 time(s) over the last 10 step(s)" in msg and "135.6 of 139.8 GiB" in msg
+    assert "overrides.micro_batch" in msg and "overrides.activation_checkpointing=1" in msg
+
+
 def test_activation_checkpointing_only_when_memory_needs_it():
     roomy = plan_for(
         "model.num_layers=4", "training.global_batch=2", hardware__gpu="h200-141gb", hardware__gpus_per_node=1

@@ -79,6 +79,24 @@ class MemoryWatch:
         return None
 
 
+def alloc_retries(device: torch.device) -> int:
+    """cudaMalloc retries so far: the caching allocator failed to allocate, freed its cached blocks
+    and tried again. Each one synchronises the device; near capacity they repeat every step."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
+def alloc_retry_warning(retries: int, steps: int, reserved_gib: float, capacity_gib: float | None) -> str:
+    cap = f" of {capacity_gib:.1f}" if capacity_gib else ""
+    return (
+        f"the GPU memory allocator retried {retries} time(s) over the last {steps} step(s) (peak reserved "
+        f"{reserved_gib:.1f}{cap} GiB on rank 0): it frees its cache and synchronises on each retry, which "
+        "near capacity can make steps several times slower; lower overrides.micro_batch, or set "
+        "overrides.activation_checkpointing=1, to leave headroom"
+    )
+
+
 class MetricsLog:
     """One JSON record per log step in OUTPUT_DIR/metrics.jsonl (rank 0 only), appended across restarts."""
 
@@ -116,6 +134,8 @@ class LogWindow:
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)
         self.last: dict = {}  # the latest record (Ray Train reports it with each checkpoint)
+        self.retries_seen = alloc_retries(device)
+        self.retries_warned = False
         self._reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -162,6 +182,8 @@ class LogWindow:
         }
         if load is not None:
             rec.update(load_stats(load))
+        if self.device.type == "cuda":
+            rec["alloc_retries"] = self._retries_since_last(rec)
         if self.resumed_from is not None:
             rec["resumed_from"] = self.resumed_from
             self.resumed_from = None
@@ -185,6 +207,19 @@ class LogWindow:
                 format_eta(self.progress.eta_s(done)),
             )
         self._reset()
+
+    def _retries_since_last(self, rec: dict) -> int:
+        """The most allocator retries any rank had since the last record (collective); warns once."""
+        now = alloc_retries(self.device)
+        worst = torch.tensor([now - self.retries_seen], device=self.device)
+        self.retries_seen = now
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        n = int(worst.item())
+        if n and not self.retries_warned and self.rank == 0:
+            self.retries_warned = True
+            capacity = self.plan.memory.get("capacity_gib")
+            log.warning(alloc_retry_warning(n, self.steps, rec["peak_reserved_gib"], capacity))
+        return n
 
     def close(self) -> None:
         """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
