@@ -166,6 +166,7 @@ def measure(
     work: Path,
     budget_s: float | None = None,
     only: list[str] | None = None,
+    picks_only: bool = False,
 ) -> None:
     import torch
 
@@ -197,7 +198,7 @@ def measure(
         for config, (sets, gpus) in CONFIGS[s].items():
             if only and not any(o in config for o in only):
                 continue
-            for cand in candidates(sets, gpus, work):
+            for cand in candidates(sets, gpus, work)[: 1 if picks_only else None]:
                 jobs.append((config, sets, gpus, cand))
     free = list(range(n_gpus))
     cond = threading.Condition()
@@ -397,6 +398,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="run dirs and logs (default: a temporary dir)")
     ap.add_argument("--only", action="append", help="only configurations whose name contains this")
     ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
+    ap.add_argument("--picks-only", action="store_true", help="measure only the planner's pick of each")
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
@@ -411,7 +413,7 @@ def main() -> None:
         if not (a.set and a.out):
             ap.error("--set and --out are needed to measure")
         with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-            measure(a.set, a.out, Path(tmp), a.budget_s, a.only)
+            measure(a.set, a.out, Path(tmp), a.budget_s, a.only, a.picks_only)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,9 @@ def _micro_batch_candidates(per_rank: int) -> list[int]:
 
 
 CPU_MAX_MICRO_BATCH = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
+#: activation checkpointing searched, in the fit order: off, every 2nd layer, every layer (why not every
+#: 3rd and beyond: dskit/plan/search.py)
+CKPT_EVERY_CHOICES = (0, 2, 1)
 
 
 def _host_memory(spec: Spec, gpu: catalog.GPU) -> tuple[float | None, str]:
@@ -244,7 +247,7 @@ def _search(
     free_mbs = [
         m for m in _micro_batch_candidates(per_rank) if not shape.gpu.is_cpu or m <= CPU_MAX_MICRO_BATCH
     ]
-    free = ([False, True], sorted(eps, reverse=True), free_mbs, [0, 1])
+    free = ([False, True], sorted(eps, reverse=True), free_mbs, list(CKPT_EVERY_CHOICES))
     pinned = (
         {"none": [False], "cpu": [True], "auto": free[0]}[o.offload_optimizer],
         [o.ep_size] if o.ep_size is not None else free[1],

@@ -40,6 +40,11 @@ class Candidate:
     ckpt_every: int
     offload: bool
 
+    @property
+    def recompute_share(self) -> float:
+        """The share of decoder layers whose forward runs twice (checkpointing every N-th: 1/N)."""
+        return 1 / self.ckpt_every if self.ckpt_every else 0.0
+
     def describe(self) -> str:
         ckpt = (
             f"activation checkpointing every {self.ckpt_every}"

@@ -1,7 +1,7 @@
 """Which configuration the plan takes: every candidate that fits, ranked by predicted tokens/s.
 
 Candidates are EP size x micro-batch (the rest of the per-rank batch is gradient accumulation) x
-activation checkpointing (off, every layer) x optimizer offload (off, on). Each is checked against
+activation checkpointing (off, every 2nd layer, every layer) x optimizer offload (off, on). Each is checked against
 memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE of
 the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then less memory,
 then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
@@ -11,9 +11,11 @@ Then accumulation: the seed post warns that long accumulation hurts MoE converge
 micro-step is the same work in fewer, larger kernels. Then memory: less of it is less risk. A plan
 with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
 
-Checkpointing every N-th layer (N > 1) is not searched: on one H200 it ran five times slower than
-checkpointing every layer at the same shape (issue 13), so the planner never proposes it; a user may
-still set it (`overrides.activation_checkpointing`).
+Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of
+its predicted speed and memory (bench/results/h200-ckpt-2026-11-30.json). An earlier run of it five times
+slower than every layer sat at 135.6 of ~140 GiB reserved: the allocator retrying near capacity, which
+the memory limit keeps plans away from and the trainer now reports (`alloc_retries`). Every 3rd and
+beyond are not searched (not measured); a user may set any N (`overrides.activation_checkpointing`).
 
 Where no step time can be predicted (the cpu profile has no peak), or a fitting candidate has a term
 left out for an unknown bandwidth (multi-node on `network.fabric: tcp`), the order is the fit order:
@@ -73,7 +75,7 @@ class Search:
 def _rank_key(row: Row) -> tuple:
     """The tie order: no offload, no recompute, fewer accumulation steps, less memory, then speed."""
     c, s = row.candidate, row.speed
-    return (c.offload, c.ckpt_every, row.grad_accum, row.fit.steady.total_gib, -s.tokens_per_s if s else 0.0)
+    return (c.offload, c.recompute_share, row.grad_accum, row.fit.steady.total_gib, -s.tokens_per_s if s else 0.0)
 
 
 def timed(row: Row) -> bool:
@@ -100,7 +102,7 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
         return speed if d > 0 else f"{speed}: outside {SPEED_TIE:.0%} of the fastest"
     if c.offload and not b.offload:
         why = "the winner needs no offload"
-    elif c.ckpt_every > b.ckpt_every:
+    elif c.recompute_share > b.recompute_share:
         why = "the winner recomputes less"
     elif row.grad_accum > best.grad_accum:
         why = "the winner accumulates fewer micro-steps"
