@@ -253,14 +253,25 @@ def load_rows(files: list[Path]) -> list[dict]:
 
 
 def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
-    """The current planner's prediction for a measured row (memory GiB, speed dict) and its verdict:
-    results stay comparable after speed.py's constants change."""
+    """The current planner's prediction for a measured row (memory GiB, whether it fits, speed dict)
+    and its verdict, read from the unforced search's candidate table: results stay comparable after
+    the models change, also for a run the plan would now refuse as too large."""
     from dskit.plan import build_plan_searched
+    from dskit.plan.fit import Candidate
     from dskit.spec import load_spec
 
-    spec = load_spec(sets=[*COMMON, *row["sets"], *row["overrides"]], flags=_flags(row["gpus"], "x", work))
-    plan, _ = build_plan_searched(spec)
-    return {"memory_gib": plan.memory["total_gib"], **(plan.speed or {})}, plan.summary()
+    spec = load_spec(sets=[*COMMON, *row["sets"]], flags=_flags(row["gpus"], "x", work))
+    _, found = build_plan_searched(spec)
+    o = dict(x.split("=", 1) for x in row["overrides"])
+    want = Candidate(
+        ep_size=int(o["overrides.ep_size"]),
+        micro_batch=int(o["overrides.micro_batch"]),
+        ckpt_every=int(o["overrides.activation_checkpointing"]),
+        offload=o["overrides.offload_optimizer"] == "cpu",
+    )
+    r = next(x for x in found.rows if x.candidate == want)
+    speed = r.speed.as_dict() if r.speed else {}
+    return {"memory_gib": round(r.fit.steady.total_gib, 2), "fits": r.fits, **speed}, r.verdict
 
 
 def planner_pick(sets: list[str], gpus: int) -> list[str]:
@@ -277,6 +288,12 @@ def planner_pick(sets: list[str], gpus: int) -> list[str]:
     ]
 
 
+def fastest_fitting(rows: list[dict]) -> float:
+    """The best measured tokens/s/GPU among a configuration's runs that today's plan would take: a run
+    that went through above the plan's memory limit (90% of the GPU) is not a candidate it may pick."""
+    return max(r["measured"]["tokens_per_s_per_gpu"] for r in rows if repredict(r)[0]["fits"])
+
+
 def report(files: list[Path]) -> dict:
     """The validation table and the three goals, per configuration, with today's model."""
     rows = load_rows(files)
@@ -289,7 +306,7 @@ def report(files: list[Path]) -> dict:
     )
     summary: dict = {"memory_errors": [], "speed_errors": [], "pick_losses": {}}
     for config, rs in by_config.items():
-        fastest = max(r["measured"]["tokens_per_s_per_gpu"] for r in rs)
+        fastest = fastest_fitting(rs)
         pick = planner_pick(rs[0]["sets"], rs[0]["gpus"])
         for r in rs:
             p, m = repredict(r)[0], r["measured"]
@@ -304,7 +321,8 @@ def report(files: list[Path]) -> dict:
             cand = " ".join(o.split("=")[1] for o in r["overrides"])
             print(
                 f"{config:18s} {cand:22s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+9.1%} "
-                f"{p['memory_gib']:8.1f} {m['peak_reserved_gib']:8.1f} {mem_err:+7.1%}  {'chosen' if chosen else ''}"
+                f"{p['memory_gib']:8.1f} {m['peak_reserved_gib']:8.1f} {mem_err:+7.1%}  "
+                + ("chosen" if chosen else "" if p["fits"] else "over the plan's memory limit")
             )
         if config not in summary["pick_losses"]:
             summary["pick_losses"][config] = None  # today's pick was not measured

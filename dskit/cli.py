@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
         "plan",
         help="resolve a spec into the plan (run.yaml) and print it",
         description="Resolve the spec into the plan. The planner weighs every EP size, micro-batch x "
-        "gradient accumulation, activation checkpointing (off, every layer) and optimizer offload (off, "
+        "gradient accumulation, activation checkpointing (off, every 2nd layer, every layer) and optimizer offload (off, "
         "cpu): each is checked against GPU and host memory and timed by the step-time model "
         "(dskit/plan/speed.py); the fastest that fits wins. --explain shows them all.",
     )

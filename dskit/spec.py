@@ -461,8 +461,8 @@ class PlanOverrides(_Section):
     activation_checkpointing: int | None = Field(
         None,
         ge=0,
-        description="0: off; 1: every layer; N: every N-th layer (never chosen by the planner: measured slow). "
-        "Default: the predicted fastest of off and every layer.",
+        description="0: off; 1: every layer; N: layers 0, N, 2N, ... (the others keep their activations). "
+        "Default: the predicted fastest that fits of off, every 2nd layer and every layer.",
     )
     precision: Literal["auto", "bf16", "fp16"] = Field(
         "auto", description="bf16 where the GPU has it, else fp16 with dynamic loss scaling."

@@ -5,7 +5,8 @@ rebuilt for each and compared, so a change to the memory or step-time model that
 fails in CI (no GPU needed, nothing outside the repository read):
 - the plan's memory total within +-10% of the peak the allocator reserved;
 - predicted tokens/s/GPU within +-15% of the measured median;
-- for every configuration, the planner's own pick is a measured candidate within 5% of the fastest.
+- for every configuration, the planner's own pick is a measured candidate within 5% of the fastest
+  that it may take (a run measured above the plan's memory limit, 90% of the GPU, is not one).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def test_prediction_matches_measurement(row):
 def test_the_pick_is_the_fastest_measured(config):
     rows = [r for r in ROWS if r["config"] == config]
     pick = BENCH.planner_pick(rows[0]["sets"], rows[0]["gpus"])
-    fastest = max(r["measured"]["tokens_per_s_per_gpu"] for r in rows)
+    fastest = BENCH.fastest_fitting(rows)
     picked = [r for r in rows if r["overrides"] == pick]
     assert picked, f"{config}: today's pick {pick} was never measured; rerun bench/plan_bench.py"
     assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest, json.dumps(picked[0]["measured"])

@@ -169,11 +169,19 @@ def estimate(
     L = cfg["num_hidden_layers"]
     dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
     per_layer = [_activation_bytes_per_token_layer(cfg, dense=i < dense_layers) for i in range(L)]
-    if ckpt_every == 0:
-        act = sum(per_layer) * tokens
-    else:
-        kept = (L // ckpt_every + 1) * 2 * cfg["hidden_size"] * tokens
-        act = kept + max(per_layer) * ckpt_every * tokens
+    # The trainer checkpoints layers 0, N, 2N, ... (model.py): those keep only their bf16 input (plus the
+    # final hidden state) and are recomputed one at a time in backward, when the layers after them have
+    # freed theirs; every other layer keeps all its activations until its own backward. The peak is the
+    # larger of the end of forward (all stored layers) and a recompute on top of the stored layers before it.
+    ckpt = [bool(ckpt_every) and i % ckpt_every == 0 for i in range(L)]
+    kept = (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
+    stored = peak = 0.0
+    for a, c in zip(per_layer, ckpt, strict=True):
+        if c:
+            peak = max(peak, stored + a)
+        else:
+            stored += a
+    act = (kept + max(peak, stored)) * tokens
     act *= ACTIVATION_SLACK
     logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(
