@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -73,6 +74,16 @@ CHECKPOINTING: dict[str, tuple[list[str], dict]] = {
         {},
     ),
 }
+# Regional torch.compile (RMSNorm, SwiGLU, rotary) patched in at interpreter start by
+# bench/levers/compile_regions/sitecustomize.py: measured before any of it becomes trainer code (--compile)
+COMPILE_LEVER = Path(__file__).resolve().parent / "levers" / "compile_regions"
+COMPILED = {"DSKIT_BENCH_COMPILE": "1"}
+COMPILE: dict[str, tuple[list[str], dict]] = {
+    "mb2 (reference shape), eager": ([], {}),
+    "mb2 (reference shape), regional compile": ([], {}),
+    "gb16 plan choice, eager": (GB16, {}),
+    "gb16 plan choice, regional compile": (GB16, {}),
+}
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
     "profile: plan default": (["training.profile_steps=3"], {}),
@@ -89,6 +100,10 @@ WARMUP_STEPS = 3
 
 
 def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int) -> dict:
+    env = None
+    if "regional compile" in name:
+        path = os.pathsep.join(filter(None, [str(COMPILE_LEVER), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, **COMPILED, "PYTHONPATH": path}
     from dskit.plan import build_plan, load_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
@@ -112,7 +127,7 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
             data["deepspeed"][section].update(values)
         run_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
     log = proc.stdout + proc.stderr
     (work.parent / f"{flags['name']}.log").write_text(log)
     if proc.returncode != 0:
@@ -184,6 +199,7 @@ def main() -> None:
     ap.add_argument("--losers", action="store_true", help="also run the levers that lost before")
     ap.add_argument("--probes", action="store_true", help="run only the unmeasured levers (PROBES)")
     ap.add_argument("--checkpointing", action="store_true", help="run only the CHECKPOINTING variants")
+    ap.add_argument("--compile", action="store_true", help="run only the COMPILE variants")
     a = ap.parse_args()
     import torch
 
@@ -216,6 +232,8 @@ def main() -> None:
         variants = PROBES
     if a.checkpointing:
         variants = CHECKPOINTING
+    if a.compile:
+        variants = COMPILE
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         if a.baseline and not a.only:
             if a.gpus == 1:
