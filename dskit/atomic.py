@@ -3,9 +3,11 @@
 Used by every command that writes a directory (render, data prepare, export): a failure at any point
 leaves the old directory or nothing, never half of the new one.
 
-`--force` replaces only what dskit itself wrote: every directory published here carries MARKER, and an
-existing destination without it, a file, the current directory or one of its parents, or a directory
-that contains one of the command's inputs is refused (one line, exit 2) before anything is written.
+`--force` replaces only what the same kind of dskit command wrote: every directory published here
+carries MARKER with its kind (a run dir, prepared data, an export). Refused (one line, exit 2) before
+anything is written: an existing destination without MARKER or of another kind, a file, the current
+directory or one of its parents, a directory holding a repository (.git, .hg, .svn), and a directory
+that contains one of the command's inputs.
 
 The swap: on Linux, renameat2(RENAME_EXCHANGE) swaps the new and the old directory in one step, so the
 destination always names one of them. Elsewhere (or on a filesystem without it) the old directory is
@@ -34,11 +36,20 @@ from dskit.text import describe, first_unsafe
 
 #: Left in every directory dskit publishes; `--force` replaces only directories that have it.
 MARKER = ".dskit-output"
+#: what each kind of output is called in refusals (MARKER's "kind")
+KINDS = {"run": "a rendered run directory", "data": "prepared data", "export": "an exported model"}
+#: never deleted by --force, whatever MARKER says: someone's work lives there
+REPOSITORIES = (".git", ".hg", ".svn")
 TMP_TAG, OLD_TAG = ".dskit-tmp-", ".dskit-old-"
 
 
 def check_replaceable(
-    out: str | Path, *, force: bool, inputs: Iterable[str | Path | None] = (), flag: str = "--output"
+    out: str | Path,
+    *,
+    force: bool,
+    kind: str,
+    inputs: Iterable[str | Path | None] = (),
+    flag: str = "--output",
 ) -> Path:
     """The resolved destination, if the command may write it; SpecError otherwise (nothing written)."""
     if str(out) == "":
@@ -73,6 +84,16 @@ def check_replaceable(
             f"{out} was not written by dskit (no {MARKER} in it); --force replaces only dskit's own "
             "output: choose another directory or remove it yourself",
         )
+    written = _marker(out).get("kind")
+    if written is not None and written != kind:  # markers of dskit before kinds have none
+        raise SpecError(
+            flag,
+            f"{out} holds {KINDS.get(written, written)}, not {KINDS[kind]}; --force replaces only the same "
+            "kind of output: choose another directory",
+        )
+    for repo in REPOSITORIES:
+        if os.path.lexists(out / repo):
+            raise SpecError(flag, f"{out} contains {repo}; --force never deletes a repository")
     for p in inputs:
         if p is None:
             continue
@@ -84,8 +105,17 @@ def check_replaceable(
     return out
 
 
-def _marker_text() -> str:
-    return json.dumps({"written_by": "dskit", "host": socket.gethostname(), "pid": os.getpid()}) + "\n"
+def _marker_text(kind: str) -> str:
+    info = {"written_by": "dskit", "kind": kind, "host": socket.gethostname(), "pid": os.getpid()}
+    return json.dumps(info) + "\n"
+
+
+def _marker(d: Path) -> dict:
+    try:
+        info = json.loads((d / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def _writer_gone(d: Path) -> bool:
@@ -155,13 +185,14 @@ def _swap_in(new: Path, out: Path) -> Path:
 def atomic_dir(
     out: str | Path,
     *,
+    kind: str,
     force: bool = False,
     flag: str = "--output",
     inputs: Iterable[str | Path | None] = (),
 ) -> Iterator[Path]:
     """Yield a temporary sibling of `out` to fill; on success it replaces `out` (see the module doc)."""
     inputs = list(inputs)
-    out = check_replaceable(out, force=force, inputs=inputs, flag=flag)
+    out = check_replaceable(out, force=force, kind=kind, inputs=inputs, flag=flag)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         _clean_stale(out)
@@ -169,12 +200,12 @@ def atomic_dir(
     except OSError as e:
         raise SpecError(flag, f"cannot create {out}: {e.strerror or e}") from None
     try:
-        (tmp / MARKER).write_text(_marker_text())
+        (tmp / MARKER).write_text(_marker_text(kind))
         yield tmp
-        (tmp / MARKER).write_text(_marker_text())
+        (tmp / MARKER).write_text(_marker_text(kind))
         tmp.chmod(0o755)
         if os.path.lexists(out):
-            check_replaceable(out, force=force, inputs=inputs, flag=flag)  # it may have appeared meanwhile
+            check_replaceable(out, force=force, kind=kind, inputs=inputs, flag=flag)  # it may have appeared
             old = _swap_in(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
         else:

@@ -183,7 +183,9 @@ def cmd_render(a: argparse.Namespace) -> int:
     sources = [x.path for x in spec.data.sources or []]
     inputs = [a.spec, spec.data.path, spec.data.eval_path, *sources, spec.model.path]
     default = f"runs/{plan.name}-{a.target}"
-    out = check_replaceable(default if a.output is None else a.output, force=a.force, inputs=inputs)
+    out = check_replaceable(
+        default if a.output is None else a.output, force=a.force, kind="run", inputs=inputs
+    )
     for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:
         if Path(kept).resolve().is_relative_to(out):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it
@@ -268,7 +270,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     inputs: list[str | Path] = [run_yaml]
     if run_yaml.is_file():
         inputs.append(load_plan(run_yaml).run.checkpoint_dir)
-    check_replaceable(a.output, force=a.force, inputs=inputs)
+    check_replaceable(a.output, force=a.force, kind="export", inputs=inputs)
     if a.shard_mib < 1:
         raise SpecError("--shard-mib", f"must be a positive number of MiB, got {a.shard_mib}")
     try:
@@ -296,7 +298,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
 
     tokenizer_dir = None if a.tokenizer == "byte" else a.tokenizer
-    check_replaceable(a.output, force=a.force, inputs=[*a.inputs, tokenizer_dir])
+    check_replaceable(a.output, force=a.force, kind="data", inputs=[*a.inputs, tokenizer_dir])
     try:
         from dskit.train.data import prepare
 
@@ -509,7 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="tokenizer processes (default 1); the shards are byte-identical for any number",
     )
-    d.add_argument("--force", action="store_true", help="replace an existing directory")
+    d.add_argument(
+        "--force", action="store_true", help="replace an existing directory of prepared data (only that)"
+    )
     d.set_defaults(func=cmd_data)
     return p
 

@@ -14,8 +14,8 @@ from dskit.atomic import MARKER, atomic_dir
 from tests.conftest import REPO
 
 
-def _build(out: Path, text: str, **kw) -> None:
-    with atomic_dir(out, **kw) as tmp:
+def _build(out: Path, text: str, kind: str = "data", **kw) -> None:
+    with atomic_dir(out, kind=kind, **kw) as tmp:
         (tmp / "f").write_text(text)
 
 
@@ -58,7 +58,7 @@ def test_kill_9_mid_render_leaves_the_target_absent_and_the_next_render_cleans_u
     out = tmp_path / "out"
     code = (
         "import os, signal; from dskit.atomic import atomic_dir\n"
-        f"with atomic_dir({str(out)!r}) as tmp:\n"
+        f"with atomic_dir({str(out)!r}, kind='data') as tmp:\n"
         "    (tmp / 'half').write_text('x'); os.kill(os.getpid(), signal.SIGKILL)\n"
     )
     r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -98,3 +98,39 @@ def test_init_failure_keeps_the_old_file(tmp_path, monkeypatch):
     monkeypatch.setattr(tf, "mkstemp", broken)
     assert cli.main(["init", "-o", str(old), "--force"]) == 2
     assert old.read_text() == "mine\n"
+
+
+def test_force_replaces_only_the_same_kind_of_output(tmp_path):
+    """`data prepare -o RUN_DIR --force` must not delete a rendered run (its scripts, jobs, logs)."""
+    import pytest
+
+    from dskit.errors import SpecError
+
+    out = tmp_path / "out"
+    _build(out, "run", kind="run")
+    with pytest.raises(SpecError, match="holds a rendered run directory, not prepared data"):
+        _build(out, "data", kind="data", force=True)
+    assert (out / "f").read_text() == "run"
+    _build(out, "run again", kind="run", force=True)
+    assert (out / "f").read_text() == "run again"
+
+
+def test_force_never_deletes_a_repository(tmp_path):
+    import pytest
+
+    from dskit.errors import SpecError
+
+    out = tmp_path / "out"
+    _build(out, "old")
+    (out / ".git").mkdir()
+    with pytest.raises(SpecError, match=r"contains \.git; --force never deletes a repository"):
+        _build(out, "new", force=True)
+    assert (out / ".git").is_dir() and (out / "f").read_text() == "old"
+
+
+def test_a_marker_from_before_kinds_is_still_replaceable(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / MARKER).write_text(json.dumps({"written_by": "dskit", "host": "h", "pid": 1}))
+    _build(out, "new", force=True)
+    assert (out / "f").read_text() == "new"

@@ -75,7 +75,13 @@ class Search:
 def _rank_key(row: Row) -> tuple:
     """The tie order: no offload, no recompute, fewer accumulation steps, less memory, then speed."""
     c, s = row.candidate, row.speed
-    return (c.offload, c.recompute_share, row.grad_accum, row.fit.steady.total_gib, -s.tokens_per_s if s else 0.0)
+    return (
+        c.offload,
+        c.recompute_share,
+        row.grad_accum,
+        row.fit.steady.total_gib,
+        -s.tokens_per_s if s else 0.0,
+    )
 
 
 def timed(row: Row) -> bool:

@@ -153,7 +153,7 @@ def write_output(
     inputs: Iterable[str | Path | None] = (),
 ) -> Path:
     """Write all files or none (see dskit.atomic); `inputs` are paths the output must not contain."""
-    with atomic_dir(out_dir, force=force, inputs=inputs) as tmp:
+    with atomic_dir(out_dir, kind="run", force=force, inputs=inputs) as tmp:
         for rel, text in files.items():
             path = tmp / rel
             path.parent.mkdir(parents=True, exist_ok=True)

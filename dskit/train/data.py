@@ -536,7 +536,7 @@ def prepare(
     # The kind must be known before the first shard is written (text shards carry no mask): one cheap
     # pass over the JSON lines decides it.
     chat = _has_messages(inputs, text_field)
-    with atomic_dir(out, force=force) as tmp:
+    with atomic_dir(out, kind="data", force=force) as tmp:
         train, held = ShardWriter(tmp, dtype, chat), ShardWriter(tmp / EVAL_DIR, dtype, chat)
         total = sum(Path(p).stat().st_size for p in inputs if Path(p).is_file())
         with tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", disable=None) as bar:

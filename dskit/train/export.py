@@ -85,7 +85,7 @@ def export(
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
     src = newest_verified_tag(Path(plan.run.checkpoint_dir))
     dtype = torch_dtype(plan.parallel.precision)
-    with atomic_dir(out, force=force) as work:
+    with atomic_dir(out, kind="export", force=force) as work:
         udir = work / "universal"
         print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
         proc = subprocess.run(
