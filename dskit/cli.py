@@ -298,6 +298,9 @@ def cmd_data(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
 
     tokenizer_dir = None if a.tokenizer == "byte" else a.tokenizer
+    cpus = os.cpu_count() or 1
+    if not 1 <= a.workers <= cpus:
+        raise SpecError("--workers", f"{a.workers}: give 1 to {cpus} (this machine's CPUs)")
     check_replaceable(a.output, force=a.force, kind="data", inputs=[*a.inputs, tokenizer_dir])
     try:
         from dskit.train.data import prepare
@@ -483,17 +486,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-o", "--output", help="directory for the PNGs and index.html (default: RUN/report)")
     s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("data", help="data tools")
+    s = sub.add_parser("data", help="data tools: prepare token shards from text, JSONL, Parquet, Arrow, chat")
     dsub = s.add_subparsers(dest="data_command", required=True, metavar="ACTION")
-    d = dsub.add_parser("prepare", help="tokenize text/jsonl into token shards for training")
+    d = dsub.add_parser(
+        "prepare",
+        help="tokenize text, JSONL, Parquet or Arrow (plain or chat records) into token shards",
+        description="Tokenize the inputs into a shard directory for data.path (or one of data.sources). "
+        "Records with 'messages' are chat: rendered with the tokenizer's chat template, loss only on the "
+        "assistant turns. The output is written beside the destination and swapped in whole.",
+    )
     d.add_argument(
         "inputs",
         nargs="+",
-        help=".txt, .jsonl (also .gz/.zst), .parquet, .arrow files or a local datasets save_to_disk dir; records "
-        "with 'messages' are chat, others use the text field",
+        help=".txt/.text/.md (one document each), .jsonl (those also .gz/.zst), .parquet, .arrow files or a "
+        "local datasets save_to_disk dir; records with 'messages' are chat, others use the text field",
     )
     d.add_argument(
-        "--text-field", default="text", help="the text field/column of JSONL, Parquet and Arrow records"
+        "--text-field",
+        default="text",
+        help="the text field/column of JSONL, Parquet and Arrow records (default: text)",
     )
     d.add_argument("-o", "--output", required=True, help="shard directory to create")
     d.add_argument(
@@ -509,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=count,
         default=1,
-        help="tokenizer processes (default 1); the shards are byte-identical for any number",
+        help="tokenizer processes, at most this machine's CPUs (default 1); the shards are byte-identical "
+        "for any number",
     )
     d.add_argument(
         "--force", action="store_true", help="replace an existing directory of prepared data (only that)"

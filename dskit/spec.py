@@ -202,6 +202,11 @@ class TrainingSpec(_Section):
     )
 
 
+#: samples are drawn in blocks of this many, each source getting its share of every block
+#: (dskit.train.data.Mixture.BLOCK reads it from here)
+MIXTURE_BLOCK = 1024
+
+
 class DataSource(_Section):
     path: str = Field(..., min_length=1, description="Token shard directory from `dskit data prepare`.")
     weight: float = Field(
@@ -213,7 +218,8 @@ class DataSpec(_Section):
     sources: list[DataSource] | None = Field(
         None,
         description="A mixture instead of data.path: [{path, weight}, ...]; each sample comes from one source, "
-        "in proportion to the weights, deterministically from (seed, sample number). Same tokenizer and kind.",
+        "in proportion to the weights, deterministically from (seed, sample number). Same tokenizer and kind. "
+        "The eval loss reads data.eval_path (the sources' own DIR/eval splits are not mixed).",
     )
 
     @field_validator("sources")
@@ -221,6 +227,13 @@ class DataSpec(_Section):
     def _some_sources(cls, v: list | None) -> list | None:
         if v is not None and not v:
             raise ValueError("must list at least one {path, weight}, or be left out (use data.path)")
+        total = sum(s.weight for s in v or [])
+        for i, s in enumerate(v or []):
+            if s.weight / total < 1 / MIXTURE_BLOCK:  # Mixture gives it no slot: never sampled
+                raise ValueError(
+                    f"[{i}].weight {s.weight:g} is below 1/{MIXTURE_BLOCK} of the total {total:g}: that source "
+                    f"would never be sampled; raise it or drop the source"
+                )
         return v
 
     path: str | None = Field(

@@ -363,3 +363,105 @@ def test_an_eval_set_smaller_than_one_micro_batch_per_rank_is_refused_before_tra
     assert r.stderr.endswith(
         "eval samples of 128 tokens, fewer than one micro-batch on every rank (8); hold out more (data prepare --eval-fraction)\n"
     )
+
+
+def _refused(r, out: Path, stderr_has: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and stderr_has in r.stderr, r.stderr
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.dskit-tmp-*"))
+
+
+def test_an_unknown_input_type_is_refused_not_read_as_one_text(tmp_path):
+    """A .json (or .csv) read as plain text would become one garbled training document."""
+    write_jsonl(tmp_path / "chat.json", conversations(2))
+    out = tmp_path / "out"
+    r = dskit("data", "prepare", str(tmp_path / "chat.json"), "-o", str(out))
+    _refused(r, out, "chat.json: unknown input type; one of: .txt/.text/.md (one document per file), .jsonl")
+
+
+def test_a_cut_off_zstd_file_is_refused_not_read_short(tmp_path):
+    import zstandard
+
+    lines = "".join(json.dumps({"text": f"document {i} " * 30}) + "\n" for i in range(2000)).encode()
+    whole = zstandard.ZstdCompressor().compress(lines)
+    (tmp_path / "whole.jsonl.zst").write_bytes(whole)
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "two-frames.jsonl.zst").write_bytes(whole + zstandard.ZstdCompressor().compress(lines))
+    prepare([str(tmp_path / "two-frames.jsonl.zst")], str(tmp_path / "two"))
+    assert json.loads((tmp_path / "two" / "index.json").read_text())["documents"] == 4000  # every frame
+    out = tmp_path / "out"
+    r = dskit("data", "prepare", str(tmp_path / "cut.jsonl.zst"), "-o", str(out))
+    _refused(r, out, "the zstd stream ends inside a frame (truncated file?)")
+    (tmp_path / "not.jsonl.zst").write_text("plain text\n")
+    r = dskit("data", "prepare", str(tmp_path / "not.jsonl.zst"), "-o", str(out))
+    _refused(r, out, "not.jsonl.zst: cannot read it: not a zstd stream or damaged")
+
+
+def test_a_pipe_is_refused_since_inputs_are_read_twice(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "dskit", "data", "prepare", "/dev/stdin", "-o", str(out)],
+        input='{"text": "hello"}\n',
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    _refused(r, out, "/dev/stdin: is not a regular file (a pipe or a device?)")
+
+
+def test_chat_template_errors_and_assistant_first_conversations_are_one_line(tmp_path, tok_dir):
+    import shutil
+
+    bad = tmp_path / "bad-tok"
+    shutil.copytree(tok_dir, bad)
+    (bad / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    cfg = json.loads((bad / "tokenizer_config.json").read_text())
+    if "chat_template" in cfg:
+        cfg["chat_template"] = "{{ raise_exception('roles must alternate') }}"
+        (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
+    write_jsonl(tmp_path / "chat.jsonl", conversations(3))
+    out = tmp_path / "out"
+    for workers in ("1", "2"):
+        r = dskit(
+            "data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(out),
+            "--tokenizer", str(bad), "--workers", workers,
+        )  # fmt: skip
+        _refused(r, out, "--tokenizer: ")
+        assert "its chat template failed: roles must alternate" in r.stderr
+    write_jsonl(tmp_path / "af.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}])
+    r = dskit("data", "prepare", str(tmp_path / "af.jsonl"), "-o", str(out), "--tokenizer", str(tok_dir))
+    _refused(r, out, "af.jsonl:1: starts with an 'assistant' message")
+
+
+def test_workers_are_bounded_by_the_cpus(tmp_path):
+    write_jsonl(tmp_path / "t.jsonl", [{"text": "x"}])
+    out = tmp_path / "out"
+    for n in ("0", "1000000"):
+        r = dskit("data", "prepare", str(tmp_path / "t.jsonl"), "-o", str(out), "--workers", n)
+        _refused(r, out, f"--workers: {n}: give 1 to ")
+
+
+def test_a_missing_relative_file_is_not_found_not_a_hub_name(tmp_path):
+    out = tmp_path / "out"
+    r = dskit("data", "prepare", "data/train.jsonl", "-o", str(out))
+    _refused(r, out, "inputs: data/train.jsonl not found")
+
+
+def test_sources_of_different_tokenizers_are_not_mixed(tmp_path):
+    a = TokenData([], 300, "a", "chat", 2, tokenizer="f00d")
+    assert a.same_tokens_as(TokenData([], 300, "b", "chat", 2, tokenizer="f00d")) is None
+    assert "another tokenizer" in a.same_tokens_as(TokenData([], 300, "b", "chat", 2, tokenizer="beef"))
+    assert a.same_tokens_as(TokenData([], 300, "old", "chat", 2)) is None  # an index from before fingerprints
+    assert "text data with vocabulary 259" in a.same_tokens_as(TokenData([], 259, "t", "text", 258))
+
+
+def test_a_source_too_light_to_be_sampled_is_refused_at_plan_time(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("data:\n  sources:\n    - {path: /a, weight: 1000000}\n    - {path: /b, weight: 1}\n")
+    r = dskit("plan", "--gpu", "cpu", "--model", "tiny-v2", str(spec))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "data.sources" in r.stderr and "would never be sampled" in r.stderr

@@ -22,7 +22,9 @@ batches an uninterrupted run would have seen, with no loader state to save.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -33,6 +35,7 @@ import numpy as np
 
 from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
+from dskit.spec import MIXTURE_BLOCK
 
 FORMAT = 2  # 1: tokens only (no document ends, no loss mask); refused with a re-prepare hint
 SHARD_TOKENS = 1 << 28  # 256M tokens (512 MiB in uint16) per file
@@ -44,7 +47,7 @@ SHARD_TOKENS = 1 << 28  # 256M tokens (512 MiB in uint16) per file
 class ByteTokenizer:
     """UTF-8 bytes 0-255, then PAD 256, BOS 257, EOS 258. Needs no files; fits tiny models' vocab."""
 
-    name = "byte"
+    name = fingerprint = "byte"
     vocab_size = 259
     pad_id, bos_id, eos_id = 256, 257, 258
 
@@ -69,6 +72,8 @@ class HFTokenizer:
             raise SpecError("--tokenizer", f"cannot load a tokenizer from {path}: {e}") from None
         self.name = str(Path(path).resolve())
         self.vocab_size = len(self._tok)
+        vocab = json.dumps(sorted(self._tok.get_vocab().items()), ensure_ascii=False).encode()
+        self.fingerprint = hashlib.sha256(vocab).hexdigest()[:16]  # same tokens, same ids
         eos = self._tok.eos_token_id
         self.eos_id = eos if eos is not None else self.vocab_size - 1
 
@@ -85,9 +90,14 @@ class HFTokenizer:
             raise SpecError(
                 "--tokenizer", f"{self.name} has no chat template (tokenizer_config.json 'chat_template')"
             )
-        return self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
+        import jinja2
+
+        try:
+            return self._tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        except jinja2.TemplateError as e:  # syntax errors, and templates that raise_exception(...)
+            raise SpecError("--tokenizer", f"{self.name}: its chat template failed: {e}") from None
 
 
 def tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
@@ -105,12 +115,22 @@ def embedded_corpus() -> list[str]:
     return [topics[k] for k in sorted(topics)]
 
 
-# A hub dataset name or URL given as an input: nothing is downloaded, so say how to fetch it first.
-_REMOTE = re.compile(r"^(hf://|https?://|[A-Za-z0-9][\w.-]*/[\w.-]+$)")
+def _looks_remote(p: str) -> bool:
+    """A URL, or a hub dataset name (ORG/NAME: no file extension, and ORG is no local dir). Nothing is
+    downloaded, so such an input is told how to fetch it first; a missing local file is "not found"."""
+    if re.match(r"^(hf|https?)://", p):
+        return True
+    org, _, name = p.partition("/")
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w-]+", p)) and "." not in name and not Path(org).exists()
 
 
-def _input_kind(path: Path) -> tuple[str, str]:
-    """(format, compression) from the name: jsonl/parquet/arrow/text and none/gz/zst."""
+TEXT_SUFFIXES = (".txt", ".text", ".md")
+INPUT_TYPES = ".txt/.text/.md (one document per file), .jsonl, each of those .gz or .zst, .parquet, .arrow"
+
+
+def _input_kind(p: str, path: Path) -> tuple[str, str]:
+    """(format, compression) from the name: jsonl/parquet/arrow/text and none/gz/zst. A name outside
+    these is refused: read as text, a .json or .csv file would become one garbled document."""
     name = path.name.lower()
     comp = "none"
     for c in ("gz", "zst"):
@@ -122,7 +142,9 @@ def _input_kind(path: Path) -> tuple[str, str]:
         return "parquet", comp
     if name.endswith(".arrow") and comp == "none":
         return "arrow", comp
-    return "text", comp
+    if name.endswith(TEXT_SUFFIXES):
+        return "text", comp
+    raise SpecError(f"{p}", f"unknown input type; one of: {INPUT_TYPES}, or a datasets save_to_disk dir")
 
 
 def _open_text(p: str, path: Path, comp: str, errors: str = "strict"):
@@ -135,24 +157,67 @@ def _open_text(p: str, path: Path, comp: str, errors: str = "strict"):
     if comp == "zst":
         import io
 
+        return io.TextIOWrapper(io.BufferedReader(_ZstdReader(path)), encoding="utf-8-sig", errors=errors)
+    return path.open(encoding="utf-8-sig", errors=errors)
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses every frame of a .zst file, and raises EOFError where it ends inside a frame
+    (zstandard's stream_reader returns the bytes it has, so a cut-off file read as a shorter one)."""
+
+    def __init__(self, path: Path):
         import zstandard
 
-        return io.TextIOWrapper(
-            zstandard.ZstdDecompressor().stream_reader(path.open("rb")), encoding="utf-8-sig", errors=errors
-        )
-    return path.open(encoding="utf-8-sig", errors=errors)
+        self._f, self._new = path.open("rb"), zstandard.ZstdDecompressor().decompressobj
+        self._d, self._buf, self._started = self._new(), b"", False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        import zstandard
+
+        while not self._buf:
+            chunk = self._d.unused_data if self._d.eof else b""
+            if self._d.eof:
+                self._d, self._started = self._new(), False
+            chunk = chunk or self._f.read(1 << 20)
+            if not chunk:
+                if self._started:
+                    raise EOFError("the zstd stream ends inside a frame (truncated file?)")
+                return 0
+            self._started = True
+            try:
+                self._buf = self._d.decompress(chunk)
+            except zstandard.ZstdError as e:
+                raise EOFError(f"not a zstd stream or damaged: {e}") from None
+            if self._d.eof and not self._d.unused_data:
+                self._started = False
+        n = min(len(b), len(self._buf))
+        b[:n], self._buf = self._buf[:n], self._buf[n:]
+        return n
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
 
 
 def _check_input(p: str) -> Path:
     path = Path(p)
     if not path.exists():
-        if _REMOTE.match(p):
+        if _looks_remote(p):
             raise SpecError(
                 "inputs",
                 f"{p} is not a local path; dskit downloads nothing: fetch it first (e.g. `huggingface-cli download "
                 "--repo-type dataset NAME --local-dir DIR`, or datasets' save_to_disk) and give the local files or dir",
             )
         raise SpecError("inputs", f"{p} not found")
+    if not path.is_file() and not path.is_dir():
+        raise SpecError(
+            f"{p}",
+            "is not a regular file (a pipe or a device?): inputs are read twice (the chat check, then "
+            "tokenizing); write it to a file first",
+        )
     return path
 
 
@@ -164,7 +229,7 @@ def _records(paths: list[str], text_field: str = "text") -> Iterator[str | list[
         if path.is_dir():
             yield from _read_arrow(p, _hf_dir_files(p, path), text_field)
             continue
-        kind, comp = _input_kind(path)
+        kind, comp = _input_kind(p, path)
         if kind == "jsonl":
             yield from _read_jsonl(p, path, comp, text_field)
         elif kind == "parquet":
@@ -184,15 +249,13 @@ def _has_messages(paths: list[str], text_field: str) -> bool:
     (stopping at the first chat record)."""
     for p in paths:
         path = _check_input(p)
-        if path.is_dir() or _input_kind(path)[0] in ("parquet", "arrow"):
+        kind = "dir" if path.is_dir() else _input_kind(p, path)[0]
+        if kind in ("dir", "parquet", "arrow"):
             files = _hf_dir_files(p, path) if path.is_dir() else [path]
-            if (
-                _column(p, _arrow_schema(path if not path.is_dir() else files[0]).names, text_field)
-                == "messages"
-            ):
+            if _column(p, _arrow_schema(p, files[0]).names, text_field) == "messages":
                 return True
-        elif any(isinstance(r, list) for r in _records([p], text_field)):
-            return True
+        elif kind == "jsonl" and any(isinstance(r, list) for r in _records([p], text_field)):
+            return True  # text files never hold chat records: not read here
     return False
 
 
@@ -207,14 +270,47 @@ def _column(p: str, names: list[str], text_field: str) -> str:
     )
 
 
-def _arrow_schema(path: Path):
-    import pyarrow as pa
+def _arrow_schema(p: str, path: Path):
     import pyarrow.parquet as pq
 
     if path.suffix.lower() == ".parquet":
-        return pq.read_schema(path)
-    with pa.OSFile(str(path)) as f:
-        return pa.ipc.open_stream(f).schema
+        try:
+            return pq.read_schema(path)
+        except Exception as e:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
+            raise SpecError(f"{p}", f"not a Parquet file: {e}") from None
+    with _arrow_reader(path) as (_, reader):
+        return reader.schema
+
+
+@contextlib.contextmanager
+def _arrow_reader(path: Path):
+    """(file, record batch reader) of an Arrow IPC stream (datasets' save_to_disk) or file (Feather v2)."""
+    import pyarrow as pa
+
+    src = pa.memory_map(str(path))
+    try:
+        try:
+            reader = pa.ipc.open_stream(src)
+        except Exception:
+            src.seek(0)
+            try:
+                f = pa.ipc.open_file(src)
+            except Exception as e:
+                raise SpecError(f"{path}", f"not an Arrow stream or file: {e}") from None
+            reader = (f.get_batch(i) for i in range(f.num_record_batches))
+            reader = _Batches(f.schema, reader)
+        yield src, reader
+    finally:
+        src.close()
+
+
+@dataclass
+class _Batches:
+    schema: object
+    batches: Iterator
+
+    def __iter__(self):
+        return iter(self.batches)
 
 
 def _hf_dir_files(p: str, path: Path) -> list[Path]:
@@ -235,6 +331,8 @@ def _hf_dir_files(p: str, path: Path) -> list[Path]:
         names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError):
         raise SpecError(f"{state}", "is not a datasets state.json (no _data_files list)") from None
+    if not names:
+        raise SpecError(f"{p}", "is a datasets dir without data files (an empty dataset)")
     for n in names:  # plain names only: a state.json cannot point outside its dir
         if not isinstance(n, str) or Path(n).name != n or not (path / n).is_file():
             raise SpecError(f"{state}", f"names {n!r}, which is not a file in {p}")
@@ -257,16 +355,10 @@ def _read_parquet(p: str, path: Path, text_field: str) -> Iterator[str | list[di
 
 
 def _read_arrow(p: str, files: list[Path], text_field: str) -> Iterator[str | list[dict]]:
-    import pyarrow as pa
 
     n = 0
     for path in files:
-        try:
-            src = pa.OSFile(str(path))
-            reader = pa.ipc.open_stream(src)
-        except Exception as e:
-            raise SpecError(f"{path}", f"not an Arrow stream file: {e}") from None
-        with src:
+        with _arrow_reader(path) as (_, reader):
             col = _column(p, reader.schema.names, text_field)
             for batch in reader:
                 for v in batch.column(col).to_pylist():
@@ -305,6 +397,8 @@ def _check_messages(where: str, msgs) -> list[dict]:
             ) from None
     if not any(m["role"] == "assistant" for m in msgs):
         raise SpecError(where, "no 'assistant' message: nothing to train on")
+    if msgs[0]["role"] == "assistant":
+        raise SpecError(where, "starts with an 'assistant' message: a conversation opens with system or user")
     return msgs
 
 
@@ -439,6 +533,7 @@ class ShardWriter:
             "dtype": np.dtype(self.dtype).name,
             "files": self.files,
             "tokenizer": tok.name,
+            "tokenizer_fingerprint": tok.fingerprint,
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             "documents": self.docs,
@@ -585,6 +680,21 @@ class TokenData:
     source: str
     kind: str = "text"
     eos_id: int = 0
+    tokenizer: str | None = None  # the fingerprint of its tokenizer's vocabulary (None: an older index)
+
+    def same_tokens_as(self, other: TokenData) -> str | None:
+        """Why batches of `other` could not be mixed with or compared to this data's, or None."""
+        if (self.kind, self.vocab_size, self.eos_id) != (other.kind, other.vocab_size, other.eos_id):
+            return (
+                f"is {other.kind} data with vocabulary {other.vocab_size}, and {self.source} is {self.kind} "
+                f"with {self.vocab_size}: prepare both with the same tokenizer and inputs of one kind"
+            )
+        if self.tokenizer and other.tokenizer and self.tokenizer != other.tokenizer:
+            return (
+                f"was prepared with another tokenizer than {self.source} (same vocabulary size, different "
+                "tokens): prepare both with the same tokenizer"
+            )
+        return None
 
     @property
     def n_tokens(self) -> int:
@@ -632,7 +742,14 @@ class TokenData:
                 shards.append(Shard(maps["tokens"], maps["docs"], maps.get("mask")))
         except (KeyError, ValueError, TypeError) as e:
             raise SpecError("data.path", f"{idx} is not a dskit shard index: {e}") from None
-        return cls(shards, int(meta["vocab_size"]), str(d), kind, int(meta["eos_id"]))
+        return cls(
+            shards,
+            int(meta["vocab_size"]),
+            str(d),
+            kind,
+            int(meta["eos_id"]),
+            meta.get("tokenizer_fingerprint"),
+        )
 
 
 @dataclass
@@ -768,7 +885,7 @@ class Mixture:
     Sampler: no state to save, so resume stays exact, and each source runs through its own epochs.
     """
 
-    BLOCK = 1024
+    BLOCK = MIXTURE_BLOCK
 
     def __init__(self, samplers: list[Sampler], weights: list[float], seed: int):
         self.samplers, self.seed = samplers, seed

@@ -69,13 +69,9 @@ def read_contract(*, launcher_env: bool = True):
                 raise (
                     SpecError(f"data.sources[{i}].path", e.message) if e.field == "data.path" else e
                 ) from None
-            first, d = parts[0], parts[-1]
-            if (d.kind, d.vocab_size, d.eos_id) != (first.kind, first.vocab_size, first.eos_id):
-                raise SpecError(
-                    f"data.sources[{i}].path",
-                    f"{path} is {d.kind} data with vocabulary {d.vocab_size}; data.sources[0] is {first.kind} with "
-                    f"{first.vocab_size}: prepare every source with the same tokenizer and inputs of one kind",
-                )
+            why = parts[0].same_tokens_as(parts[-1])
+            if why:
+                raise SpecError(f"data.sources[{i}].path", f"{path} {why}")
         data = parts[0]
         samplers = [Sampler(d, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing) for d in parts]
         sampler = Mixture(samplers, [w for _, w in plan.run.data_sources], plan.run.seed)
@@ -101,12 +97,9 @@ def _eval_sampler(plan, data):
         return None
     try:
         held = TokenData.open(path)
-        if (held.kind, held.vocab_size, held.eos_id) != (data.kind, data.vocab_size, data.eos_id):
-            raise SpecError(
-                field,
-                f"{path} is {held.kind} data with vocabulary {held.vocab_size}, the training data is {data.kind} "
-                f"with {data.vocab_size}: prepare both with the same tokenizer and inputs of one kind",
-            )
+        why = data.same_tokens_as(held)
+        if why:
+            raise SpecError(field, f"{path} {why}")
         sampler = Sampler(held, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
         need = plan.hardware.world_size * plan.parallel.micro_batch
         if sampler.windows < need:  # checked before the model is built, not at the first eval
