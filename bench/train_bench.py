@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
 import re
 import subprocess
@@ -74,15 +73,14 @@ CHECKPOINTING: dict[str, tuple[list[str], dict]] = {
         {},
     ),
 }
-# Regional torch.compile (RMSNorm, SwiGLU, rotary) patched in at interpreter start by
-# bench/levers/compile_regions/sitecustomize.py: measured before any of it becomes trainer code (--compile)
-COMPILE_LEVER = Path(__file__).resolve().parent / "levers" / "compile_regions"
-COMPILED = {"DSKIT_BENCH_COMPILE": "1"}
+# Regional torch.compile (RMSNorm, SwiGLU, rotary; dskit/train/compile.py), --compile. First measured
+# (results/h200-compile-*-2026-11-30.json) with the same functions patched in by a sitecustomize at
+# commit cf716ce, before they became trainer code.
 COMPILE: dict[str, tuple[list[str], dict]] = {
     "mb2 (reference shape), eager": ([], {}),
-    "mb2 (reference shape), regional compile": ([], {}),
+    "mb2 (reference shape), regional compile": (["overrides.compile=on"], {}),
     "gb16 plan choice, eager": (GB16, {}),
-    "gb16 plan choice, regional compile": (GB16, {}),
+    "gb16 plan choice, regional compile": ([*GB16, "overrides.compile=on"], {}),
 }
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
@@ -100,10 +98,6 @@ WARMUP_STEPS = 3
 
 
 def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int) -> dict:
-    env = None
-    if "regional compile" in name:
-        path = os.pathsep.join(filter(None, [str(COMPILE_LEVER), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, **COMPILED, "PYTHONPATH": path}
     from dskit.plan import build_plan, load_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
@@ -127,7 +121,7 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
             data["deepspeed"][section].update(values)
         run_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     log = proc.stdout + proc.stderr
     (work.parent / f"{flags['name']}.log").write_text(log)
     if proc.returncode != 0:

@@ -69,6 +69,7 @@ class ParallelPlan(_Frozen):
     attention: str
     offload_optimizer: bool
     loss_chunk_tokens: int  # 0: full logits; N: output projection + cross-entropy N tokens at a time
+    compile_regions: bool = False  # RMSNorm, SwiGLU, rotary through torch.compile (dskit/train/compile.py)
 
 
 class OptimPlan(_Frozen):
@@ -502,6 +503,7 @@ def plan_parallel(
         attention=_attention(spec, gpu),
         offload_optimizer=c.offload,
         loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
+        compile_regions=spec.overrides.compile == "on",
     )
     return parallel, found
 

@@ -195,6 +195,10 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     }
     log.info("model built under ZeRO-3 partitioning in %.1f s; starting the engine", built["build_s"])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
+        from dskit.train.compile import compile_regions
+
+        compile_regions(engine.module)
     _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir, built)
     return engine
 
