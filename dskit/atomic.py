@@ -84,6 +84,14 @@ def check_replaceable(
             f"{out} was not written by dskit (no {MARKER} in it); --force replaces only dskit's own "
             "output: choose another directory or remove it yourself",
         )
+    for p in inputs:
+        if p is None:
+            continue
+        with contextlib.suppress(OSError, RuntimeError):
+            if Path(p).resolve().is_relative_to(out):
+                raise SpecError(
+                    flag, f"{out} contains {p}, an input of this command; --force would delete it"
+                )
     written = _marker(out).get("kind")
     if written is not None and written != kind:  # markers of dskit before kinds have none
         raise SpecError(
@@ -94,14 +102,6 @@ def check_replaceable(
     for repo in REPOSITORIES:
         if os.path.lexists(out / repo):
             raise SpecError(flag, f"{out} contains {repo}; --force never deletes a repository")
-    for p in inputs:
-        if p is None:
-            continue
-        with contextlib.suppress(OSError, RuntimeError):
-            if Path(p).resolve().is_relative_to(out):
-                raise SpecError(
-                    flag, f"{out} contains {p}, an input of this command; --force would delete it"
-                )
     return out
 
 
