@@ -92,11 +92,11 @@ def check_replaceable(
                 raise SpecError(
                     flag, f"{out} contains {p}, an input of this command; --force would delete it"
                 )
-    written = _marker(out).get("kind")
-    if written is not None and written != kind:  # markers of dskit before kinds have none
+    written = _kind_of(out)
+    if written != kind:
         raise SpecError(
             flag,
-            f"{out} holds {KINDS.get(written, written)}, not {KINDS[kind]}; --force replaces only the same "
+            f"{out} holds {KINDS.get(written, 'output of unknown kind')}, not {KINDS[kind]}; --force replaces only the same "
             "kind of output: choose another directory",
         )
     for repo in REPOSITORIES:
@@ -108,6 +108,22 @@ def check_replaceable(
 def _marker_text(kind: str) -> str:
     info = {"written_by": "dskit", "kind": kind, "host": socket.gethostname(), "pid": os.getpid()}
     return json.dumps(info) + "\n"
+
+
+def _kind_of(d: Path) -> str | None:
+    """The kind MARKER names; for a marker of dskit before kinds, what the directory holds."""
+    kind = _marker(d).get("kind")
+    if isinstance(kind, str) and kind in KINDS:
+        return kind
+    if kind is not None:
+        return None
+    if (d / "run.yaml").is_file():
+        return "run"
+    if (d / "index.json").is_file():
+        return "data"
+    if (d / "config.json").is_file():
+        return "export"
+    return None
 
 
 def _marker(d: Path) -> dict:

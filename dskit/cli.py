@@ -298,7 +298,7 @@ def cmd_data(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
 
     tokenizer_dir = None if a.tokenizer == "byte" else a.tokenizer
-    cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if not 1 <= a.workers <= cpus:
         raise SpecError("--workers", f"{a.workers}: give 1 to {cpus} (this machine's CPUs)")
     check_replaceable(a.output, force=a.force, kind="data", inputs=[*a.inputs, tokenizer_dir])

@@ -128,9 +128,19 @@ def test_force_never_deletes_a_repository(tmp_path):
     assert (out / ".git").is_dir() and (out / "f").read_text() == "old"
 
 
-def test_a_marker_from_before_kinds_is_still_replaceable(tmp_path):
+def test_a_marker_from_before_kinds_is_judged_by_what_the_directory_holds(tmp_path):
+    import pytest
+
+    from dskit.errors import SpecError
+
     out = tmp_path / "out"
     out.mkdir()
     (out / MARKER).write_text(json.dumps({"written_by": "dskit", "host": "h", "pid": 1}))
-    _build(out, "new", force=True)
-    assert (out / "f").read_text() == "new"
+    (out / "run.yaml").write_text("version: 3\n")  # an old rendered run
+    with pytest.raises(SpecError, match="holds a rendered run directory, not prepared data"):
+        _build(out, "data", kind="data", force=True)
+    _build(out, "new run", kind="run", force=True)
+    assert (out / "f").read_text() == "new run"
+    (out / MARKER).write_text(json.dumps({"written_by": "dskit", "kind": ["odd"]}))
+    with pytest.raises(SpecError, match="holds output of unknown kind"):
+        _build(out, "x", kind="run", force=True)

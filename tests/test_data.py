@@ -465,3 +465,17 @@ def test_a_source_too_light_to_be_sampled_is_refused_at_plan_time(tmp_path):
     r = dskit("plan", "--gpu", "cpu", "--model", "tiny-v2", str(spec))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "data.sources" in r.stderr and "would never be sampled" in r.stderr
+
+
+def test_a_cut_off_arrow_stream_is_one_line(tmp_path):
+    import pyarrow as pa
+
+    t = pa.table({"text": [f"document {i} " * 20 for i in range(5000)]})
+    with pa.OSFile(str(tmp_path / "whole.arrow"), "wb") as f, pa.ipc.new_stream(f, t.schema) as w:
+        for b in t.to_batches(max_chunksize=500):
+            w.write_batch(b)
+    data = (tmp_path / "whole.arrow").read_bytes()
+    (tmp_path / "cut.arrow").write_bytes(data[: len(data) // 2 + 7])
+    out = tmp_path / "out"
+    r = dskit("data", "prepare", str(tmp_path / "cut.arrow"), "-o", str(out))
+    _refused(r, out, "cut.arrow: cannot read it (damaged or cut off?)")

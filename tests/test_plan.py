@@ -294,3 +294,12 @@ def test_a_cpu_plan_has_no_rdma_fabric():
         assert plan.env["NCCL_IB_DISABLE"] == "1"
     with pytest.raises(SpecError, match="network.ib_hca"):
         build_plan(load_spec(None, ["network.ib_hca=mlx5_0"], {"hardware.gpu": "cpu"}))
+
+
+def test_a_run_yaml_rendered_before_the_data_fields_still_loads():
+    """A run in flight is requeued with the run.yaml it was rendered with: fields added since (data
+    sources, eval, packing, compile) must have defaults. The file is slurm/tiny-v2-cpu-venv/run.yaml as
+    rendered at commit a49b60e (PLAN_VERSION 3)."""
+    plan = load_plan(Path(__file__).parent / "fixtures" / "run-v3-before-data-fields.yaml")
+    assert plan.run.data_sources is None and plan.run.packing == "pack" and plan.run.eval_every == 200
+    assert not plan.parallel.compile_regions

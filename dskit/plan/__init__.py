@@ -85,11 +85,13 @@ class RunPlan(_Frozen):
     seed: int
     log_every: int
     data_path: str | None
-    data_sources: list[tuple[str, float]] | None  # a mixture (path, weight); then data_path is None
-    eval_path: str | None  # None: DATA/eval if the trainer finds one (`data prepare --eval-fraction`)
-    packing: Literal["pack", "pad"]
-    eval_every: int
-    eval_batches: int
+    # Defaults where run.yaml files rendered before these fields existed (same PLAN_VERSION) still load:
+    # a run in flight, requeued by its scheduler, reads the run.yaml it was rendered with.
+    data_sources: list[tuple[str, float]] | None = None  # a mixture (path, weight); then data_path is None
+    eval_path: str | None = None  # None: DATA/eval if the trainer finds one (`data prepare --eval-fraction`)
+    packing: Literal["pack", "pad"] = "pack"
+    eval_every: int = 200
+    eval_batches: int = 8
     checkpoint_dir: str
     output_dir: str
     checkpoint_every: int

@@ -42,7 +42,8 @@ class Candidate:
 
     @property
     def recompute_share(self) -> float:
-        """The share of decoder layers whose forward runs twice (checkpointing every N-th: 1/N)."""
+        """About the share of decoder layers whose forward runs twice (1/N; exactly ceil(L/N)/L, which
+        orders candidates the same way): the tie order's key."""
         return 1 / self.ckpt_every if self.ckpt_every else 0.0
 
     def describe(self) -> str:

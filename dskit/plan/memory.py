@@ -176,8 +176,8 @@ def estimate(
     ckpt = [bool(ckpt_every) and i % ckpt_every == 0 for i in range(L)]
     kept = (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
     stored = peak = 0.0
-    for a, c in zip(per_layer, ckpt, strict=True):
-        if c:
+    for a, recomputed in zip(per_layer, ckpt, strict=True):
+        if recomputed:
             peak = max(peak, stored + a)
         else:
             stored += a

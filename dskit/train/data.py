@@ -169,7 +169,7 @@ class _ZstdReader(io.RawIOBase):
         import zstandard
 
         self._f, self._new = path.open("rb"), zstandard.ZstdDecompressor().decompressobj
-        self._d, self._buf, self._started = self._new(), b"", False
+        self._d, self._buf, self._at, self._started = self._new(), b"", 0, False
 
     def readable(self) -> bool:
         return True
@@ -177,24 +177,25 @@ class _ZstdReader(io.RawIOBase):
     def readinto(self, b) -> int:
         import zstandard
 
-        while not self._buf:
+        while self._at == len(self._buf):
             chunk = self._d.unused_data if self._d.eof else b""
             if self._d.eof:
                 self._d, self._started = self._new(), False
-            chunk = chunk or self._f.read(1 << 20)
+            chunk = chunk or self._f.read(1 << 16)  # 64 KiB in: its output stays small
             if not chunk:
                 if self._started:
                     raise EOFError("the zstd stream ends inside a frame (truncated file?)")
                 return 0
             self._started = True
             try:
-                self._buf = self._d.decompress(chunk)
+                self._buf, self._at = self._d.decompress(chunk), 0
             except zstandard.ZstdError as e:
                 raise EOFError(f"not a zstd stream or damaged: {e}") from None
             if self._d.eof and not self._d.unused_data:
                 self._started = False
-        n = min(len(b), len(self._buf))
-        b[:n], self._buf = self._buf[:n], self._buf[n:]
+        n = min(len(b), len(self._buf) - self._at)
+        b[:n] = memoryview(self._buf)[self._at : self._at + n]
+        self._at += n
         return n
 
     def close(self) -> None:
@@ -348,19 +349,33 @@ def _read_parquet(p: str, path: Path, text_field: str) -> Iterator[str | list[di
         raise SpecError(f"{p}", f"not a Parquet file: {e}") from None
     col = _column(p, f.schema_arrow.names, text_field)
     n = 0
-    for batch in f.iter_batches(batch_size=1024, columns=[col]):
+    for batch in _guarded(p, f.iter_batches(batch_size=1024, columns=[col])):
         for v in batch.column(0).to_pylist():
             n += 1
             yield _value(f"{p} row {n}", col, v)
 
 
-def _read_arrow(p: str, files: list[Path], text_field: str) -> Iterator[str | list[dict]]:
+def _guarded(p: str, batches: Iterable) -> Iterator:
+    """Record batches, where a damaged or cut-off file is one line naming it, not pyarrow's traceback."""
+    import pyarrow as pa
 
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise SpecError(f"{p}", f"cannot read it (damaged or cut off?): {e}") from None
+        yield batch
+
+
+def _read_arrow(p: str, files: list[Path], text_field: str) -> Iterator[str | list[dict]]:
     n = 0
     for path in files:
         with _arrow_reader(path) as (_, reader):
             col = _column(p, reader.schema.names, text_field)
-            for batch in reader:
+            for batch in _guarded(str(path), reader):
                 for v in batch.column(col).to_pylist():
                     n += 1
                     yield _value(f"{p} row {n}", col, v)

@@ -61,11 +61,14 @@ def read_contract(*, launcher_env: bool = True):
             )
     vocab = plan.model.config["vocab_size"]
     if plan.run.data_sources:
-        parts = []
+        parts, samplers = [], []
         for i, (path, _) in enumerate(plan.run.data_sources):
             try:
                 parts.append(TokenData.open(path))
-            except SpecError as e:  # TokenData names data.path; here it is one source's
+                samplers.append(
+                    Sampler(parts[-1], plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing)
+                )
+            except SpecError as e:  # TokenData and Sampler name data.path; here it is one source's
                 raise (
                     SpecError(f"data.sources[{i}].path", e.message) if e.field == "data.path" else e
                 ) from None
@@ -73,7 +76,6 @@ def read_contract(*, launcher_env: bool = True):
             if why:
                 raise SpecError(f"data.sources[{i}].path", f"{path} {why}")
         data = parts[0]
-        samplers = [Sampler(d, plan.parallel.seq_len, plan.run.seed, packing=plan.run.packing) for d in parts]
         sampler = Mixture(samplers, [w for _, w in plan.run.data_sources], plan.run.seed)
     else:
         data = TokenData.open(plan.run.data_path)

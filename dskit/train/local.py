@@ -46,26 +46,49 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
     print("+ " + " ".join(cmd), flush=True)
     with tempfile.TemporaryDirectory(prefix="dskit-local-") as tmp:
         exit_file = Path(tmp, "exit-codes")
-        with _stop_requests_to(stop):
-            status = subprocess.Popen(cmd, env={**env, EXIT_FILE_ENV: str(exit_file)}).wait()
+        with _stop_requests_to(stop) as requests:
+            requests.child = subprocess.Popen(cmd, env={**env, EXIT_FILE_ENV: str(exit_file)})
+            try:
+                status = requests.child.wait()
+            except BaseException:  # never leave torchrun running without its launcher
+                requests.child.terminate()
+                requests.child.wait()
+                raise
         return relayed_exit(status, exit_file)
 
 
 class _stop_requests_to:
     """USR1/TERM to this launcher become the STOP file, as the Slurm batch script's trap does: torchrun
     does not forward USR1 (and would kill the ranks on TERM before they checkpoint), so the request
-    reaches every rank at its next step, they checkpoint and exit 75, and the same command resumes."""
+    reaches every rank at its next step, they checkpoint and exit 75, and the same command resumes.
+    A second TERM, or a STOP file that cannot be written, stops torchrun itself (no checkpoint)."""
 
     SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 
     def __init__(self, stop: Path):
         self.stop = stop
         self.previous: dict[int, object] = {}
+        self.child: subprocess.Popen | None = None
+        self.asked = False
+
+    def _say(self, text: str) -> None:
+        os.write(2, f"dskit: {text}\n".encode())  # not print(): a handler may interrupt a print
 
     def _request(self, signum: int, _frame: object) -> None:
-        print(f"dskit: {signal.Signals(signum).name} received; asking ranks to checkpoint", flush=True)
-        self.stop.parent.mkdir(parents=True, exist_ok=True)
-        self.stop.touch()
+        name = signal.Signals(signum).name
+        if signum == signal.SIGTERM and self.asked and self.child is not None:
+            self._say(f"{name} again; stopping torchrun without a checkpoint")
+            self.child.terminate()
+            return
+        self.asked = True
+        self._say(f"{name} received; asking ranks to checkpoint")
+        try:
+            self.stop.parent.mkdir(parents=True, exist_ok=True)
+            self.stop.touch()
+        except OSError as e:
+            self._say(f"cannot write {self.stop} ({e.strerror or e}); stopping torchrun without a checkpoint")
+            if self.child is not None:
+                self.child.terminate()
 
     def __enter__(self) -> _stop_requests_to:
         for sig in self.SIGNALS:
