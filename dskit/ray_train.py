@@ -45,7 +45,7 @@ def main() -> int:
     if run_file:  # relative to the job's working_dir: make it absolute before workers start elsewhere
         os.environ[Env.RUN_FILE.value] = os.path.abspath(run_file)
     try:
-        plan, _, _ = read_contract(launcher_env=False)
+        plan, *_ = read_contract(launcher_env=False)
     except SpecError as e:
         print(f"dskit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
