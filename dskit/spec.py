@@ -487,10 +487,11 @@ class PlanOverrides(_Section):
         "auto",
         description="ZeRO optimizer-state offload. auto: whichever the predicted fastest candidate that fits uses.",
     )
-    compile: Literal["off", "on"] = Field(
-        "off",
-        description="on: torch.compile the decoder's RMSNorm, SwiGLU and rotary code (measured on H200: 8% faster "
-        "and 7.6 GiB less where the step is GPU-bound). Off by default until the planner is calibrated with it.",
+    compile: Literal["auto", "off", "on"] = Field(
+        "auto",
+        description="torch.compile the decoder's RMSNorm, SwiGLU and rotary code (measured on H200: 8% faster "
+        "and 7.6 GiB less where the step is GPU-bound, equal where it is host-bound). auto: on GPUs; off on "
+        "the cpu profile, where inductor's C++ compile costs more than a test run saves.",
     )
     loss: Literal["auto", "chunked", "full"] = Field(
         "auto",

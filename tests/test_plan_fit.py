@@ -64,6 +64,7 @@ def test_every_plan_fits_or_refuses(model, gpu):
             offload_optimizer=par.offload_optimizer,
             on_gpu=True,
             loss="chunked" if par.loss_chunk_tokens else "full",
+            compiled=par.compile_regions,
         ).total_gib
         build = memory.construction(c, world=world, ep_size=par.ep_size, on_gpu=True).total_gib
         node = host.estimate(

@@ -461,6 +461,7 @@ def plan_parallel(
         )
     host_gib, host_from = _host_memory(spec, gpu)
     seq_len = spec.training.seq_len
+    compiled = compile_regions(spec.overrides.compile, gpu)
     shape = fit.Shape(
         model=model.name,
         cfg=cfg,
@@ -473,6 +474,7 @@ def plan_parallel(
         host_memory_from=host_from,
         loads_weights=model.path is not None,
         loss=spec.overrides.loss,
+        compiled=compiled,
     )
 
     def speed_of(c: fit.Candidate) -> speed.StepTime | None:
@@ -489,6 +491,7 @@ def plan_parallel(
             seq_len=seq_len,
             ckpt_every=c.ckpt_every,
             offload=c.offload,
+            compiled=compiled,
         )
 
     found = _search(spec, shape, per_rank, speed_of, fabric.name, warnings)
@@ -505,9 +508,16 @@ def plan_parallel(
         attention=_attention(spec, gpu),
         offload_optimizer=c.offload,
         loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
-        compile_regions=spec.overrides.compile == "on",
+        compile_regions=compiled,
     )
     return parallel, found
+
+
+def compile_regions(choice: str, gpu: catalog.GPU) -> bool:
+    """`overrides.compile` -> whether the trainer compiles its regions. auto: on GPUs, where it measured
+    faster and smaller (bench/README.md); off on the cpu profile, whose runs are tests and short: there
+    inductor's C++ compile takes longer than it saves."""
+    return choice == "on" or (choice == "auto" and not gpu.is_cpu)
 
 
 def plan_optim(spec: Spec) -> OptimPlan:

@@ -73,6 +73,7 @@ class Shape:
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
     loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
+    compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
 
     @property
     def world(self) -> int:
@@ -145,6 +146,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         offload_optimizer=c.offload,
         on_gpu=on_gpu,
         loss=s.loss,
+        compiled=s.compiled,
     )
     build = memory.construction(s.counts, world=s.world, ep_size=c.ep_size, on_gpu=on_gpu)
     h = host.estimate(

@@ -16,6 +16,9 @@ An estimate, not a promise: tests/test_plan.py checks it against the H200 baseli
 - activations: bytes saved per token per layer for backward, from the shapes of every tensor autograd
   keeps (inputs of each linear, of the activation function and of the norms), in bf16; with activation
   checkpointing only each checkpointed layer's input is kept, plus one layer being recomputed.
+- regional torch.compile (`dskit/train/compile.py`) keeps less: eager RMSNorm saves an fp32 copy of its
+  input for backward and eager SwiGLU the SiLU output; fused, they recompute both from what the
+  neighbouring linears keep anyway (`compiled_saving_per_token_layer`).
 - the loss: bf16 logits, their fp32 copy for the softmax and its gradient (batch x seq x vocab); at
   V2's 102400 vocabulary this is the largest activation.
 - a fixed overhead for the CUDA context, NCCL buffers and allocator fragmentation.
@@ -146,6 +149,21 @@ def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
     return 2 * (attn + mlp)  # bf16
 
 
+def compiled_saving_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
+    """Activation bytes per token that a layer does not keep when its RMSNorms and SwiGLU are compiled:
+    the fp32 copy of every norm's input (eager `hidden_states.to(float32)` saved by pow and mul) and the
+    SiLU output of the shared experts' (or the dense layer's) SwiGLU, saved by the eager product.
+    Routed experts are AutoEP's own grouped GEMMs, not compiled. For 4-layer V2-Lite this is 28.2 kB per
+    token and layer; measured on one H200 (bench/results/h200-compile-*-2026-11-30.json, peak allocated
+    eager minus compiled): 26.6 kB at micro-batch 16, 29.8 kB at micro-batch 2."""
+    norm_widths = 2 * cfg["hidden_size"] + (cfg.get("kv_lora_rank") or 0) + (cfg.get("q_lora_rank") or 0)
+    if dense:
+        silu = cfg["intermediate_size"]
+    else:
+        silu = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+    return 4 * norm_widths + 2 * silu
+
+
 def estimate(
     cfg: dict[str, Any],
     c: ModelCounts,
@@ -158,6 +176,7 @@ def estimate(
     offload_optimizer: bool,
     on_gpu: bool,
     loss: str,
+    compiled: bool = False,
 ) -> MemoryEstimate:
     state_bytes = 4 if offload_optimizer else 16
     states = state_bytes * c.total / world
@@ -168,13 +187,19 @@ def estimate(
     tokens = micro_batch * seq_len
     L = cfg["num_hidden_layers"]
     dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
-    per_layer = [_activation_bytes_per_token_layer(cfg, dense=i < dense_layers) for i in range(L)]
+    # ACTIVATION_SLACK scales what the eager layers keep (fitted on eager runs); the compiled saving is
+    # bytes that are no longer allocated at all
+    per_layer = [
+        ACTIVATION_SLACK * _activation_bytes_per_token_layer(cfg, dense=i < dense_layers)
+        - (compiled_saving_per_token_layer(cfg, dense=i < dense_layers) if compiled else 0)
+        for i in range(L)
+    ]
     # The trainer checkpoints layers 0, N, 2N, ... (model.py): those keep only their bf16 input (plus the
     # final hidden state) and are recomputed one at a time in backward, when the layers after them have
     # freed theirs; every other layer keeps all its activations until its own backward. The peak is the
     # larger of the end of forward (all stored layers) and a recompute on top of the stored layers before it.
     ckpt = [bool(ckpt_every) and i % ckpt_every == 0 for i in range(L)]
-    kept = (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
+    kept = ACTIVATION_SLACK * (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
     stored = peak = 0.0
     for a, recomputed in zip(per_layer, ckpt, strict=True):
         if recomputed:
@@ -182,7 +207,6 @@ def estimate(
         else:
             stored += a
     act = (kept + max(peak, stored)) * tokens
-    act *= ACTIVATION_SLACK
     logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(
         states_gib=states / GIB,

@@ -12,7 +12,8 @@ side by side, because the host enqueues kernels ahead of the GPU:
 - compute: T x FLOPs/token (6 x active parameters + causal attention; `model_math.py`), plus the forward
   pass again for every checkpointed layer (a third of a layer's training FLOPs), at GEMM_EFFICIENCY of
   the GPU's peak. The efficiency absorbs the token-proportional non-GEMM kernels (norms, RoPE, SwiGLU,
-  casts, MoE permutes), which were as long as the GEMMs in the H200 profile (bench/README.md).
+  casts, MoE permutes), which were as long as the GEMMs in the H200 profile (bench/README.md); regional
+  torch.compile fuses some of them (COMPILED_COMPUTE_SAVING).
 - layer passes: forward, backward, and the recompute of checkpointed layers. Each costs the GPU a little
   beyond its FLOPs, and the host much more: ZeRO-3 runs hooks around every module and launches hundreds
   of small kernels per layer. Small micro-steps are host-bound (measured: 4096-token micro-steps of a
@@ -75,6 +76,12 @@ OFFLOAD_BYTES_PER_PARAM = 6
 #: each dispatch, small messages): EP 2 cost 24-54 ms more per step than EP 1 at the same shapes on
 #: 2 x H200, 0.2-0.5 of NVLink's rate (bench/results/h200x2-planner-*.json); fitted to 0.4
 A2A_EFFICIENCY = 0.4
+#: share of the compute term that regional torch.compile (dskit/train/compile.py) removes: its fused
+#: RMSNorm, SwiGLU and rotary kernels replace eager elementwise kernels that GEMM_EFFICIENCY absorbs.
+#: Measured on one H200 (4-layer V2-Lite, seq 4096, micro-batch 16, GPU-bound): 0.629 -> 0.579 s per step,
+#: 0.050 s of the model's 0.514 s compute term (bench/results/h200-compile-gb16-2026-11-30.json). The
+#: host timeline is unchanged: at micro-batch 2 (host-bound) the two measured within noise.
+COMPILED_COMPUTE_SAVING = 0.10
 #: 16-bit weights and gradients
 WIRE_BYTES = 2
 GB = 1e9
@@ -167,6 +174,7 @@ def predict(
     seq_len: int,
     ckpt_every: int,
     offload: bool,
+    compiled: bool = False,
 ) -> StepTime | None:
     """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
     `peak_tflops`: at the plan's precision."""
@@ -179,6 +187,8 @@ def predict(
     unknown: list[str] = []
 
     compute = T * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
+    if compiled:
+        compute *= 1 - COMPILED_COMPUTE_SAVING
     passes = L * (2 + frac)
 
     # ZeRO-3: weights gathered per pass, gradients reduce-scattered once per micro-step; a group of one

@@ -7,8 +7,9 @@ issue 13): 8% less step time and 7.6 GiB less memory where the step is GPU-bound
 seq 4096); no change where it is host-bound. Only the math is compiled: the regions take the weights
 ZeRO-3 has already gathered as inputs, so its module hooks run outside them, as before.
 
-`overrides.compile: on` (plan: `parallel.compile_regions`). Not the default yet: the planner's memory
-and step-time models are calibrated on eager runs.
+`overrides.compile` (plan: `parallel.compile_regions`): on by default on GPUs, where the planner counts
+what it saves (`dskit/plan/memory.py` `compiled_saving_per_token_layer`, `dskit/plan/speed.py`
+`COMPILED_COMPUTE_SAVING`); off on the cpu profile.
 """
 
 from __future__ import annotations
