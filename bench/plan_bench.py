@@ -81,22 +81,42 @@ def candidates(sets: list[str], gpus: int, work: Path) -> list[dict]:
     from dskit.plan import build_plan_searched
     from dskit.spec import load_spec
 
-    _, found = build_plan_searched(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "probe", work)))
+    plan, found = build_plan_searched(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "probe", work)))
     out = []
     for r in [r for r in found.rows if r.fits][:MAX_RUNS_PER_CONFIG]:
         c = r.candidate
         out.append(
             {
                 "verdict": r.verdict,
-                "overrides": [
-                    f"overrides.ep_size={c.ep_size}",
-                    f"overrides.micro_batch={c.micro_batch}",
-                    f"overrides.activation_checkpointing={c.ckpt_every}",
-                    f"overrides.offload_optimizer={'cpu' if c.offload else 'none'}",
-                ],
+                "overrides": _forced(
+                    c.ep_size, c.micro_batch, c.ckpt_every, c.offload, plan.parallel.compile_regions
+                ),
             }
         )
     return out
+
+
+def _forced(ep: int, micro_batch: int, ckpt_every: int, offload: bool, compiled: bool) -> list[str]:
+    """A candidate as the overrides that force it, regional compile included (not searched: a plan-wide
+    setting, on by default on GPUs since issue 13)."""
+    return [
+        f"overrides.ep_size={ep}",
+        f"overrides.micro_batch={micro_batch}",
+        f"overrides.activation_checkpointing={ckpt_every}",
+        f"overrides.offload_optimizer={'cpu' if offload else 'none'}",
+        f"overrides.compile={'on' if compiled else 'off'}",
+    ]
+
+
+def forced_overrides(row: dict) -> list[str]:
+    """A row's overrides; rows measured before compile was an override ran eager."""
+    o = row["overrides"]
+    return o if any(x.startswith("overrides.compile=") for x in o) else [*o, "overrides.compile=off"]
+
+
+def config_key(row: dict) -> str:
+    """Compiled and eager runs of a configuration are different searches: compared apart."""
+    return row["config"] + (" compiled" if "overrides.compile=on" in row["overrides"] else "")
 
 
 def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
@@ -260,9 +280,9 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     from dskit.plan.fit import Candidate
     from dskit.spec import load_spec
 
-    spec = load_spec(sets=[*COMMON, *row["sets"]], flags=_flags(row["gpus"], "x", work))
-    _, found = build_plan_searched(spec)
-    o = dict(x.split("=", 1) for x in row["overrides"])
+    o = dict(x.split("=", 1) for x in forced_overrides(row))
+    sets = [*COMMON, *row["sets"], f"overrides.compile={o['overrides.compile']}"]
+    _, found = build_plan_searched(load_spec(sets=sets, flags=_flags(row["gpus"], "x", work)))
     want = Candidate(
         ep_size=int(o["overrides.ep_size"]),
         micro_batch=int(o["overrides.micro_batch"]),
@@ -274,18 +294,16 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     return {"memory_gib": round(r.fit.steady.total_gib, 2), "fits": r.fits, **speed}, r.verdict
 
 
-def planner_pick(sets: list[str], gpus: int) -> list[str]:
-    """The current planner's own choice for a configuration, as the overrides the bench forces."""
+def planner_pick(row: dict) -> list[str]:
+    """The current planner's own choice for a row's configuration (compiled as the row was), as the
+    overrides the bench forces."""
     from dskit.plan import build_plan
     from dskit.spec import load_spec
 
-    p = build_plan(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "x", Path("/nonexistent")))).parallel
-    return [
-        f"overrides.ep_size={p.ep_size}",
-        f"overrides.micro_batch={p.micro_batch}",
-        f"overrides.activation_checkpointing={p.activation_checkpointing}",
-        f"overrides.offload_optimizer={'cpu' if p.offload_optimizer else 'none'}",
-    ]
+    compiled = "overrides.compile=on" in forced_overrides(row)
+    sets = [*COMMON, *row["sets"], f"overrides.compile={'on' if compiled else 'off'}"]
+    p = build_plan(load_spec(sets=sets, flags=_flags(row["gpus"], "x", Path("/nonexistent")))).parallel
+    return _forced(p.ep_size, p.micro_batch, p.activation_checkpointing, p.offload_optimizer, compiled)
 
 
 def fastest_fitting(rows: list[dict]) -> float:
@@ -299,15 +317,15 @@ def report(files: list[Path]) -> dict:
     rows = load_rows(files)
     by_config: dict[str, list[dict]] = {}
     for r in rows:
-        by_config.setdefault(r["config"], []).append(r)
+        by_config.setdefault(config_key(r), []).append(r)
     print(
-        f"{'configuration':18s} {'EP mbs ckpt offload':22s} {'pred s':>7s} {'meas s':>7s} {'tok/s err':>9s} "
+        f"{'configuration':27s} {'EP mbs ckpt offload':22s} {'pred s':>7s} {'meas s':>7s} {'tok/s err':>9s} "
         f"{'pred GiB':>8s} {'rsv GiB':>8s} {'mem err':>7s}  planner today"
     )
     summary: dict = {"memory_errors": [], "speed_errors": [], "pick_losses": {}}
     for config, rs in by_config.items():
         fastest = fastest_fitting(rs)
-        pick = planner_pick(rs[0]["sets"], rs[0]["gpus"])
+        pick = planner_pick(rs[0])
         for r in rs:
             p, m = repredict(r)[0], r["measured"]
             # the plan's total includes allocator slack: it is what the caching allocator reserves
@@ -315,12 +333,12 @@ def report(files: list[Path]) -> dict:
             tok_err = p["tokens_per_s_per_gpu"] / m["tokens_per_s_per_gpu"] - 1
             summary["memory_errors"].append(mem_err)
             summary["speed_errors"].append(tok_err)
-            chosen = r["overrides"] == pick
+            chosen = forced_overrides(r) == pick
             if chosen:
                 summary["pick_losses"][config] = 1 - m["tokens_per_s_per_gpu"] / fastest
-            cand = " ".join(o.split("=")[1] for o in r["overrides"])
+            cand = " ".join(o.split("=")[1] for o in r["overrides"][:4])
             print(
-                f"{config:18s} {cand:22s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+9.1%} "
+                f"{config:27s} {cand:22s} {p['step_s']:7.3f} {m['step_s']:7.3f} {tok_err:+9.1%} "
                 f"{p['memory_gib']:8.1f} {m['peak_reserved_gib']:8.1f} {mem_err:+7.1%}  "
                 + ("chosen" if chosen else "" if p["fits"] else "over the plan's memory limit")
             )
@@ -388,7 +406,11 @@ def fit_constants(files: list[Path]) -> None:
     import numpy as np
 
     rows = [
-        r for r in load_rows(files) if r["gpus"] == 1 and "offload_optimizer=none" in " ".join(r["overrides"])
+        r
+        for r in load_rows(files)
+        if r["gpus"] == 1
+        and "offload_optimizer=none" in " ".join(r["overrides"])
+        and "compile=on" not in " ".join(r["overrides"])  # the constants are eager; compile scales them
     ]
     F, P, M = (
         np.array([r["inputs"][k] for r in rows]) for k in ("flop_s_at_peak", "layer_passes", "micro_steps")
