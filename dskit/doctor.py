@@ -147,6 +147,8 @@ def _run_checks(build: bool) -> list[Check]:
         add("deepspeed", PASS, dv)
         out.extend(_deepspeed_ops(gpu_ok))
 
+    if cuda_build:
+        out.append(_triton_toolchain())
     out.append(_shm())
     out.append(_infiniband())
     if not build:
@@ -181,6 +183,35 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
         else:
             checks.append(Check(f"deepspeed op {op}", FAIL, "incompatible with this environment"))
     return checks
+
+
+def _triton_toolchain() -> Check:
+    """Triton builds a small C extension (its CUDA launcher) the first time a compiled kernel runs: the
+    fused chunked loss and the regional compile on GPUs. Without a C compiler and Python's headers the job
+    dies at its first step ("Failed to find C compiler"), so the image must carry both."""
+    import shutil
+    import sysconfig
+
+    if importlib.util.find_spec("triton") is None:
+        return Check(
+            "triton", FAIL, "not installed: torch.compile on GPUs (fused loss, regional compile) needs it"
+        )
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    missing = [
+        what
+        for what, ok in (("a C compiler (CC, gcc or clang)", cc), (str(headers), headers.is_file()))
+        if not ok
+    ]
+    if missing:
+        return Check(
+            "triton toolchain",
+            FAIL,
+            f"missing {' and '.join(missing)}: Triton builds its launcher at the first compiled kernel; install "
+            f"gcc and python{sys.version_info.major}.{sys.version_info.minor}-dev, or train with "
+            "overrides.compile=off and overrides.loss=full",
+        )
+    return Check("triton toolchain", PASS, f"{_version('triton')}, C compiler {cc}, {headers.name} present")
 
 
 def _shm() -> Check:

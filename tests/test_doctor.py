@@ -37,3 +37,20 @@ def test_doctor_build_mode_needs_no_gpu_or_launcher():
     r = dskit("doctor", "--build", "--json")
     status = {c["name"]: c["status"] for c in json.loads(r.stdout)}
     assert status["gpu"] == "PASS" and "launch contract" not in status
+
+
+def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monkeypatch):
+    """Triton compiles its CUDA launcher at the first compiled kernel (the fused loss, the regional
+    compile): a GPU image without a C compiler or Python's headers would die at step 1. A stand-in
+    `triton` package makes the check reachable on this CPU machine; the compiler lookup is real."""
+    from dskit.doctor import FAIL, PASS, _triton_toolchain
+
+    (tmp_path / "site" / "triton").mkdir(parents=True)
+    (tmp_path / "site" / "triton" / "__init__.py").write_text('__version__ = "0.0-standin"\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    missing = _triton_toolchain()
+    assert missing.status == FAIL and "C compiler" in missing.detail and "-dev" in missing.detail
+    monkeypatch.setenv("CC", "/usr/bin/cc")
+    assert _triton_toolchain().status == PASS
