@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -75,12 +76,38 @@ CHECKPOINTING: dict[str, tuple[list[str], dict]] = {
 }
 # Regional torch.compile (RMSNorm, SwiGLU, rotary; dskit/train/compile.py), --compile. First measured
 # (results/h200-compile-*-2026-11-30.json) with the same functions patched in by a sitecustomize at
-# commit cf716ce, before they became trainer code.
+# commit cf716ce, before they became trainer code. Each side is forced: on GPUs the default is on.
 COMPILE: dict[str, tuple[list[str], dict]] = {
-    "mb2 (reference shape), eager": ([], {}),
+    "mb2 (reference shape), eager": (["overrides.compile=off"], {}),
     "mb2 (reference shape), regional compile": (["overrides.compile=on"], {}),
-    "gb16 plan choice, eager": (GB16, {}),
+    "gb16 plan choice, eager": ([*GB16, "overrides.compile=off"], {}),
     "gb16 plan choice, regional compile": ([*GB16, "overrides.compile=on"], {}),
+}
+# Issue 13's numerics goal (--numerics): 50 steps of the default (regional compile, chunked loss) against
+# the plain path (eager, full logits), same seed and data, each twice: the two runs of one path are the
+# GPU's run-to-run noise (non-deterministic kernels), the yardstick for the difference between paths.
+S50 = ["training.steps=50"]
+PLAIN = [*S50, "overrides.compile=off", "overrides.loss=full"]
+NUMERICS: dict[str, tuple[list[str], dict]] = {
+    "50 steps, default (compile, chunked loss)": (S50, {}),
+    "50 steps, plain (eager, full logits)": (PLAIN, {}),
+    "50 steps, default, repeat": (S50, {}),
+    "50 steps, plain, repeat": (PLAIN, {}),
+}
+# Issue 13's scaling goal at this shape (--scaling, with --gpus 2): tokens/s/GPU at EP 2 against one
+# GPU. AutoEP's async_split_plan copies the all-to-all split sizes to the host on a side stream while
+# the permute kernels run, instead of blocking the host before them.
+SCALING: dict[str, tuple[list[str], dict]] = {
+    "plan default": ([], {}),
+    "+ AutoEP async_split_plan": ([], {"expert_parallel": {"async_split_plan": True}}),
+    "plan default (repeat: run-to-run spread)": ([], {}),
+    "profile: plan default": (["training.profile_steps=3"], {}),
+}
+# The defaults beside the reference baseline in one call (--side-by-side, with --baseline): issue 13's
+# reference shape and the plan's own choice for global batch 16 (its 40% MFU goal).
+SIDE_BY_SIDE: dict[str, tuple[list[str], dict]] = {
+    "dskit, plan default (reference shape)": ([], {}),
+    "dskit, gb16 plan choice": (GB16, {}),
 }
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
@@ -121,7 +148,9 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
             data["deepspeed"][section].update(values)
         run_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
+    t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    wall_s = round(time.monotonic() - t0, 1)
     log = proc.stdout + proc.stderr
     (work.parent / f"{flags['name']}.log").write_text(log)
     if proc.returncode != 0:
@@ -137,6 +166,8 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
         "peak_alloc_gb": m["peak_alloc_gib"],
         "peak_reserved_gb": m["peak_reserved_gib"],
         "alloc_retries": sum(r.get("alloc_retries", 0) for r in recs),
+        "first_step_s": recs[0]["step_time_s"],  # includes torch.compile's first compilation
+        "wall_s": wall_s,  # launch to exit
         "loss_first": m["loss_first"],
         "loss_last": m["loss_last"],
         "attention": attention.group(1) if attention else None,
@@ -194,6 +225,9 @@ def main() -> None:
     ap.add_argument("--probes", action="store_true", help="run only the unmeasured levers (PROBES)")
     ap.add_argument("--checkpointing", action="store_true", help="run only the CHECKPOINTING variants")
     ap.add_argument("--compile", action="store_true", help="run only the COMPILE variants")
+    ap.add_argument("--numerics", action="store_true", help="run only the NUMERICS variants (50-step curves)")
+    ap.add_argument("--scaling", action="store_true", help="run only the SCALING variants (use with --gpus)")
+    ap.add_argument("--side-by-side", action="store_true", help="run only SIDE_BY_SIDE (and the baseline)")
     a = ap.parse_args()
     import torch
 
@@ -228,6 +262,12 @@ def main() -> None:
         variants = CHECKPOINTING
     if a.compile:
         variants = COMPILE
+    if a.numerics:
+        variants = NUMERICS
+    if a.scaling:
+        variants = SCALING
+    if a.side_by_side:
+        variants = SIDE_BY_SIDE
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         if a.baseline and not a.only:
             if a.gpus == 1:
@@ -243,11 +283,30 @@ def main() -> None:
     )
     for r in result["rows"]:
         print(_row_line(r))
+    if a.numerics:
+        result["numerics"] = loss_spread(result["rows"])
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        for k, v in result["numerics"].items():
+            print(f"{k:60s} max |relative loss difference| {v:.3%}")
     for r in result["rows"]:
         if "profile" in r:
             print(f"\n{r['variant']}: {r['profile']['ms_per_step']} ms/step of GPU kernel time")
             for k, v in r["profile"]["categories"].items():
                 print(f"  {k:40s} {v['ms_per_step']:8.2f} ms  {100 * v['share']:5.1f}%")
+
+
+def loss_spread(rows: list[dict]) -> dict[str, float]:
+    """Largest relative difference between the loss curves of two runs, step by step, for every pair of
+    the NUMERICS runs: same path twice (noise) and across paths."""
+    curves = {r["variant"]: r["losses"] for r in rows if "losses" in r}
+    names = list(curves)
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            pairs = list(zip(curves[a], curves[b], strict=False))  # a run cut short compares its steps
+            if pairs:
+                out[f"{a} | {b}"] = max(abs(x - y) / abs(y) for x, y in pairs)
+    return out
 
 
 def _row_line(r: dict) -> str:
