@@ -321,7 +321,10 @@ def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it():
     assert auto.speed["compute_s"] == pytest.approx(0.9 * eager.speed["compute_s"], rel=1e-3)
     assert auto.speed["host_s"] == eager.speed["host_s"]  # host-bound steps measured no gain
     cpu = plan_for("training.seq_len=128", model__preset="tiny-v2", hardware__gpu="cpu")
-    assert not cpu.parallel.compile_regions
-    assert plan_for(
+    assert not cpu.parallel.compile_regions and not any("compile" in w for w in cpu.warnings)
+    forced = plan_for(
         "training.seq_len=128", "overrides.compile=on", model__preset="tiny-v2", hardware__gpu="cpu"
-    ).parallel.compile_regions
+    )
+    assert forced.parallel.compile_regions
+    assert any("C++ compiler" in w for w in forced.warnings)  # inductor's CPU backend; not in the CPU image
+    assert "torch.compile regions" in auto.summary() and "torch.compile" not in eager.summary()

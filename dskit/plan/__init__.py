@@ -146,6 +146,7 @@ class Plan(_Frozen):
             f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
             f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
             f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
+            f"{'torch.compile regions, ' if p.compile_regions else ''}"
             f"~{self.memory['total_gib']} GiB/GPU"
             + (
                 f", predicted {'at most ' if self.speed.get('not_counted') else ''}"
@@ -462,6 +463,11 @@ def plan_parallel(
     host_gib, host_from = _host_memory(spec, gpu)
     seq_len = spec.training.seq_len
     compiled = compile_regions(spec.overrides.compile, gpu)
+    if compiled and gpu.is_cpu:
+        warnings.append(
+            "overrides.compile=on on the cpu profile: inductor builds C++ at the first step, which needs a C++ "
+            "compiler (dskit's CPU image has none) and takes longer than short runs save"
+        )
     shape = fit.Shape(
         model=model.name,
         cfg=cfg,

@@ -80,7 +80,9 @@ A2A_EFFICIENCY = 0.4
 #: RMSNorm, SwiGLU and rotary kernels replace eager elementwise kernels that GEMM_EFFICIENCY absorbs.
 #: Measured on one H200 (4-layer V2-Lite, seq 4096, micro-batch 16, GPU-bound): 0.629 -> 0.579 s per step,
 #: 0.050 s of the model's 0.514 s compute term (bench/results/h200-compile-gb16-2026-11-30.json). The
-#: host timeline is unchanged: at micro-batch 2 (host-bound) the two measured within noise.
+#: host timeline is unchanged: at micro-batch 2 (host-bound) the two measured within noise. Other models
+#: and GPUs are assumed to gain the same share (not measured; V3's larger GEMMs and eager rotary likely
+#: gain less).
 COMPILED_COMPUTE_SAVING = 0.10
 #: 16-bit weights and gradients
 WIRE_BYTES = 2
