@@ -76,12 +76,15 @@ def _flags(gpus: int, name: str, work: Path) -> dict:
     }
 
 
-def candidates(sets: list[str], gpus: int, work: Path) -> list[dict]:
+def candidates(sets: list[str], gpus: int, work: Path, compile_choice: str = "auto") -> list[dict]:
     """The planner's fitting candidates for a configuration, chosen first, as override lists."""
     from dskit.plan import build_plan_searched
     from dskit.spec import load_spec
 
-    plan, found = build_plan_searched(load_spec(sets=[*COMMON, *sets], flags=_flags(gpus, "probe", work)))
+    spec = load_spec(
+        sets=[*COMMON, *sets, f"overrides.compile={compile_choice}"], flags=_flags(gpus, "probe", work)
+    )
+    plan, found = build_plan_searched(spec)
     out = []
     for r in [r for r in found.rows if r.fits][:MAX_RUNS_PER_CONFIG]:
         c = r.candidate
@@ -187,6 +190,7 @@ def measure(
     budget_s: float | None = None,
     only: list[str] | None = None,
     picks_only: bool = False,
+    compile_choice: str = "auto",
 ) -> None:
     import torch
 
@@ -218,7 +222,7 @@ def measure(
         for config, (sets, gpus) in CONFIGS[s].items():
             if only and not any(o in config for o in only):
                 continue
-            for cand in candidates(sets, gpus, work)[: 1 if picks_only else None]:
+            for cand in candidates(sets, gpus, work, compile_choice)[: 1 if picks_only else None]:
                 jobs.append((config, sets, gpus, cand))
     free = list(range(n_gpus))
     cond = threading.Condition()
@@ -439,6 +443,12 @@ def main() -> None:
     ap.add_argument("--only", action="append", help="only configurations whose name contains this")
     ap.add_argument("--budget-s", type=float, help="start no run after this many seconds")
     ap.add_argument("--picks-only", action="store_true", help="measure only the planner's pick of each")
+    ap.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="overrides.compile of every run (auto: on, as on GPUs; off: eager runs, which --fit refits)",
+    )
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
@@ -453,7 +463,7 @@ def main() -> None:
         if not (a.set and a.out):
             ap.error("--set and --out are needed to measure")
         with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-            measure(a.set, a.out, Path(tmp), a.budget_s, a.only, a.picks_only)
+            measure(a.set, a.out, Path(tmp), a.budget_s, a.only, a.picks_only, a.compile)
 
 
 if __name__ == "__main__":
