@@ -261,19 +261,22 @@ def main() -> None:
 
     if a.work:
         a.work.mkdir(parents=True, exist_ok=True)
-    variants = {**VARIANTS, **(LOSERS if a.losers else {}), **({} if a.no_profile else PROFILED)}
-    if a.probes:
-        variants = PROBES
-    if a.checkpointing:
-        variants = CHECKPOINTING
-    if a.compile:
-        variants = COMPILE
-    if a.numerics:
-        variants = NUMERICS
-    if a.scaling:
-        variants = SCALING
-    if a.side_by_side:
-        variants = SIDE_BY_SIDE
+    groups = {
+        "probes": PROBES,
+        "checkpointing": CHECKPOINTING,
+        "compile": COMPILE,
+        "numerics": NUMERICS,
+        "scaling": SCALING,
+        "side_by_side": SIDE_BY_SIDE,
+    }
+    chosen = [g for g in groups if getattr(a, g)]
+    if len(chosen) > 1:
+        ap.error(f"one variant group at a time: {', '.join('--' + g.replace('_', '-') for g in chosen)}")
+    variants = (
+        groups[chosen[0]]
+        if chosen
+        else {**VARIANTS, **(LOSERS if a.losers else {}), **({} if a.no_profile else PROFILED)}
+    )
     with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         if a.baseline and not a.only:
             if a.gpus == 1:
