@@ -118,6 +118,7 @@ SIDE_BY_SIDE: dict[str, tuple[list[str], dict]] = {
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
     "profile: plan default": (["training.profile_steps=3"], {}),
+    "profile: gb16 plan choice": ([*GB16, "training.profile_steps=3"], {}),
 }
 BASE = [
     "model.num_layers=4",
