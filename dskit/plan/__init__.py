@@ -462,7 +462,7 @@ def plan_parallel(
         )
     host_gib, host_from = _host_memory(spec, gpu)
     seq_len = spec.training.seq_len
-    compiled = compile_regions(spec.overrides.compile, gpu)
+    compiled = regional_compile(spec.overrides.compile, gpu)
     if compiled and gpu.is_cpu:
         warnings.append(
             "overrides.compile=on on the cpu profile: inductor builds C++ at the first step, which needs a C++ "
@@ -519,7 +519,7 @@ def plan_parallel(
     return parallel, found
 
 
-def compile_regions(choice: str, gpu: catalog.GPU) -> bool:
+def regional_compile(choice: str, gpu: catalog.GPU) -> bool:
     """`overrides.compile` -> whether the trainer compiles its regions. auto: on GPUs, where it measured
     faster and smaller (bench/README.md); off on the cpu profile, whose runs are tests and short: there
     inductor's C++ compile takes longer than it saves."""

@@ -155,8 +155,6 @@ def _open_text(p: str, path: Path, comp: str, errors: str = "strict"):
 
         return gzip.open(path, "rt", encoding="utf-8-sig", errors=errors)
     if comp == "zst":
-        import io
-
         return io.TextIOWrapper(io.BufferedReader(_ZstdReader(path)), encoding="utf-8-sig", errors=errors)
     return path.open(encoding="utf-8-sig", errors=errors)
 
@@ -279,13 +277,13 @@ def _arrow_schema(p: str, path: Path):
             return pq.read_schema(path)
         except Exception as e:  # pyarrow raises ArrowInvalid/OSError for a file that is not Parquet
             raise SpecError(f"{p}", f"not a Parquet file: {e}") from None
-    with _arrow_reader(path) as (_, reader):
+    with _arrow_reader(path) as reader:
         return reader.schema
 
 
 @contextlib.contextmanager
 def _arrow_reader(path: Path):
-    """(file, record batch reader) of an Arrow IPC stream (datasets' save_to_disk) or file (Feather v2)."""
+    """The record batch reader of an Arrow IPC stream (datasets' save_to_disk) or file (Feather v2)."""
     import pyarrow as pa
 
     src = pa.memory_map(str(path))
@@ -298,15 +296,16 @@ def _arrow_reader(path: Path):
                 f = pa.ipc.open_file(src)
             except Exception as e:
                 raise SpecError(f"{path}", f"not an Arrow stream or file: {e}") from None
-            reader = (f.get_batch(i) for i in range(f.num_record_batches))
-            reader = _Batches(f.schema, reader)
-        yield src, reader
+            reader = _Batches(f.schema, (f.get_batch(i) for i in range(f.num_record_batches)))
+        yield reader
     finally:
         src.close()
 
 
 @dataclass
 class _Batches:
+    """An IPC file's batches with the stream reader's interface (schema, iteration): read one at a time."""
+
     schema: object
     batches: Iterator
 
@@ -373,7 +372,7 @@ def _guarded(p: str, batches: Iterable) -> Iterator:
 def _read_arrow(p: str, files: list[Path], text_field: str) -> Iterator[str | list[dict]]:
     n = 0
     for path in files:
-        with _arrow_reader(path) as (_, reader):
+        with _arrow_reader(path) as reader:
             col = _column(p, reader.schema.names, text_field)
             for batch in _guarded(str(path), reader):
                 for v in batch.column(col).to_pylist():
