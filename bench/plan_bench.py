@@ -17,7 +17,6 @@ the fastest measured candidate; predicted tokens/s within +-15%.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -197,13 +196,7 @@ def measure(
     t_start = time.time()
     n_gpus = torch.cuda.device_count()
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": f"{n_gpus} x {torch.cuda.get_device_name(0)}",
-        "versions": {
-            "torch": torch.__version__,
-            **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
-        },
+        **runs.header(),
         "common": COMMON,
         "warmup_steps_excluded": WARMUP_STEPS,
         "rows": [],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import platform
 import statistics
 import subprocess
 import sys
@@ -16,17 +17,26 @@ def header() -> dict:
     import torch
     import transformers
 
-    smi = subprocess.run(
-        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-    )
+    try:
+        smi = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+            )
+            .stdout.strip()
+            .splitlines()
+        )
+    except FileNotFoundError:  # a machine without NVIDIA's driver: say what ran instead
+        smi = [platform.processor() or platform.machine()]
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": smi.stdout.strip().splitlines(),
+        "hardware": smi,
         "versions": {
             "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
             "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__,
         },

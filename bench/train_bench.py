@@ -10,9 +10,7 @@ ours in the same session (figures move ~7% between machines, so only same-call n
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import platform
 import re
 import subprocess
 import sys
@@ -239,16 +237,8 @@ def main() -> None:
     import torch
 
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "hardware": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor(),
+        **runs.header(),
         "gpus": torch.cuda.device_count(),
-        "versions": {
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(),
-            **{m: __import__(m).__version__ for m in ("deepspeed", "transformers")},
-        },
         "shape": f"DeepSeek-V2-Lite, 4 layers, seq 4096, micro-batch 2 per GPU, {a.gpus} GPU(s), EP {a.gpus}, bf16, ZeRO-3",
         "rows": [],
     }
