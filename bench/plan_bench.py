@@ -355,10 +355,9 @@ def report(files: list[Path]) -> dict:
 
 def plot_validation(files: list[Path], path: Path) -> None:
     """Predicted against measured tokens/s and memory, one point per run, the goals' bands shaded."""
-    import matplotlib
+    from dskit.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = load_rows(files)
     pred = [repredict(r)[0] for r in rows]
