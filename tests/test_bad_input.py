@@ -321,6 +321,30 @@ CASES: dict[str, tuple[Setup, str]] = {
         sets("kubernetes.secret_env={NCCL_DEBUG: s/a}", target="helm"),
         "kubernetes.secret_env: NCCL_DEBUG is set by dskit",
     ),
+    "sdpa_cudnn on a V100": (
+        lambda d: [
+            "render",
+            "slurm",
+            *CPU,
+            "--gpu",
+            "v100-32gb",
+            "--set",
+            "overrides.attention=sdpa_cudnn",
+            "-o",
+            str(d / "out"),
+        ],
+        "overrides.attention: sdpa_cudnn cannot run on v100-32gb (sm70): cuDNN SDPA takes MLA's 192/128 head "
+        "dims only on sm90 and newer; one of: auto, sdpa, eager",
+    ),
+    "sdpa_cudnn on an A100": (
+        lambda d: ["plan", *TINY, "--gpu", "a100-80gb", "--set", "overrides.attention=sdpa_cudnn"],
+        "sdpa_cudnn cannot run on a100-80gb (sm80)",
+    ),
+    "flash_attention_2 on the cpu profile": (
+        sets("overrides.attention=flash_attention_2"),
+        "flash_attention_2 cannot run on cpu (no CUDA device): the cpu profile runs only sdpa and eager; "
+        "one of: auto, sdpa, eager",
+    ),
     "'$' in runtime.python for ray": (
         sets("runtime.python=/opt/$HOME/python", target="ray"),
         "runtime.python: '/opt/$HOME/python' contains '$'",

@@ -41,6 +41,7 @@ def test_gpu_entries_are_consistent(gpu):
     assert gpu.source
     assert gpu.flash_attn in {"fa2", "fa3", "none"}
     assert gpu.attention in {"sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3"}
+    assert gpu.attention in gpu.attention_backends  # `auto` picks something the GPU can run
     if gpu.is_cpu:
         assert gpu.peak_tflops_bf16 is None  # no MFU rather than a wrong one
         return
@@ -49,6 +50,15 @@ def test_gpu_entries_are_consistent(gpu):
     assert (gpu.flash_attn == "fa3") == (major == 9)
     assert (gpu.flash_attn == "none") == (major < 8)
     assert gpu.peak_tflops_fp16 and gpu.memory_gib and gpu.memory_bw_gbs
+
+
+def test_cudnn_attention_is_allowed_only_where_the_image_has_cudnn_9_11():
+    """sdpa_cudnn on MLA's 192/128 dims needs cuDNN >= 9.11: the cu130 image's torch ships 9.19."""
+    from dskit.render.image import toolchain_for, toolchains
+
+    for gpu in catalog.gpus().values():
+        if "sdpa_cudnn" in gpu.attention_backends:
+            assert toolchain_for(gpu) == "cu130" and "cuDNN 9.19" in toolchains()["cu130"]["checked"]
 
 
 @pytest.mark.parametrize("gpu", sorted(catalog.gpus().values(), key=lambda g: g.name), ids=lambda g: g.name)

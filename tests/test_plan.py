@@ -61,6 +61,38 @@ def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
         plan_for("overrides.precision=bf16", hardware__gpu="v100-32gb")
 
 
+#: what each GPU generation can run for MLA (q/k 192, v 128), written out from the design facts rather
+#: than from catalog.attention_unmet: cuDNN SDPA on sm90+, FlashAttention-2 on sm80+, FA3 on Hopper only
+RUNNABLE_BY_SM_MAJOR = {
+    None: {"sdpa", "eager"},  # the cpu profile
+    7: {"sdpa", "eager"},
+    8: {"sdpa", "flash_attention_2", "eager"},
+    9: {"sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "eager"},
+}
+
+
+@pytest.mark.parametrize("gpu", sorted(catalog.gpus()))
+def test_an_attention_backend_the_gpu_cannot_run_is_refused_at_plan_time(gpu):
+    """A pinned sdpa_cudnn on a V100 or A100 used to plan fine and die at the first step (the trainer
+    allows only cuDNN's kernel there): now the plan refuses it, naming the GPU's own choices."""
+    g = catalog.gpu(gpu)
+    runnable = RUNNABLE_BY_SM_MAJOR[None if g.is_cpu else int(g.compute_capability.split(".")[0])]
+    assert set(g.attention_backends) == runnable and g.attention in runnable
+    tiny = {"model__preset": "tiny-v2", "hardware__gpu": gpu, "hardware__gpus_per_node": 2}
+    assert plan_for("training.seq_len=128", **tiny).parallel.attention == g.attention  # auto
+    for backend in catalog.ATTENTION_BACKENDS:
+        pinned = ("training.seq_len=128", f"overrides.attention={backend}")
+        if backend in runnable:
+            assert plan_for(*pinned, **tiny).parallel.attention == backend
+            continue
+        with pytest.raises(SpecError) as e:
+            plan_for(*pinned, **tiny)
+        allowed = ", ".join(b for b in catalog.ATTENTION_BACKENDS if b in runnable)
+        assert e.value.field == "overrides.attention"
+        assert e.value.message.startswith(f"{backend} cannot run on {gpu} (")
+        assert e.value.message.endswith(f"; one of: auto, {allowed}")
+
+
 def test_v3_uses_its_autoep_preset():
     p = plan_for(model__preset="deepseek-v3", hardware__nodes=8)
     assert p.deepspeed["expert_parallel"]["preset_model"] == "deepseek_v3"

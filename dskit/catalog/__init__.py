@@ -41,6 +41,39 @@ class GPU:
     def is_cpu(self) -> bool:
         return self.compute_capability is None
 
+    @property
+    def attention_backends(self) -> tuple[str, ...]:
+        """The attention backends this profile can run: what `overrides.attention` may pin (the plan
+        refuses the others, naming these) and what `attention`, the `auto` choice, must be one of."""
+        return tuple(b for b in ATTENTION_BACKENDS if attention_unmet(self, b) is None)
+
+
+#: every backend the trainer knows, in the spec's order (`overrides.attention`)
+ATTENTION_BACKENDS = ("sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "eager")
+
+
+def attention_unmet(gpu: GPU, backend: str) -> str | None:
+    """Why `gpu` cannot run `backend` for MLA (q/k head dim 192, v head dim 128), or None if it can.
+
+    The rule, in this one place (the design notes; measured on an H200):
+    - sdpa, eager: any device (PyTorch's SDPA dispatcher picks a kernel that takes the shape).
+    - sdpa_cudnn: the trainer disables every other SDPA kernel (train/model.py apply_sdpa_policy), and
+      cuDNN takes 192/128 forward and backward only from sm90 on, with cuDNN >= 9.11 (the sm90 profiles
+      build the cu130 image: cuDNN 9.19). Below sm90 no kernel is left and the first step fails.
+    - flash_attention_2 / _3: only where the image builds flash-attn (`flash_attn`: fa2 on sm80/86/89;
+      fa2 and fa3 on Hopper).
+    - the cpu profile: sdpa and eager; off CUDA the trainer (resolve_attention) runs nothing else.
+    """
+    if gpu.is_cpu:
+        return None if backend in ("sdpa", "eager") else "the cpu profile runs only sdpa and eager"
+    if backend == "sdpa_cudnn" and int(gpu.compute_capability.split(".")[0]) < 9:
+        return "cuDNN SDPA takes MLA's 192/128 head dims only on sm90 and newer"
+    if backend == "flash_attention_2" and gpu.flash_attn == "none":
+        return "FlashAttention-2 needs sm80 or newer"
+    if backend == "flash_attention_3" and gpu.flash_attn != "fa3":
+        return "FlashAttention-3 is Hopper-only (sm90)"
+    return None
+
 
 @dataclass(frozen=True)
 class Fabric:

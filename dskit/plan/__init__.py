@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dskit import catalog, hf_checkpoint, yamlsafe
 from dskit.contract import Env
-from dskit.errors import SpecError
+from dskit.errors import SpecError, one_of
 from dskit.plan import fit, memory, search, speed
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
@@ -193,17 +193,17 @@ def _precision(spec: Spec, gpu: catalog.GPU) -> str:
 
 
 def _attention(spec: Spec, gpu: catalog.GPU) -> str:
+    """The backend the trainer runs: the profile's default for auto, else the pinned one if the GPU can
+    run it (catalog.attention_unmet holds the rule), so a kernel the GPU lacks fails here, not at step 1."""
     want = spec.overrides.attention
     if want == "auto":
         return gpu.attention
-    if want == "flash_attention_3" and gpu.flash_attn != "fa3":
-        raise SpecError(
-            "overrides.attention", f"FlashAttention-3 needs a Hopper GPU; {gpu.name} takes {gpu.flash_attn}"
-        )
-    if want == "flash_attention_2" and gpu.flash_attn == "none":
+    unmet = catalog.attention_unmet(gpu, want)
+    if unmet is not None:
+        sm = "no CUDA device" if gpu.is_cpu else "sm" + gpu.compute_capability.replace(".", "")
         raise SpecError(
             "overrides.attention",
-            f"{gpu.name} cannot run FlashAttention-2 (sm80+ only); one of: auto, sdpa, eager",
+            f"{want} cannot run on {gpu.name} ({sm}): {unmet}; {one_of(['auto', *gpu.attention_backends])}",
         )
     return want
 
