@@ -321,6 +321,11 @@ CASES: dict[str, tuple[Setup, str]] = {
         sets("kubernetes.secret_env={NCCL_DEBUG: s/a}", target="helm"),
         "kubernetes.secret_env: NCCL_DEBUG is set by dskit",
     ),
+    "micro_batch not dividing the per-rank batch": (
+        sets("training.global_batch=12", "overrides.micro_batch=4"),
+        "overrides.micro_batch: 4 does not divide the per-rank batch 6 (global_batch 12 / world 2); "
+        "valid: 1, 2, 3, 6",
+    ),
     "sdpa_cudnn on a V100": (
         lambda d: [
             "render",

@@ -110,6 +110,25 @@ def test_forced_ep_must_divide_experts_and_world():
     assert e.value.field == "overrides.ep_size" and "valid: 1, 2, 4, 8" in e.value.message
 
 
+def test_a_micro_batch_refusal_lists_exactly_the_values_that_are_accepted():
+    """It used to list only powers of two ("valid: 2, 1") while 3 and 6 were accepted."""
+    tiny = {"model__preset": "tiny-v2", "hardware__gpu": "cpu", "hardware__gpus_per_node": 2}
+    with pytest.raises(SpecError) as e:  # per-rank batch 12 / 2 = 6
+        plan_for("training.seq_len=128", "training.global_batch=12", "overrides.micro_batch=4", **tiny)
+    assert e.value.field == "overrides.micro_batch" and e.value.message.endswith("; valid: 1, 2, 3, 6")
+    listed = [int(v) for v in e.value.message.rsplit("valid: ", 1)[1].split(", ")]
+    for mb in range(1, 13):
+        sets = ("training.seq_len=128", "training.global_batch=12", f"overrides.micro_batch={mb}")
+        if mb in listed:
+            assert plan_for(*sets, **tiny).parallel.micro_batch == mb
+        else:
+            with pytest.raises(SpecError, match="valid: 1, 2, 3, 6"):
+                plan_for(*sets, **tiny)
+    with pytest.raises(SpecError) as e:  # many divisors: counted, with both ends
+        plan_for("training.seq_len=128", "training.global_batch=1440", "overrides.micro_batch=7", **tiny)
+    assert e.value.message.endswith("; valid: the 30 divisors of 720: 1, 2, 3, 4, 5, 6, ..., 240, 360, 720")
+
+
 def test_too_big_for_the_cluster_is_refused_with_the_numbers():
     """V3 on 2 nodes of H100: each GPU would hold 1/16 of 1.3 TB of bf16 weights while building."""
     with pytest.raises(SpecError) as e:

@@ -208,7 +208,36 @@ def _attention(spec: Spec, gpu: catalog.GPU) -> str:
     return want
 
 
+def _micro_batch_splits(per_rank: int, micro_batch: int) -> bool:
+    """What `overrides.micro_batch` must meet: whole micro-steps (grad_accum = per_rank / micro_batch).
+    Any such value is taken; whether it fits in memory is the search's to say."""
+    return per_rank % micro_batch == 0
+
+
+#: the refusal lists every valid micro-batch up to this many, else the smallest and largest few
+_LIST_AT_MOST = 12
+#: candidates tried from below (their cofactors give the large ones): bounds the refusal's cost
+_SCAN = 100_000
+
+
+def _valid_micro_batches(per_rank: int) -> str:
+    """The values `_micro_batch_splits` accepts for `per_rank`, for a refusal: each one is checked by
+    that rule (no second definition of valid), listed whole when short, else described compactly."""
+    root = math.isqrt(per_rank)
+    small = [m for m in range(1, min(root, _SCAN) + 1) if _micro_batch_splits(per_rank, m)]
+    large = [per_rank // m for m in reversed(small) if _micro_batch_splits(per_rank, per_rank // m)]
+    if root > _SCAN:  # the middle was not searched: name the rule and the ends found
+        return f"the divisors of {per_rank}, e.g. {', '.join(map(str, [*small[:4], '...', *large[-2:]]))}"
+    valid = sorted(set(small + large))
+    if len(valid) <= _LIST_AT_MOST:
+        return ", ".join(map(str, valid))
+    ends = [*map(str, valid[:6]), "...", *map(str, valid[-3:])]
+    return f"the {len(valid)} divisors of {per_rank}: {', '.join(ends)}"
+
+
 def _micro_batch_candidates(per_rank: int) -> list[int]:
+    """The planner's own micro-batch search (powers of two that split the batch); a pinned value may be
+    any divisor (`_micro_batch_splits`)."""
     return [m for m in (64, 32, 16, 8, 4, 2, 1) if per_rank % m == 0]
 
 
@@ -454,11 +483,11 @@ def plan_parallel(
         )
     per_rank = gb // world
     forced_mb = spec.overrides.micro_batch
-    if forced_mb is not None and per_rank % forced_mb:
+    if forced_mb is not None and not _micro_batch_splits(per_rank, forced_mb):
         raise SpecError(
             "overrides.micro_batch",
             f"{forced_mb} does not divide the per-rank batch {per_rank} "
-            f"(global_batch {gb} / world {world}); valid: {', '.join(map(str, _micro_batch_candidates(per_rank)))}",
+            f"(global_batch {gb} / world {world}); valid: {_valid_micro_batches(per_rank)}",
         )
     host_gib, host_from = _host_memory(spec, gpu)
     seq_len = spec.training.seq_len
