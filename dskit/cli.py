@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dskit import stdout
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
@@ -333,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dskit",
         description="Train DeepSeek-style MoE models (AutoEP + ZeRO-3) from one run spec: plan it, render it "
         "for Slurm, Kubernetes (Helm) or Ray, and run the in-container trainer.",
-        epilog="Bad input exits with code 2 and one line naming the field. Docs: README.md.",
+        epilog="Bad input exits with code 2 and one line naming the field; a failed write to stdout with 74 "
+        "and one line (a full disk), or quietly with 141 (a closed pipe: `| head`). Docs: README.md.",
     )
     from dskit import __version__
 
@@ -531,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # every command's output (--help included) goes through one guard: a full disk or a closed pipe
+    # behind stdout is one line or a quiet exit (dskit/stdout.py), never a traceback
+    return stdout.guarded(lambda: _run(argv))
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -621,3 +623,55 @@ def test_a_failing_ds_to_universal_is_one_line_pointing_at_its_log(tmp_path, mon
     finally:
         log.unlink()
     assert not (tmp_path / "hf").exists()
+
+
+def _dskit_to(stdout: int | str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The real CLI with stdout on a given descriptor (or opened from a path)."""
+    out = os.open(stdout, os.O_WRONLY) if isinstance(stdout, str) else stdout
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "dskit", *args], stdout=out, stderr=subprocess.PIPE, text=True, cwd=cwd
+        )
+    finally:
+        os.close(out)
+
+
+NEEDS_DEV_FULL = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+
+
+@NEEDS_DEV_FULL
+@pytest.mark.parametrize(
+    "args",
+    [["plan"], ["plan", "--explain"], ["--help"], ["render", "--help"], ["init", "-o", "-"], ["--version"]],
+    ids=" ".join,
+)
+def test_stdout_on_a_full_disk_is_one_line_and_exit_74(tmp_path, args):
+    """`dskit plan > /dev/full` ended in a traceback (an OSError out of print)."""
+    r = _dskit_to("/dev/full", *args, cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (74, "dskit: error: cannot write to stdout: No space left on device\n")
+
+
+@NEEDS_DEV_FULL
+def test_a_render_whose_stdout_fails_still_wrote_its_run_dir_whole(tmp_path):
+    r = _dskit_to("/dev/full", "render", "slurm", *CPU, "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert r.returncode == 74 and r.stderr.count("\n") == 1
+    assert (tmp_path / "out" / "run.yaml").is_file()  # the summary line is what was lost, not the output
+
+
+def test_stdout_into_a_closed_pipe_exits_141_quietly(tmp_path):
+    """`dskit plan | head -c1`: the reader left; like `cat` killed by SIGPIPE, exit 141, nothing said."""
+    read, write = os.pipe()
+    os.close(read)  # before dskit writes: its first write gets EPIPE
+    r = _dskit_to(write, "plan", cwd=tmp_path)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
+def test_a_closed_stdout_is_one_line(tmp_path):
+    """`dskit plan >&-`: Python starts with sys.stdout None, and print() would drop the plan silently."""
+    r = subprocess.run(
+        ["bash", "-c", 'exec "$0" -m dskit plan >&-', sys.executable],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert (r.returncode, r.stderr) == (74, "dskit: error: cannot write to stdout: Bad file descriptor\n")
