@@ -15,7 +15,8 @@ renamed aside to `.NAME.dskit-old-*` and the new one renamed in; a crash between
 leaves no NAME but the complete old directory at `.NAME.dskit-old-*`: rename it back, or run again.
 
 A build killed mid-way (kill -9) leaves a hidden `.NAME.dskit-tmp-*` sibling; the next run for the
-same destination removes those whose writer (host and pid, recorded in their MARKER) is gone.
+same destination removes those whose builder is provably gone: it holds a lock on their MARKER while
+it runs, which the kernel drops when it dies (dskit/owner.py: pid reuse, containers and other hosts).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import errno
 import json
 import os
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from dskit import owner
 from dskit.errors import SpecError
 from dskit.text import describe, first_unsafe
 
@@ -106,7 +107,7 @@ def check_replaceable(
 
 
 def _marker_text(kind: str) -> str:
-    info = {"written_by": "dskit", "kind": kind, "host": socket.gethostname(), "pid": os.getpid()}
+    info = {"written_by": "dskit", "kind": kind, **owner.identity()}
     return json.dumps(info) + "\n"
 
 
@@ -134,25 +135,11 @@ def _marker(d: Path) -> dict:
     return info if isinstance(info, dict) else {}
 
 
-def _writer_gone(d: Path) -> bool:
-    """Whether the dskit process that was building `d` (per its MARKER) no longer runs on this host."""
-    try:
-        info = json.loads((d / MARKER).read_text())
-        if info.get("host") != socket.gethostname():
-            return False  # another host's build: its process table is not ours to read
-        os.kill(int(info["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-    return False
-
-
 def _clean_stale(out: Path) -> None:
     """Remove our own leftovers beside `out`: builds whose writer died, and (if `out` exists) an old
     directory left aside by an interrupted non-atomic swap."""
     for d in _beside(out, TMP_TAG):
-        if d.is_dir() and not d.is_symlink() and _writer_gone(d):
+        if d.is_dir() and not d.is_symlink() and owner.gone(d / MARKER):
             shutil.rmtree(d, ignore_errors=True)
     if out.is_dir():
         for d in _beside(out, OLD_TAG):
@@ -215,10 +202,11 @@ def atomic_dir(
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TMP_TAG}", dir=out.parent))
     except OSError as e:
         raise SpecError(flag, f"cannot create {out}: {e.strerror or e}") from None
+    lock = None
     try:
-        (tmp / MARKER).write_text(_marker_text(kind))
+        lock = owner.hold(tmp / MARKER, _marker_text(kind))  # held until tmp is published or removed
         yield tmp
-        (tmp / MARKER).write_text(_marker_text(kind))
+        _restore_marker(tmp, lock, _marker_text(kind))
         tmp.chmod(0o755)
         if os.path.lexists(out):
             check_replaceable(out, force=force, kind=kind, inputs=inputs, flag=flag)  # it may have appeared
@@ -229,3 +217,17 @@ def atomic_dir(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _restore_marker(tmp: Path, lock: int, text: str) -> None:
+    """The published directory carries MARKER even if the build replaced or removed it. Ours is left
+    alone: opening and closing it again would drop the lock where flock is emulated by POSIX locks (NFS)."""
+    try:
+        if os.path.samestat(os.fstat(lock), os.lstat(tmp / MARKER)):
+            return
+    except OSError:
+        pass
+    (tmp / MARKER).write_text(text)

@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dskit import atomic
+import pytest
+
+from dskit import atomic, owner
 from dskit.atomic import MARKER, atomic_dir
-from tests.conftest import REPO
+from tests.conftest import REPO, dskit
 
 
 def _build(out: Path, text: str, kind: str = "data", **kw) -> None:
@@ -36,15 +38,16 @@ def test_without_renameat2_the_fallback_swap_also_leaves_only_the_new_dir(tmp_pa
     assert (out / "f").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
-def _leftover(parent: Path, name: str, pid: int) -> Path:
+def _leftover(parent: Path, name: str, pid: int, **identity: object) -> Path:
+    """A build dir as a killed build leaves it; without `identity`, as dskit before boot ids wrote it."""
     d = parent / name
     d.mkdir()
-    info = {"written_by": "dskit", "host": socket.gethostname(), "pid": pid}
+    info = {"written_by": "dskit", "host": socket.gethostname(), **identity, "pid": pid}
     (d / MARKER).write_text(json.dumps(info))
     return d
 
 
-def test_a_killed_builds_leftover_is_removed_by_the_next_run(tmp_path):
+def test_a_killed_builds_leftover_is_removed_by_the_next_run(tmp_path):  # markers before boot ids
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
     stale = _leftover(tmp_path, ".out.dskit-tmp-abc", int(dead.stdout))
     running = _leftover(tmp_path, ".out.dskit-tmp-def", os.getpid())  # a build still in progress
@@ -66,6 +69,102 @@ def test_kill_9_mid_render_leaves_the_target_absent_and_the_next_render_cleans_u
     assert [p.name.startswith(".out.dskit-tmp-") for p in tmp_path.iterdir()] == [True]
     _build(out, "whole")
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+LINUX_BOOT_ID = pytest.mark.skipif(not os.path.exists(owner.BOOT_ID), reason="needs Linux's boot id")
+TINY_RENDER = ["render", "slurm", "--gpu", "cpu", "--gpus-per-node", "2", "--model", "tiny-v2", "--set"]
+TINY_RENDER += ["training.seq_len=128"]
+#: a CLI run as in a container sharing this kernel (`docker run -v ...`: its own host name and pid
+#: namespace) that SIGKILLs itself right after the first rendered file is written into the build dir
+KILLED_IN_A_CONTAINER = """
+import os, pathlib, signal, socket, sys
+socket.gethostname = lambda: "another-container"
+write = pathlib.Path.write_text
+def killed_after(self, *a, **k):
+    n = write(self, *a, **k)
+    if ".dskit-tmp-" in str(self.parent):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return n
+pathlib.Path.write_text = killed_after
+from dskit.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@LINUX_BOOT_ID
+def test_a_render_killed_mid_write_in_a_container_is_cleaned_up_by_the_next_render(tmp_path):
+    """Its marker names another host and a pid of another namespace: the old host-and-pid rule kept the
+    leftover for good. The lock it held died with it, so the next render removes it."""
+    out = tmp_path / "out"
+    args = [*TINY_RENDER, "-o", str(out)]
+    r = subprocess.run([sys.executable, "-c", KILLED_IN_A_CONTAINER, *args], capture_output=True)
+    assert r.returncode == -9, r.stderr
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(".out.dskit-tmp-") and len(list(left.iterdir())) == 2  # marker, one file
+    assert json.loads((left / MARKER).read_text())["host"] == "another-container"
+    dskit(*args, check=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    fresh = tmp_path / "fresh"
+    dskit(*TINY_RENDER, "-o", str(fresh), check=True)
+    for f in fresh.rglob("*"):
+        if f.is_file() and f.name != MARKER:
+            got = (out / f.relative_to(fresh)).read_text()
+            assert got == f.read_text().replace(str(fresh), str(out)), f.name
+
+
+HOLD_OPEN = """
+import socket, sys
+socket.gethostname = lambda: "another-container"
+from dskit.atomic import atomic_dir
+with atomic_dir(sys.argv[1], kind="data") as tmp:
+    (tmp / "half").write_text("x")
+    print("building", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@LINUX_BOOT_ID
+def test_a_live_builders_directory_is_kept_and_removed_once_it_is_killed(tmp_path):
+    out = tmp_path / "out"
+    builder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_OPEN, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert builder.stdout.readline() == "building\n"
+        (live,) = tmp_path.iterdir()
+        _build(out, "mine")  # runs while the other build is in progress: must not touch it
+        assert live.is_dir() and (live / "half").is_file() and (out / "f").read_text() == "mine"
+    finally:
+        builder.kill()
+        builder.wait()
+    _build(out, "again", force=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def _this_kernel() -> dict:
+    """What a marker written here now records, but the pid."""
+    return {k: v for k, v in owner.identity().items() if k != "pid"}
+
+
+@LINUX_BOOT_ID
+def test_a_dead_builds_leftover_goes_even_when_its_pid_was_reused(tmp_path):
+    """Its marker's pid is a live process (ours here), but nobody holds its lock."""
+    reused = _leftover(tmp_path, ".out.dskit-tmp-abc", os.getpid(), **_this_kernel())
+    _build(tmp_path / "out", "x")
+    assert not reused.exists()
+
+
+@LINUX_BOOT_ID
+def test_another_kernels_leftover_goes_only_if_it_is_this_machine_before_a_reboot(tmp_path):
+    me = _this_kernel()
+    if me["machine"] is None:
+        pytest.skip("no /etc/machine-id")
+    dead = {**me, "boot_id": "0" * 32}  # this machine and host name, an earlier boot
+    rebooted = _leftover(tmp_path, ".out.dskit-tmp-a", 1, **dead)  # pid 1 runs now, but not that one
+    twin = _leftover(tmp_path, ".out.dskit-tmp-b", 1, **{**dead, "machine": "another machine"})
+    renamed = _leftover(tmp_path, ".out.dskit-tmp-c", 1, **{**dead, "host": "another-host"})
+    _build(tmp_path / "out", "x")
+    assert not rebooted.exists() and twin.is_dir() and renamed.is_dir()
 
 
 def test_leftovers_are_matched_literally_not_as_a_glob(tmp_path):
