@@ -107,7 +107,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def torchrun_line(log: Path) -> str | None:
     for line in log.read_text().splitlines():
-        if line.startswith("+ ") and "torch.distributed.run" in line:
+        if line.startswith("+ ") and "dskit.torchrun" in line:
             return line[2:]
     return None
 

@@ -12,6 +12,9 @@ the launcher (torchrun, Ray Train), never from dskit.
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
+
+from dskit.errors import EXIT_BAD_INPUT
 
 
 class Env(str, Enum):
@@ -31,20 +34,51 @@ REQUIRED = tuple(e.value for e in Env)
 #: Process env set by the launcher, read by the trainer.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-#: Set by launchers that run torchrun under a supervisor which acts on exit codes (the Helm chart's pod
-#: entrypoint). torchrun reports every worker failure as 1, so each rank that ends with a non-zero code
-#: appends it here, one line per rank, and the launcher exits with it (75: restart, 2: fail for good).
-EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
+#: Set by every launcher that runs torchrun (`dskit train --local`, Slurm's job.sbatch, the pods'
+#: launch.sh): a directory for the ranks' own exit codes. torchrun reports every worker failure as 1, so
+#: each rank that ends with a non-zero code writes it to DIR/rank{RANK}, and the launcher decides from
+#: them (`exit_verdict`): 2 fails for good, 74 too, 75 on every rank that wrote is a requeue. Slurm's
+#: directory is on the shared output dir (ranks of every node write there); the others are local.
+EXIT_DIR_ENV = "DSKIT_EXIT_DIR"
 
 #: Names no user setting (kubernetes.secret_env) may set: the contract's own, the launcher's, and any
-#: DSKIT_* name (the chart sets DSKIT_RDZV_ID and DSKIT_EXIT_FILE). The plan's env adds its names on top.
-RESERVED_ENV = frozenset((*REQUIRED, *LAUNCHER_ENV, EXIT_FILE_ENV))
+#: DSKIT_* name (the chart sets DSKIT_RDZV_ID and DSKIT_EXIT_DIR). The plan's env adds its names on top.
+RESERVED_ENV = frozenset((*REQUIRED, *LAUNCHER_ENV, EXIT_DIR_ENV))
 RESERVED_ENV_PREFIX = "DSKIT_"
 
-#: The trainer exits with this code after a signal-triggered checkpoint: "requeue me".
-#: 75 is EX_TEMPFAIL (sysexits.h): a temporary failure, retry later. Slurm's batch script requeues on
-#: it, the Helm chart's podFailurePolicy restarts on it, Ray counts it as a retryable worker failure.
+#: The trainer exits with this code after a signal-triggered checkpoint, and when its watchdog finds a
+#: rank hung (dskit/train/watchdog.py): "requeue me". 75 is EX_TEMPFAIL (sysexits.h): a temporary
+#: failure, retry later. Slurm's batch script requeues on it, the Helm chart's podFailurePolicy restarts
+#: on it, the Ray driver starts a new worker group.
 EXIT_REQUEUE = 75
+#: A checkpoint save found the disk full (ENOSPC, EDQUOT): the previous checkpoint is intact, the
+#: partial one removed. 74 is EX_IOERR (sysexits.h). Not retried on any target: a retry would fill the
+#: same disk again; free space (or point storage.checkpoint_dir elsewhere) and resubmit.
+EXIT_DISK_FULL = 74
+
+
+def exit_verdict(codes: set[int]) -> int | None:
+    """What a launcher exits with, from the codes its ranks wrote (EXIT_DIR_ENV); None: no verdict,
+    use torchrun's own status. Bad input wins (no retry can fix it), then a full disk, then a requeue
+    when every rank that wrote asked for one (a rank that crashed otherwise makes it a failure)."""
+    for code in (EXIT_BAD_INPUT, EXIT_DISK_FULL):
+        if code in codes:
+            return code
+    if codes == {EXIT_REQUEUE}:
+        return EXIT_REQUEUE
+    return None
+
+
+def read_exit_codes(directory: Path) -> set[int]:
+    """The codes ranks wrote with record_exit (unreadable entries are left out)."""
+    codes = set()
+    for p in directory.glob("rank*") if directory.is_dir() else ():
+        try:
+            codes.add(int(p.read_text().strip()))
+        except (OSError, ValueError):
+            continue
+    return codes
+
 
 #: File names inside a rendered run directory.
 RUN_YAML = "run.yaml"

@@ -3,11 +3,20 @@ with a c10d rendezvous, or standalone on this machine (`dskit train --local`).
 
 Failed ranks are not restarted in place (--max-restarts=0): the scheduler restarts the whole job,
 which resumes from the last checkpoint; locally the user does.
+
+`python -m dskit.torchrun ARGS` is torchrun itself (its launcher agent, in this process, same
+arguments, same exit status) minus its traceback: when ranks fail, torchrun raises ChildFailedError
+and prints a page of stack for what is often a requested stop (exit 75) or a configuration error the
+rank already explained in one line. Here each failed rank is one line instead.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
+
 TRAINER_MODULE = "dskit.train"
+LAUNCHER_MODULE = "dskit.torchrun"
 
 
 def torchrun_words(
@@ -18,10 +27,10 @@ def torchrun_words(
     endpoint: str | None = None,
     rdzv_id: str | None = None,
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m dskit.train`. With `endpoint` (and `nodes`, `rdzv_id`):
+    """`python -m dskit.torchrun ... -m dskit.train`. With `endpoint` (and `nodes`, `rdzv_id`):
     a c10d rendezvous across nodes; without: --standalone on one machine. Words arrive in the caller's
     syntax (quoted for a shell, $(VAR) for Kubernetes): nothing is quoted here."""
-    words = [python, "-m", "torch.distributed.run"]
+    words = [python, "-m", LAUNCHER_MODULE]
     if endpoint is None:
         words.append("--standalone")
     else:
@@ -30,3 +39,28 @@ def torchrun_words(
     if endpoint is not None:
         words += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
     return [*words, "--max-restarts=0", "-m", TRAINER_MODULE]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as e:
+        for rank, f in sorted(e.failures.items()):
+            how = f"killed by {_signal_name(-f.exitcode)}" if f.exitcode < 0 else f"exited with {f.exitcode}"
+            sys.stderr.write(f"dskit: rank {rank} (pid {f.pid}) {how}\n")
+        return 1  # torchrun's own status for failed workers
+    return 0
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -180,7 +180,7 @@ def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(cluster, tmp_path):
     ranks = [
         p
         for p in cluster.node_pids(2)
-        if "dskit.train" in _cmdline(p) and "torch.distributed.run" not in _cmdline(p)
+        if "dskit.train" in _cmdline(p) and "dskit.torchrun" not in _cmdline(p)
     ]
     assert ranks, "no trainer process on node2"
     t0 = time.time()

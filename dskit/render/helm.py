@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from dskit import __version__
 from dskit.contract import (
     COMPLETE_FILE,
+    EXIT_DISK_FULL,
     EXIT_REQUEUE,
     K8S_CONFIG_MOUNT,
     RESERVED_ENV,
@@ -111,6 +112,7 @@ def _chart_values(plan: Plan, k: KubernetesSpec, requests: dict, secret_env: lis
                 "completeFile": f"{plan.run.output_dir}/{COMPLETE_FILE}",
                 "exitRequeue": EXIT_REQUEUE,
                 "exitBadInput": EXIT_BAD_INPUT,
+                "exitDiskFull": EXIT_DISK_FULL,
             },
             "rendezvousPort": la.rdzv_port,
             "peerDnsTimeoutSeconds": k.peer_dns_timeout,

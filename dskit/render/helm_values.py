@@ -62,6 +62,7 @@ class Contract(_Values):
     complete_file: AbsPath
     exit_requeue: ExitCode
     exit_bad_input: ExitCode
+    exit_disk_full: ExitCode
 
 
 class Shm(_Values):

@@ -5,8 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from dskit import __version__
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, JOBS_FILE, RUN_YAML, STOP_FILE
-from dskit.errors import SpecError
+from dskit.contract import (
+    COMPLETE_FILE,
+    EXIT_DIR_ENV,
+    EXIT_DISK_FULL,
+    EXIT_REQUEUE,
+    JOBS_FILE,
+    RUN_YAML,
+    STOP_FILE,
+)
+from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan import Plan
 from dskit.render.common import comment_block, env_lines, q, render_template, run_files, sq, torchrun_words
 
@@ -108,6 +116,9 @@ def render(plan: Plan, run_dir: Path) -> dict[str, str]:
         jobs_file=JOBS_FILE,
         launch=launch_words(plan, run_dir),
         exit_requeue=EXIT_REQUEUE,
+        exit_bad_input=EXIT_BAD_INPUT,
+        exit_disk_full=EXIT_DISK_FULL,
+        exit_dir_env=EXIT_DIR_ENV,
         requeue_on_stop=chain == 1,
         chain=chain,
     )

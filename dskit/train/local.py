@@ -12,8 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dskit.contract import EXIT_FILE_ENV, EXIT_REQUEUE, RUN_YAML, STOP_FILE, Env
-from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.contract import EXIT_DIR_ENV, RUN_YAML, STOP_FILE, Env, exit_verdict, read_exit_codes
+from dskit.errors import SpecError
 from dskit.torchrun import torchrun_words
 
 
@@ -45,16 +45,17 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
     cmd = torchrun_words(sys.executable, nproc_per_node=world)
     print("+ " + " ".join(cmd), flush=True)
     with tempfile.TemporaryDirectory(prefix="dskit-local-") as tmp:
-        exit_file = Path(tmp, "exit-codes")
+        exit_dir = Path(tmp, "exit-codes")
+        exit_dir.mkdir()
         with _stop_requests_to(stop) as requests:
-            requests.child = subprocess.Popen(cmd, env={**env, EXIT_FILE_ENV: str(exit_file)})
+            requests.child = subprocess.Popen(cmd, env={**env, EXIT_DIR_ENV: str(exit_dir)})
             try:
                 status = requests.child.wait()
             except BaseException:  # never leave torchrun running without its launcher
                 requests.child.terminate()
                 requests.child.wait()
                 raise
-        return relayed_exit(status, exit_file)
+        return relayed_exit(status, exit_dir)
 
 
 class _stop_requests_to:
@@ -100,12 +101,9 @@ class _stop_requests_to:
             signal.signal(sig, handler)  # type: ignore[arg-type]
 
 
-def relayed_exit(status: int, exit_file: Path) -> int:
-    """torchrun reports any failed rank as exit 1; the ranks' own codes (contract.EXIT_FILE_ENV) say
-    whether it was bad input (2: do not retry) or a requested stop (75 on every rank that wrote)."""
-    codes = set(exit_file.read_text().split()) if exit_file.is_file() else set()
-    if str(EXIT_BAD_INPUT) in codes:
-        return EXIT_BAD_INPUT
-    if codes == {str(EXIT_REQUEUE)}:
-        return EXIT_REQUEUE
-    return status
+def relayed_exit(status: int, exit_dir: Path) -> int:
+    """torchrun reports any failed rank as exit 1; the ranks' own codes (contract.EXIT_DIR_ENV) say
+    whether it was bad input (2: do not retry), a full disk (74) or a requested stop or hung rank (75
+    on every rank that wrote)."""
+    verdict = exit_verdict(read_exit_codes(exit_dir))
+    return status if verdict is None else verdict
