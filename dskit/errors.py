@@ -36,3 +36,15 @@ def _rebuild(field: str, message: str) -> SpecError:
 def one_of(values) -> str:
     """Render allowed values for an error message: 'one of: a, b, c'."""
     return "one of: " + ", ".join(str(v) for v in values)
+
+
+class RankExit(Exception):
+    """A rank ends with a launcher-relevant exit code (EXIT_BAD_INPUT, the disk-full code, the requeue
+    code) where no process exit carries it: a Ray Train worker raises this, and the driver decides."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+    def __reduce__(self):  # Ray pickles a worker's exception to the driver
+        return (RankExit, (self.code, self.message))

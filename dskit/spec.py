@@ -272,6 +272,18 @@ class CheckpointSpec(_Section):
     )
 
 
+class WatchdogSpec(_Section):
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=7 * 24 * 3600,
+        description="Seconds without a finished step (or eval, or checkpoint save) after which a rank counts "
+        "as hung: the job writes the reason and the stuck ranks' stacks to its log and exits 75 to be "
+        "restarted from the last checkpoint; also every collective's timeout. Default: the larger of "
+        "600 s, 20 predicted steps and 3 predicted checkpoint saves (dskit/plan/watchdog.py).",
+    )
+
+
 class SlurmSpec(_Section):
     partition: str | None = Field(None, description="Slurm partition.")
     account: str | None = Field(None, description="Slurm account.")
@@ -513,6 +525,7 @@ class Spec(_Section):
     data: DataSpec = Field(default_factory=DataSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)

@@ -20,6 +20,7 @@ from dskit.errors import SpecError, one_of
 from dskit.plan import fit, memory, search, speed
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
+from dskit.plan.watchdog import watchdog_timeout_s
 from dskit.spec import KubernetesSpec, SlurmSpec, Spec
 from dskit.text import describe, first_unsafe
 
@@ -98,6 +99,8 @@ class RunPlan(_Frozen):
     checkpoint_keep: int
     checkpoint_final: bool
     profile_steps: int  # 0: off (dskit/train/profile.py)
+    # dskit/plan/watchdog.py; the default is torch's gloo timeout, which run.yaml files from before had
+    watchdog_timeout_s: float = 1800.0
 
 
 class LaunchPlan(_Frozen):
@@ -371,6 +374,15 @@ def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     parallel, found = plan_parallel(spec, model, model_counts, gpu, fabric, hardware, precision, warnings)
     optim = plan_optim(spec)
     run, storage_root = plan_storage(spec)
+    step_s = found.chosen.speed.step_s if found.chosen.speed else None
+    timeout = watchdog_timeout_s(
+        spec.watchdog.timeout_s,
+        step_s=step_s,
+        params_total=model.params_total,
+        nodes=hardware.nodes,
+        warnings=warnings,
+    )
+    run = run.model_copy(update={"watchdog_timeout_s": timeout})
     launch = plan_launch(spec, gpu, fabric, storage_root)
     plan = Plan(
         version=PLAN_VERSION,

@@ -13,9 +13,10 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
-from dskit.contract import EXIT_FILE_ENV, LAUNCHER_ENV, REQUIRED, Env
+from dskit.contract import EXIT_DIR_ENV, LAUNCHER_ENV, REQUIRED, Env
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
 log = logging.getLogger("dskit.train")
@@ -123,6 +124,7 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     from dskit.train.balance import RouterTap
     from dskit.train.loop import train
+    from dskit.train.watchdog import Watchdog
 
     device, rank, world = start_distributed(plan)
     log.info("data: %s", sampler.describe())
@@ -137,9 +139,21 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
     tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
     if eval_sampler is not None:
         log.info("eval: %s, every %d steps and at the end", eval_sampler.data.source, plan.run.eval_every)
-    return train(
-        plan, engine, tap, sampler, eval_sampler, rank=rank, world=world, device=device, reporter=reporter
-    )
+    # armed once the engine is built: construction's long phases (JIT builds, weight loading) are bounded
+    # by the collective timeout alone
+    with Watchdog(plan.run.watchdog_timeout_s, plan.run.output_dir, rank) as dog:
+        return train(
+            plan,
+            engine,
+            tap,
+            sampler,
+            eval_sampler,
+            rank=rank,
+            world=world,
+            device=device,
+            watchdog=dog,
+            reporter=reporter,
+        )
 
 
 def start_distributed(plan):
@@ -154,7 +168,9 @@ def start_distributed(plan):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    # the watchdog's timeout bounds every collective too: a wedged communicator errors instead of hanging
+    timeout = timedelta(seconds=plan.run.watchdog_timeout_s)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     # one line per rank, so a multi-node log shows which hosts took part
     print(f"dskit: rank {rank} of {world} on {socket.gethostname()}", flush=True)
@@ -241,23 +257,49 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
 
 
 def record_exit(code: int) -> int:
-    """Tell a supervising launcher this rank's exit code (see contract.EXIT_FILE_ENV)."""
-    path = os.environ.get(EXIT_FILE_ENV)
-    if code and path:
-        # O_APPEND writes of one short line are atomic: ranks of a node share the file safely.
-        with open(path, "a") as f:
-            f.write(f"{code}\n")
+    """Tell a supervising launcher this rank's exit code (see contract.EXIT_DIR_ENV)."""
+    directory = os.environ.get(EXIT_DIR_ENV)
+    if code and directory:
+        # one file per rank, written whole: ranks of several nodes may share the directory (NFS appends
+        # from two clients can overwrite each other); a second call (watchdog after an error) overwrites
+        rank = os.environ.get("RANK", str(os.getpid()))
+        try:
+            tmp = Path(directory, f".rank{rank}.tmp")
+            tmp.write_text(f"{code}\n")
+            os.replace(tmp, Path(directory, f"rank{rank}"))
+        except OSError as e:  # the code still reaches torchrun; the launcher then cannot tell 75 from 1
+            sys.stderr.write(f"dskit: warning: cannot record exit code {code} in {directory}: {e}\n")
     return code
 
 
-def _error_line(e: SpecError) -> None:
+def _error_line(e: Exception) -> None:
     # One write per line: ranks share the launcher's stderr, and print() may split text and newline.
     sys.stderr.write(f"dskit: error: {e}\n")
     sys.stderr.flush()
 
 
 def main() -> int:
-    return record_exit(_main())
+    # The code is recorded before the process group is torn down: tearing it down ends the peers'
+    # collectives, and the launcher kills a rank that has not finished once a peer exits.
+    try:
+        code = _main()
+    except BaseException:
+        # a crash is a failure the launcher must not mistake for a requeue: its peers may exit 75
+        record_exit(1)
+        _destroy_process_group()
+        raise
+    record_exit(code)
+    _destroy_process_group()
+    return code
+
+
+def _destroy_process_group() -> None:
+    # Without this a rank may abort at exit (torch warns of a leaked process group and gloo/NCCL
+    # teardown can race the interpreter's).
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _main() -> int:
@@ -267,15 +309,41 @@ def _main() -> int:
     except SpecError as e:
         _error_line(e)
         return EXIT_BAD_INPUT
-    import torch.distributed as dist
+    from dskit.train.checkpoint import DiskFull
 
     try:
         return run(plan, data, sampler, eval_sampler)
     except SpecError as e:
         _error_line(e)
         return EXIT_BAD_INPUT
-    finally:
-        # Without this a rank may abort at exit (torch warns of a leaked process group and gloo/NCCL
-        # teardown can race the interpreter's).
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except DiskFull as e:
+        _error_line(e)
+        return e.code
+    except RuntimeError as e:  # DistError is one
+        if not collective_failed(e):
+            raise
+        # a collective timed out or lost its peer (a rank that exited, crashed or hangs): that rank's
+        # own line says why, and its exit code decides whether the launcher retries
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        rank = os.environ.get("RANK", "?")
+        _error_line(
+            Exception(f"rank {rank}: a collective failed ({first[:240]}): another rank ended or hangs")
+        )
+        return 1
+
+
+#: what torch's gloo and NCCL backends say when a peer is gone or a collective timed out
+_COLLECTIVE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo", "NCCL", "Timed out")
+
+
+def collective_failed(e: BaseException) -> bool:
+    """A collective's error (torch's DistError, or gloo's RuntimeError from a wait) rather than a bug."""
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
+    tb, deepest = e.__traceback__, ""
+    while tb is not None:  # the frame that raised: torch's or DeepSpeed's communication, not ours
+        deepest, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    in_lib = "/torch/" in deepest or "/deepspeed/" in deepest
+    return in_lib and any(sign in str(e) for sign in _COLLECTIVE_SIGNS)

@@ -23,6 +23,7 @@ from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
 from dskit.train.tensorboard import TensorBoardLog
+from dskit.train.watchdog import Watchdog
 
 log = logging.getLogger("dskit.train")
 PROBE_TOKENS = 64
@@ -74,6 +75,7 @@ def train(
     rank: int,
     world: int,
     device: torch.device,
+    watchdog: Watchdog,
     reporter: Callable[[dict], None] | None = None,
 ) -> int:
     par, opt, run = plan.parallel, plan.optim, plan.run
@@ -85,6 +87,7 @@ def train(
     # ---------------------------------------------------------------- resume
     meta = ckpt.load_latest(engine)
     start = meta["step"] if meta else 0
+    watchdog.beat(start, "first step")  # the first step carries compiles and warm-up
     if start >= opt.steps:
         log.info("all %d steps already done", opt.steps)
         _mark_complete(run.output_dir, rank)
@@ -97,7 +100,9 @@ def train(
 
     def save(step: int, extra: dict | None = None) -> None:
         info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
+        watchdog.beat(step, "checkpoint save")
         path = ckpt.save(engine, step, info, extra=extra)
+        watchdog.beat(step, "step")
         # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
         # step: a report took ~2 s on the CPU test cluster, longer than a step.
         # The per-expert counts (layers x experts ints) stay in metrics.jsonl, out of Ray's result rows.
@@ -123,6 +128,7 @@ def train(
             engine.step()
             window.add(ce, aux)
         done = step + 1
+        watchdog.beat(done)
         profiler.after_step(done)
 
         # ------------------------------------------------------------ log
@@ -133,7 +139,9 @@ def train(
 
         # ------------------------------------------------------------ eval
         if evals and (done % run.eval_every == 0 or done == opt.steps):
+            watchdog.beat(done, "eval")
             window.last["eval_loss"] = evals.run(engine, done)
+            watchdog.beat(done)
 
         # ------------------------------------------------------------ checkpoint / stop
         if done == opt.steps:
