@@ -9,12 +9,19 @@ Layout under the checkpoint dir:
 A save goes to tmp-<tag>, every rank records size and CRC-32 of the files it wrote, rank 0 writes
 dskit.json and renames the directory: a crash at any point leaves either the old or the new checkpoint.
 Loading walks back from the newest tag; each rank re-checks its own files (so the check scales with
-the cluster), and a tag that fails anywhere is skipped with a message naming the file. `dskit export`
-runs the same check for every rank's files in one process (`newest_verified_tag`).
+the cluster), and a tag that fails anywhere (a truncated or missing file, a corrupt manifest or
+dskit.json) is skipped with one warning naming what was wrong. `dskit export` runs the same check,
+`tag_problem`, for every rank's files in one process (`newest_verified_tag`). Retention counts only
+checkpoints that pass it, so it never deletes the last good one.
+
+A save that finds the disk full (ENOSPC, EDQUOT: before it starts, from the previous checkpoint's
+size, or while it writes) removes its own partial files, leaves the previous checkpoint as it was, and
+raises DiskFull: the trainer exits EXIT_DISK_FULL, which no target retries.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -31,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dskit.checkpoint_layout import DONE, complete_tags, tag_for
+from dskit.contract import EXIT_DISK_FULL
 from dskit.errors import SpecError
 
 log = logging.getLogger("dskit.train")
@@ -84,12 +92,35 @@ def _plain_name(name: object) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
-def _world_size(done: Path) -> int | None:
+def read_done(d: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the checkpoint's dskit.json, None), or (None, what is wrong with it)."""
     try:
-        world = json.loads(done.read_text()).get("world_size")
-    except (OSError, ValueError, RecursionError, AttributeError):
-        return None
-    return world if _is_int(world) and 1 <= world <= MAX_WORLD else None
+        done = json.loads((d / DONE).read_text())
+    except FileNotFoundError:
+        return None, f"{DONE} missing"
+    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None, f"{DONE} unreadable (not JSON)"
+    if not isinstance(done, dict):
+        return None, f"{DONE} is not a mapping"
+    world, step = done.get("world_size"), done.get("step")
+    if not (_is_int(world) and 1 <= world <= MAX_WORLD):
+        return None, f"{DONE} has no world_size (an integer from 1 to {MAX_WORLD})"
+    if not (_is_int(step) and step >= 0):
+        return None, f"{DONE} has no step (an integer from 0)"
+    return done, None
+
+
+def tag_problem(d: Path, ranks: range | list[int] | None = None) -> str | None:
+    """What makes checkpoint `d` untrustworthy, or None: its dskit.json, then the files of `ranks`
+    (default: every rank of the world it was written by). Resume (each rank its own) and export (all)
+    share it."""
+    done, problem = read_done(d)
+    if problem:
+        return problem
+    for r in range(done["world_size"]) if ranks is None else ranks:
+        if problem := verify_rank_files(d, r):
+            return f"rank {r}: {problem}"
+    return None
 
 
 def newest_verified_tag(root: Path) -> Path:
@@ -100,11 +131,7 @@ def newest_verified_tag(root: Path) -> Path:
     skipped: list[str] = []
     for tag in complete_tags(root):
         d = root / tag
-        world = _world_size(d / DONE)
-        if world is None:
-            problem = f"{DONE} has no world_size (an integer from 1 to {MAX_WORLD})"
-        else:
-            problem = next((p for r in range(world) if (p := verify_rank_files(d, r))), None)
+        problem = tag_problem(d)
         if problem is None:
             for line in skipped:  # the export goes ahead: say which newer ones it passed over
                 print(f"dskit: skipping {line}", file=sys.stderr)
@@ -114,16 +141,70 @@ def newest_verified_tag(root: Path) -> Path:
     raise SpecError("checkpoint", f"no complete checkpoint under {root}{newest}")
 
 
+def _intact(d: Path) -> bool:
+    """Retention's quick check: dskit.json and every rank's manifest read, each file at its size (no
+    checksums: retention runs at every save and must not re-read old checkpoints)."""
+    done, problem = read_done(d)
+    if problem:
+        return False
+    for r in range(done["world_size"]):
+        try:
+            manifest = json.loads((d / f"dskit-manifest-rank{r}.json").read_text())
+            if not isinstance(manifest, dict):
+                return False
+            for name, (size, _) in manifest.items():
+                if not _plain_name(name) or (d / name).stat().st_size != size:
+                    return False
+        except (OSError, ValueError, TypeError, RecursionError):
+            return False
+    return True
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keep the `keep` newest checkpoints that pass the quick check; a damaged one never counts, so
+    the last good checkpoint stays until a newer one has been written whole."""
+    kept = 0
+    for tag in complete_tags(root):
+        if kept < keep and _intact(root / tag):
+            kept += 1
+        else:
+            shutil.rmtree(root / tag, ignore_errors=True)
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+
+
+class DiskFull(Exception):
+    """A checkpoint save ran out of space; the exit code is EXIT_DISK_FULL (not retried)."""
+
+    code = EXIT_DISK_FULL
+
+    def __init__(self, directory: Path, needed: int | None, free: int, kept: str | None):
+        gib = 2**30
+        need = f"about {needed / gib:.2f} GiB" if needed else "more space"
+        previous = f"the previous checkpoint {kept} is intact" if kept else "no earlier checkpoint exists"
+        super().__init__(
+            f"storage.checkpoint_dir: {directory} is full: a checkpoint needs {need}, {free / gib:.2f} GiB "
+            f"free; {previous}. Free space or point storage.checkpoint_dir at a bigger disk, then resubmit"
+        )
+
+
+def _no_space(e: BaseException, root: Path) -> bool:
+    """Did a write fail for want of space? ENOSPC/EDQUOT anywhere in the chain, or (torch.save's zip
+    writer says only "iostream error") a disk left all but full."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    usage = shutil.disk_usage(root)
+    return usage.free < min(16 * 2**20, usage.total // 20)
+
+
 def _owned_by(name: str, rank: int) -> bool:
     """Which rank vouches for a file: per-rank files by their rank number, shared files by rank 0."""
     m = re.search(r"rank[_-]?(\d+)", name)
     return int(m.group(1)) == rank if m else rank == 0
-
-
-def _reduce_ok(ok: bool, device: torch.device) -> bool:
-    t = torch.tensor([1 if ok else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def _rng_state() -> dict[str, Any]:
@@ -157,49 +238,81 @@ class Checkpointer:
         tag = tag_for(step)
         tmp_tag = f"tmp-{tag}"
         tmp = self.root / tmp_tag
-        engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
-        torch.save(_rng_state(), tmp / f"dskit-rng-rank{self.rank}.pt")
-        if self.rank == 0:
-            for name, obj in (extra or {}).items():
-                torch.save(obj, tmp / name)
-        dist.barrier()  # every rank's files are on disk
-        manifest = {
-            p.name: [p.stat().st_size, _crc(p)]
-            for p in sorted(tmp.iterdir())
-            if p.is_file() and _owned_by(p.name, self.rank) and not p.name.startswith("dskit-manifest")
-        }
-        (tmp / f"dskit-manifest-rank{self.rank}.json").write_text(json.dumps(manifest))
-        dist.barrier()
-        final = self.root / tag
-        if self.rank == 0:
-            done = {"step": step, "world_size": self.world, "meta": meta}
-            _write_synced(tmp / DONE, json.dumps(done, indent=1))
-            if final.exists():  # same step saved twice (signal right after a periodic save)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _write_synced(self.root / "latest.tmp", tag)
-            os.replace(self.root / "latest.tmp", self.root / "latest")
-            self._prune()
+        self._check_space()
+        try:
+            engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
+            torch.save(_rng_state(), tmp / f"dskit-rng-rank{self.rank}.pt")
+            if self.rank == 0:
+                for name, obj in (extra or {}).items():
+                    torch.save(obj, tmp / name)
+            dist.barrier()  # every rank's files are on disk
+            manifest = {
+                p.name: [p.stat().st_size, _crc(p)]
+                for p in sorted(tmp.iterdir())
+                if p.is_file() and _owned_by(p.name, self.rank) and not p.name.startswith("dskit-manifest")
+            }
+            (tmp / f"dskit-manifest-rank{self.rank}.json").write_text(json.dumps(manifest))
+            dist.barrier()
+            final = self.root / tag
+            if self.rank == 0:
+                done = {"step": step, "world_size": self.world, "meta": meta}
+                _write_synced(tmp / DONE, json.dumps(done, indent=1))
+                if final.exists():  # same step saved twice (signal right after a periodic save)
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                _write_synced(self.root / "latest.tmp", tag)
+                os.replace(self.root / "latest.tmp", self.root / "latest")
+                prune(self.root, self.keep)
+        except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
+            # a peer that found the disk full first removes the save's directory under this rank's writes
+            if not (_no_space(e, self.root) or not tmp.exists()):
+                raise
+            # This rank's peers may be inside DeepSpeed's collectives of the same save: they fail when
+            # it exits (gloo) or their watchdog ends them; the launcher reports this rank's code.
+            shutil.rmtree(tmp, ignore_errors=True)
+            (self.root / "latest.tmp").unlink(missing_ok=True)
+            raise DiskFull(
+                self.root, self._previous_bytes(), shutil.disk_usage(self.root).free, self._kept()
+            ) from e
         dist.barrier()
         log.info("checkpoint %s saved", final)
         return final
 
-    def _prune(self) -> None:
-        for old in complete_tags(self.root)[self.keep :]:
-            shutil.rmtree(self.root / old, ignore_errors=True)
+    def _kept(self) -> str | None:
+        return next(iter(complete_tags(self.root)), None)
+
+    def _previous_bytes(self) -> int | None:
+        kept = self._kept()
+        return _dir_bytes(self.root / kept) if kept else None
+
+    def _check_space(self) -> None:
+        """Collective: refuse to start a save the disk cannot hold (a checkpoint is as big as the one
+        before it). The first save has no size to go by; a full disk then shows while it writes."""
+        verdict: list[Any] = [None]
+        if self.rank == 0:
+            needed, free = self._previous_bytes(), shutil.disk_usage(self.root).free
+            if needed is not None and free < needed:
+                verdict = [(needed, free)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            needed, free = verdict[0]
+            raise DiskFull(self.root, needed, free, self._kept())
 
     # ------------------------------------------------------------------ load
 
     def load_latest(self, engine) -> dict[str, Any] | None:
-        """Load the newest checkpoint that verifies everywhere; returns its metadata, or None to start fresh."""
+        """Load the newest checkpoint that verifies everywhere; returns its metadata, or None to start
+        fresh (no checkpoint yet). SpecError when checkpoints exist but none can be trusted, or when the
+        newest good one was written by another world size."""
         tags = complete_tags(self.root)
         # all ranks must walk the same list: take rank 0's view of the shared directory
         holder = [tags]
         dist.broadcast_object_list(holder, src=0)
+        untrusted: list[str] = []
         for tag in holder[0]:
             d = self.root / tag
-            done = json.loads((d / DONE).read_text())
-            if done["world_size"] != self.world:
+            done, problem = read_done(d)
+            if done is not None and done["world_size"] != self.world:
                 # No retry can fix this (AutoEP + ZeRO-3 loads do not support a topology change upstream):
                 # a SpecError exits 2, which Slurm does not requeue and the Job's podFailurePolicy fails.
                 raise SpecError(
@@ -208,11 +321,20 @@ class Checkpointer:
                     f"{self.world}: render the run with the world size of the checkpoint (hardware.nodes x "
                     "hardware.gpus_per_node), or point storage.checkpoint_dir at an empty dir to start fresh",
                 )
-            problem = verify_rank_files(d, self.rank)
-            if problem:
-                log.warning("checkpoint %s: rank %d finds %s", d, self.rank, problem)
-            if not _reduce_ok(problem is None, self.device):
-                log.warning("checkpoint %s is incomplete or corrupt; trying the previous one", d)
+            if done is not None and not isinstance(done.get("meta"), dict):
+                problem = f"{DONE} has no meta (the loop state)"
+            problem = problem or tag_problem(d, [self.rank])
+            problems: list[str | None] = [None] * self.world
+            dist.all_gather_object(problems, problem)
+            bad = [p for p in problems if p]
+            if bad:
+                untrusted.append(f"{tag} ({bad[0]})")
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint %s cannot be trusted: %s; falling back to the previous complete one",
+                        d,
+                        "; ".join(sorted(set(bad))[:3]),
+                    )
                 continue
             path, _ = engine.load_checkpoint(str(self.root), tag=tag, load_lr_scheduler_states=False)
             if path is None:
@@ -220,6 +342,12 @@ class Checkpointer:
             _set_rng_state(torch.load(d / f"dskit-rng-rank{self.rank}.pt", weights_only=False))
             log.info("resumed from %s (step %d)", d, done["step"])
             return done["meta"]
+        if untrusted:
+            raise SpecError(
+                "checkpoint",
+                f"no checkpoint under {self.root} can be trusted ({', '.join(untrusted[:3])}); move them "
+                "aside to start fresh, or point storage.checkpoint_dir at an empty dir",
+            )
         return None
 
 
