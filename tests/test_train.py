@@ -77,7 +77,7 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
     return [
         k
         for k in kids
-        if "dskit.train" in " ".join(k.cmdline()) and "torch.distributed.run" not in " ".join(k.cmdline())
+        if "dskit.train" in " ".join(k.cmdline()) and "dskit.torchrun" not in " ".join(k.cmdline())
     ]
 
 
@@ -289,8 +289,10 @@ def test_sigterm_then_resume_continues_the_uninterrupted_run(reference, tmp_path
     (Path(plan.run.output_dir) / COMPLETE_FILE).unlink()
     assert run(rd, tmp_path / "c.log") == 0
     log_c = (tmp_path / "c.log").read_text()
-    assert f"{victim.name} corrupt (checksum mismatch)" in log_c
-    assert "incomplete or corrupt; trying the previous one" in log_c
+    assert (
+        f"step{STEPS:08d} cannot be trusted: rank 1: {victim.name} corrupt (checksum mismatch); falling back "
+        "to the previous complete one"
+    ) in log_c
     assert f"resumed from {plan.run.checkpoint_dir}/step{STEPS - 10:08d}" in log_c
     assert_same_run(losses(rd), losses(ref), exact_until=stopped)
 
