@@ -20,6 +20,7 @@ import sys
 
 from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env
 from dskit.errors import EXIT_BAD_INPUT, RankExit, SpecError
+from dskit.plan.watchdog import collective_timeout_s
 
 #: exit codes a retry cannot fix: the driver stops at the first
 FINAL = (EXIT_BAD_INPUT, EXIT_DISK_FULL)
@@ -99,7 +100,8 @@ def _trainer(plan, attempt: int):
         train_loop_config={"run_file": os.environ[Env.RUN_FILE.value]},
         # collectives time out with the watchdog (dskit/plan/watchdog.py), as under torchrun
         torch_config=TorchConfig(
-            backend="nccl" if hw.on_gpu else "gloo", timeout_s=int(plan.run.watchdog_timeout_s)
+            backend="nccl" if hw.on_gpu else "gloo",
+            timeout_s=int(collective_timeout_s(plan.run.watchdog_timeout_s)),
         ),
         scaling_config=ScalingConfig(
             num_workers=hw.world_size, use_gpu=hw.on_gpu, resources_per_worker=per_worker

@@ -13,6 +13,7 @@ rank already explained in one line. Here each failed rank is one line instead.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 
 TRAINER_MODULE = "dskit.train"
@@ -42,15 +43,19 @@ def torchrun_words(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
         run(parse_args(argv))
+    except SignalException as e:  # torchrun stopped its workers first (srun ending the step, a kill)
+        sys.stderr.write(f"dskit: torchrun on {socket.gethostname()} stopped by {_signal_name(e.sigval)}\n")
+        return 128 + int(e.sigval)
     except ChildFailedError as e:
         for rank, f in sorted(e.failures.items()):
             how = f"killed by {_signal_name(-f.exitcode)}" if f.exitcode < 0 else f"exited with {f.exitcode}"
-            sys.stderr.write(f"dskit: rank {rank} (pid {f.pid}) {how}\n")
+            sys.stderr.write(f"dskit: rank {rank} (pid {f.pid} on {socket.gethostname()}) {how}\n")
         return 1  # torchrun's own status for failed workers
     return 0
 

@@ -201,6 +201,61 @@ def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(cluster, tmp_path):
     assert f"resumed from {last}" in out2
 
 
+def test_a_hung_rank_ends_the_job_with_75_and_slurm_requeues_it(cluster, tmp_path):
+    """SIGSTOP the rank on node2: node1's watchdog names it and exits 75, srun ends the step
+    (--kill-on-bad-exit), job.sbatch reads the ranks' codes from the shared output dir and requeues; the
+    requeued job resumes from the last checkpoint and finishes with contiguous steps."""
+    timeout = 45
+    rd = render(tmp_path, "hung", steps=40, every=4, extra=[f"watchdog.timeout_s={timeout}"])
+    job = cluster.sbatch(str(rd / "job.sbatch"), cwd=tmp_path)
+    wait_step(rd, 9, cluster, job)
+    times = [r["time"] for r in metrics(rd)]
+    gap = max(b - a for a, b in zip(times, times[1:], strict=False))
+    # the machine's measured pace, checkpoint saves included: a slower one needs a larger timeout
+    assert 5 * gap < timeout, f"steps take up to {gap:.1f} s here: too slow for a {timeout} s watchdog"
+    ranks = [
+        p
+        for p in cluster.node_pids(2)
+        if "dskit.train" in _cmdline(p) and "dskit.torchrun" not in _cmdline(p)
+    ]
+    assert ranks, "no trainer process on node2"
+    for p in ranks:
+        os.kill(p, signal.SIGSTOP)
+    t0 = time.time()
+    deadline = t0 + timeout + 60 + 30 * gap
+    while cluster.state(job).get("Restarts", "0") == "0":
+        assert time.time() < deadline, (
+            f"not requeued {time.time() - t0:.0f} s after the hang\n{cluster.logs()}"
+        )
+        time.sleep(0.5)
+    requeued_after = time.time() - t0
+    st = cluster.wait(job, 420)
+    out = output(tmp_path, "hung", job)
+    assert st["JobState"] == "COMPLETED", out[-4000:]
+    line = next(x for x in out.splitlines() if x.startswith("dskit: watchdog: rank 0 made no progress"))
+    assert "not responding: rank 1 on node2 (pid " in line, line
+    assert f"requeueing job {job}" in out and requeued_after <= timeout + 30 + 20 * gap, requeued_after
+    assert "Traceback" not in out
+    resumed = int(out.split("resumed from ")[1].split("(step ")[1].split(")")[0])
+    hung_at = int(line.split(" after step ")[1].split()[0])
+    assert hung_at - resumed <= 4  # at most one checkpoint interval of work lost
+    steps = [r["step"] for r in metrics(rd)]
+    assert sorted(set(steps)) == list(range(1, 41)) and steps[-1] == 40
+
+
+def test_bad_input_fails_the_job_without_a_requeue(cluster, tmp_path):
+    """Exit 2 means "do not retry": the ranks' own code reaches job.sbatch (torchrun says 1)."""
+    data = tmp_path / "data"
+    rd = render(tmp_path, "bad", steps=10, every=5, extra=[f"data.path={data}"])  # gone when the job starts
+    job = cluster.sbatch(str(rd / "job.sbatch"), cwd=tmp_path)
+    st = cluster.wait(job, 300)
+    out = output(tmp_path, "bad", job)
+    assert st["JobState"] == "FAILED" and st["ExitCode"] == "2:0", (st, out[-3000:])
+    assert int(st["Restarts"]) == 0
+    assert f"dskit: error: data.path: {data / 'index.json'} not found" in out
+    assert "not requeued" in out and "Traceback" not in out
+
+
 def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
     """Two 1-minute links: Slurm signals each 40 s before its limit; each checkpoints and ends cleanly,
     and the second resumes where the first stopped."""

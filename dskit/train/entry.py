@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit.contract import EXIT_DIR_ENV, LAUNCHER_ENV, REQUIRED, Env
+from dskit.contract import EXIT_DIR_ENV, EXIT_REQUEUE, LAUNCHER_ENV, REQUIRED, Env
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
 log = logging.getLogger("dskit.train")
@@ -162,6 +162,8 @@ def start_distributed(plan):
     import torch
     import torch.distributed as dist
 
+    from dskit.plan.watchdog import collective_timeout_s
+
     on_gpu = plan.hardware.on_gpu
     if on_gpu:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -169,7 +171,7 @@ def start_distributed(plan):
     else:
         device = torch.device("cpu")
     # the watchdog's timeout bounds every collective too: a wedged communicator errors instead of hanging
-    timeout = timedelta(seconds=plan.run.watchdog_timeout_s)
+    timeout = timedelta(seconds=collective_timeout_s(plan.run.watchdog_timeout_s))
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     # one line per rank, so a multi-node log shows which hosts took part
@@ -322,14 +324,14 @@ def _main() -> int:
     except RuntimeError as e:  # DistError is one
         if not collective_failed(e):
             raise
-        # a collective timed out or lost its peer (a rank that exited, crashed or hangs): that rank's
-        # own line says why, and its exit code decides whether the launcher retries
+        # A collective timed out (a rank hangs where its watchdog cannot see it: restart, as the
+        # watchdog would) or lost its peer (that rank's own exit code decides whether to retry).
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        timed_out = "Timed out" in first or "timed out" in first
+        why = "a rank hangs" if timed_out else "another rank ended"
         rank = os.environ.get("RANK", "?")
-        _error_line(
-            Exception(f"rank {rank}: a collective failed ({first[:240]}): another rank ended or hangs")
-        )
-        return 1
+        _error_line(Exception(f"rank {rank}: a collective failed ({first[:240]}): {why}"))
+        return EXIT_REQUEUE if timed_out else 1
 
 
 #: what torch's gloo and NCCL backends say when a peer is gone or a collective timed out
