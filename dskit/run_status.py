@@ -132,6 +132,16 @@ def _first_line(text: str) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), "no output")
 
 
+def _ray_detail(message: str) -> str:
+    """Ray's message for a failed job quotes the entrypoint's last logs: the dskit error line there
+    (the driver's last word, dskit/ray_train.py) says why in one line."""
+    errors = [ln.strip() for ln in message.splitlines() if ln.strip().startswith("dskit: error: ")]
+    if errors:
+        head = message.split(",", 1)[0] if "exit code" in message.split("\n", 1)[0] else ""
+        return (f"{head}: " if head else "") + errors[-1][len("dskit: error: ") :][:300]
+    return message.strip().replace("\n", " ")[:160]
+
+
 def slurm_job_from_scontrol(job_id: str, info: dict[str, str]) -> Job:
     state = info.get("JobState", "unknown")
     restarts = info.get("Restarts", "")
@@ -220,7 +230,7 @@ def ray_jobs(entries: list[tuple[str, str | None]], address: str | None) -> list
                 continue
             raise SpecError("dskit status", f"Ray job {job_id} at {addr}: {msg}") from None
         state = str(getattr(info.status, "value", info.status))
-        detail = (info.message or "").strip().replace("\n", " ")[:160]
+        detail = _ray_detail(info.message or "")
         out.append(Job(job_id, state, None, detail, f"ray job logs --address {addr} {job_id}"))
     return out
 

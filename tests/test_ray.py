@@ -104,8 +104,8 @@ def test_ray_job_submit_trains_and_checkpoints(ray_cluster, tmp_path):
 
 
 def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path):
-    """SIGKILL one Ray Train worker mid-run: Ray fails the group (FailurePolicy RETRY), starts a new one,
-    and the new group resumes from the last checkpoint in the plan's checkpoint dir."""
+    """SIGKILL one Ray Train worker mid-run: Ray fails the group, the driver starts a new one (one
+    failure of ray.max_failures), and it resumes from the last checkpoint in the plan's checkpoint dir."""
     rd = render(tmp_path, "rayfault", steps=40, every=4)
     address = ["--address", f"http://127.0.0.1:{DASHBOARD}"]
     r = subprocess.run(
@@ -143,7 +143,10 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
     )
     logs = logs.stdout + logs.stderr
     assert "SUCCEEDED" in status.upper(), (status, logs[-4000:])
-    assert "[FailurePolicy] RETRY" in logs
+    # the driver, not Ray's FailurePolicy, starts the new worker group (dskit/ray_train.py)
+    assert "dskit: attempt 1 ended (" in logs and "failure 1, starting a new worker group" in logs, logs[
+        -4000:
+    ]
     resumed = int(logs.split("resumed from ")[1].split("(step ")[1].split(")")[0])
     assert resumed % 4 == 0 and killed_at - 5 <= resumed <= killed_at  # the last checkpoint before the kill
     assert sorted(metrics(rd)) == list(range(1, 41))
@@ -154,6 +157,37 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
         "40 / 40 (complete)"
     ), st
     assert st["resumed"] == f"1 time(s), at step {resumed + 1}", st
+
+
+def test_bad_input_in_a_worker_fails_the_job_once_with_its_line(ray_cluster, tmp_path):
+    """A SpecError inside the workers (here: the checkpoint to resume was written by 4 ranks, the run
+    has 2) is exit 2, "do not retry": the job fails at once, not after ray.max_failures attempts, and
+    `dskit status` shows the worker's one-line reason."""
+    rd = render(tmp_path, "raybad", steps=10, every=5)
+    tag = Path(load_plan(rd / "run.yaml").run.checkpoint_dir) / "step00000005"
+    tag.mkdir(parents=True)
+    (tag / "dskit.json").write_text(json.dumps({"step": 5, "world_size": 4, "meta": {"step": 5}}))
+    r = subprocess.run(
+        ["bash", str(rd / "submit.sh")], env=ray_cluster, capture_output=True, text=True, timeout=600
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "failed" in out.lower(), out[-4000:]
+    ((job_id, _),) = read_jobs(rd)
+    logs = subprocess.run(
+        ["ray", "job", "logs", "--address", f"http://127.0.0.1:{DASHBOARD}", job_id],
+        env=ray_cluster,
+        capture_output=True,
+        text=True,
+    )
+    logs = logs.stdout + logs.stderr
+    reason = f"hardware: checkpoint {tag} was written by world size 4, this run has world size 2"
+    # the driver's own lines (Ray prefixes the workers' and its controller's, and streams them later)
+    driver = [ln for ln in logs.strip().splitlines() if not ln.startswith("\x1b[")]
+    assert driver[-1].startswith(f"dskit: error: {reason}"), logs[-4000:]
+    assert "starting a new worker group" not in logs and "Error count: 1 (max allowed: 0)" in logs
+    st = dskit_status(rd, ray_cluster)
+    assert st["state"].startswith(f"FAILED: job {job_id}, "), st
+    assert "exit code 2" in st["state"] and reason in st["state"], st
 
 
 def test_ray_refuses_dollar_values_it_would_expand(tmp_path):
