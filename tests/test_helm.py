@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from dskit import catalog
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, REQUIRED
+from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE, REQUIRED
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan import build_plan, load_plan
 from dskit.render import helm as helm_render
@@ -365,6 +365,7 @@ def test_pod_failure_policy_maps_the_trainers_exit_codes():
     job, _, _ = job_parts(render_chart(values_for()))
     assert failure_action(job, EXIT_REQUEUE) == "Ignore"
     assert failure_action(job, EXIT_BAD_INPUT) == "FailJob"
+    assert failure_action(job, EXIT_DISK_FULL) == "FailJob"  # a retry fills the same disk
     assert failure_action(job, 1) == "Count"
     assert job["spec"]["backoffLimit"] == 2 * 3  # max_restarts x nodes
     rule = job["spec"]["podFailurePolicy"]["rules"][-1]
