@@ -115,14 +115,16 @@ def _trainer(plan, attempt: int):
 
 
 def _fit_with_retries(plan) -> int:
-    limit = plan.ray.max_failures  # -1: no limit
+    from ray.train import TrainingFailedError
+
+    limit = plan.ray.max_failures
     failures, attempt = 0, 0
     while True:
         attempt += 1
         try:
             _trainer(plan, attempt).fit()
             break
-        except Exception as e:  # noqa: BLE001 - TrainingFailedError and whatever Ray raises around it
+        except TrainingFailedError as e:  # the workers failed; anything else is the driver's own error
             exits = rank_exits(e)
             final = next((x for x in exits if x.code in FINAL), None)
             if final is not None:
@@ -132,7 +134,7 @@ def _fit_with_retries(plan) -> int:
             if not requested:
                 failures += 1
             why = exits[0].message if exits else (str(e).strip().splitlines() or [type(e).__name__])[-1]
-            if not requested and limit >= 0 and failures > limit:
+            if not requested and failures > limit:
                 sys.stderr.write(f"dskit: ray training failed after {failures} failure(s): {why[:300]}\n")
                 return 1
             print(

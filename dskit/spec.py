@@ -279,7 +279,8 @@ class WatchdogSpec(_Section):
         le=7 * 24 * 3600,
         description="Seconds without a finished step (or eval, or checkpoint save) after which a rank counts "
         "as hung: the job writes the reason and the stuck ranks' stacks to its log and exits 75 to be "
-        "restarted from the last checkpoint; also every collective's timeout. Default: the larger of "
+        "restarted from the last checkpoint (or 1, a failure, if it hangs before its first step); collectives "
+        "time out 60 s later. Default: the larger of "
         "600 s, 20 predicted steps and 3 predicted checkpoint saves (dskit/plan/watchdog.py).",
     )
 

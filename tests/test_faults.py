@@ -78,11 +78,15 @@ def test_a_stopped_rank_ends_the_run_with_75_within_the_timeout_and_the_next_sta
     p = start(rd, tmp_path / "a.log")
     try:
         wait_for_step(rd, p, EVERY + 2)
-        ranks_of(p)[-1].send_signal(signal.SIGSTOP)
+        (rank1,) = [r for r in ranks_of(p) if r.environ().get("RANK") == "1"]
+        rank1.send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         rc = p.wait(timeout=timeout + TORCHRUN_KILL_GRACE_S + 60 * base["gap"] + 60)
         took = time.time() - stopped_at
     finally:
+        if p.poll() is None:  # never leave a stopped rank behind a failed wait
+            for k in ranks_of(p):
+                k.kill()
         p.kill()
     log = (tmp_path / "a.log").read_text()
     assert rc == EXIT_REQUEUE, log[-4000:]
@@ -138,6 +142,11 @@ def test_each_damaged_checkpoint_is_skipped_with_one_warning_and_the_previous_on
     assert f"{tag_for(12)} cannot be trusted: rank 1: dskit-rng-rank1.pt missing" in warnings[2]
     assert all(w.endswith("falling back to the previous complete one") for w in warnings)
     assert f"resumed from {root / tag_for(8)} (step 8)" in log
+    # set aside, so retention cannot keep them in place of the checkpoints this run writes
+    assert "moved 3 untrusted checkpoint(s) aside" in log
+    assert sorted(p.name for p in root.glob("untrusted-*")) == [
+        f"untrusted-{tag_for(s)}" for s in (12, 16, 20)
+    ]
     assert not killed.exists()  # a save in progress is never loaded, and removed at the next start
     assert "Traceback" not in log
     got = losses(rd)  # this run's own records: steps 9.. only, each the uninterrupted run's loss

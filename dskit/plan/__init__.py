@@ -99,8 +99,9 @@ class RunPlan(_Frozen):
     checkpoint_keep: int
     checkpoint_final: bool
     profile_steps: int  # 0: off (dskit/train/profile.py)
-    # dskit/plan/watchdog.py; the default is torch's gloo timeout, which run.yaml files from before had
-    watchdog_timeout_s: float = 1800.0
+    # dskit/plan/watchdog.py; the default is the collective timeout run.yaml files from before had
+    # (DeepSpeed's default_pg_timeout, 10 minutes)
+    watchdog_timeout_s: float = 600.0
 
 
 class LaunchPlan(_Frozen):

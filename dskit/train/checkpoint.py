@@ -30,6 +30,7 @@ import re
 import shutil
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from dskit.checkpoint_layout import DONE, complete_tags, tag_for
 from dskit.contract import EXIT_DISK_FULL
 from dskit.errors import SpecError
+from dskit.text import escape
 
 log = logging.getLogger("dskit.train")
 
@@ -71,12 +73,15 @@ def verify_rank_files(d: Path, rank: int) -> str | None:
             return f"{mf.name} has no [size, crc] for {name!r}"
         size, crc = entry
         p = d / name
-        if not p.is_file():
-            return f"{name} missing"
-        if p.stat().st_size != size:
-            return f"{name} truncated ({p.stat().st_size} of {size} bytes)"
-        if _crc(p) != crc:
-            return f"{name} corrupt (checksum mismatch)"
+        try:
+            if not p.is_file():
+                return f"{name} missing"
+            if p.stat().st_size != size:
+                return f"{name} truncated ({p.stat().st_size} of {size} bytes)"
+            if _crc(p) != crc:
+                return f"{name} corrupt (checksum mismatch)"
+        except OSError as e:  # EACCES, EIO, ESTALE: as untrustworthy as a corrupt file
+            return f"{name} unreadable ({e.strerror or e})"
     return None
 
 
@@ -160,11 +165,14 @@ def _intact(d: Path) -> bool:
     return True
 
 
-def prune(root: Path, keep: int) -> None:
-    """Keep the `keep` newest checkpoints that pass the quick check; a damaged one never counts, so
-    the last good checkpoint stays until a newer one has been written whole."""
-    kept = 0
+def prune(root: Path, keep: int, saved: str | None = None) -> None:
+    """Keep `saved` (the checkpoint just written) and the newest others that pass the quick check,
+    `keep` in all; a damaged one never counts, so the last good checkpoint stays until a newer one has
+    been written whole."""
+    kept = 1 if saved else 0
     for tag in complete_tags(root):
+        if tag == saved:
+            continue
         if kept < keep and _intact(root / tag):
             kept += 1
         else:
@@ -185,7 +193,7 @@ class DiskFull(Exception):
         need = f"about {needed / gib:.2f} GiB" if needed else "more space"
         previous = f"the previous checkpoint {kept} is intact" if kept else "no earlier checkpoint exists"
         super().__init__(
-            f"storage.checkpoint_dir: {directory} is full: a checkpoint needs {need}, {free / gib:.2f} GiB "
+            f"storage.checkpoint_dir: {escape(str(directory))} is full: a checkpoint needs {need}, {free / gib:.2f} GiB "
             f"free; {previous}. Free space or point storage.checkpoint_dir at a bigger disk, then resubmit"
         )
 
@@ -223,9 +231,20 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: str, *, keep: int, rank: int, world: int, device: torch.device):
+    def __init__(
+        self,
+        root: str,
+        *,
+        keep: int,
+        rank: int,
+        world: int,
+        device: torch.device,
+        beat: Callable[[int, str], None] | None = None,
+    ):
         self.root = Path(root)
         self.keep, self.rank, self.world, self.device = keep, rank, world, device
+        # the watchdog's: verifying and loading checkpoints (a fallback reads several) takes a while
+        self.beat = beat or (lambda step, phase: None)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("tmp-step*"):
@@ -239,7 +258,10 @@ class Checkpointer:
         tmp_tag = f"tmp-{tag}"
         tmp = self.root / tmp_tag
         self._check_space()
+        renamed = False
         try:
+            # made here, so that its disappearance later means a peer removed it (below)
+            tmp.mkdir(parents=True, exist_ok=True)
             engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
             torch.save(_rng_state(), tmp / f"dskit-rng-rank{self.rank}.pt")
             if self.rank == 0:
@@ -260,12 +282,16 @@ class Checkpointer:
                 if final.exists():  # same step saved twice (signal right after a periodic save)
                     shutil.rmtree(final)
                 os.rename(tmp, final)
-                _write_synced(self.root / "latest.tmp", tag)
-                os.replace(self.root / "latest.tmp", self.root / "latest")
-                prune(self.root, self.keep)
+                renamed = True  # complete from here on: nothing below is a failed save
+                try:  # `latest` is for DeepSpeed's own tools; dskit resumes from the tags themselves
+                    _write_synced(self.root / "latest.tmp", tag)
+                    os.replace(self.root / "latest.tmp", self.root / "latest")
+                except OSError as e:
+                    log.warning("checkpoint %s saved, but %s/latest not updated: %s", final, self.root, e)
+                prune(self.root, self.keep, saved=tag)
         except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
             # a peer that found the disk full first removes the save's directory under this rank's writes
-            if not (_no_space(e, self.root) or not tmp.exists()):
+            if renamed or not (_no_space(e, self.root) or not tmp.exists()):
                 raise
             # This rank's peers may be inside DeepSpeed's collectives of the same save: they fail when
             # it exits (gloo) or their watchdog ends them; the launcher reports this rank's code.
@@ -311,6 +337,7 @@ class Checkpointer:
         untrusted: list[str] = []
         for tag in holder[0]:
             d = self.root / tag
+            self.beat(0, f"verifying {tag}")
             done, problem = read_done(d)
             if done is not None and done["world_size"] != self.world:
                 # No retry can fix this (AutoEP + ZeRO-3 loads do not support a topology change upstream):
@@ -336,6 +363,18 @@ class Checkpointer:
                         "; ".join(sorted(set(bad))[:3]),
                     )
                 continue
+            self.beat(0, f"loading {tag}")
+            if untrusted and self.rank == 0:
+                # out of the way of retention, which could otherwise keep a newer damaged one and delete
+                # the checkpoints this run writes; kept for a look, under a name nothing loads
+                for bad_tag in untrusted:
+                    name = bad_tag.split()[0]
+                    aside = self.root / f"untrusted-{name}"
+                    n = 1
+                    while aside.exists():
+                        n, aside = n + 1, self.root / f"untrusted-{name}.{n}"
+                    os.rename(self.root / name, aside)
+                log.warning("moved %d untrusted checkpoint(s) aside as untrusted-stepN", len(untrusted))
             path, _ = engine.load_checkpoint(str(self.root), tag=tag, load_lr_scheduler_states=False)
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load {d} although it verified")

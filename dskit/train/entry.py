@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit.contract import EXIT_DIR_ENV, EXIT_REQUEUE, LAUNCHER_ENV, REQUIRED, Env
+from dskit.contract import EXIT_DIR_ENV, LAUNCHER_ENV, REQUIRED, Env
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 
 log = logging.getLogger("dskit.train")
@@ -271,7 +271,19 @@ def record_exit(code: int) -> int:
             os.replace(tmp, Path(directory, f"rank{rank}"))
         except OSError as e:  # the code still reaches torchrun; the launcher then cannot tell 75 from 1
             sys.stderr.write(f"dskit: warning: cannot record exit code {code} in {directory}: {e}\n")
+    legacy = os.environ.get(LEGACY_EXIT_FILE_ENV)
+    if code and legacy:  # a pod of a chart rendered before DSKIT_EXIT_DIR: its launch.sh reads this file
+        try:
+            with open(legacy, "a") as f:  # O_APPEND: one short line per rank of the pod
+                f.write(f"{code}\n")
+        except OSError:
+            pass
     return code
+
+
+#: what charts rendered by dskit before DSKIT_EXIT_DIR set (their pods' launch.sh read it); their runs
+#: may still be restarted by their Jobs with this trainer
+LEGACY_EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
 
 
 def _error_line(e: Exception) -> None:
@@ -324,14 +336,14 @@ def _main() -> int:
     except RuntimeError as e:  # DistError is one
         if not collective_failed(e):
             raise
-        # A collective timed out (a rank hangs where its watchdog cannot see it: restart, as the
-        # watchdog would) or lost its peer (that rank's own exit code decides whether to retry).
+        # A collective lost its peer (that rank's own exit code decides whether to retry) or timed
+        # out where the watchdog could not fire (it fires first, and decides restarts): a failure.
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        timed_out = "Timed out" in first or "timed out" in first
-        why = "a rank hangs" if timed_out else "another rank ended"
         rank = os.environ.get("RANK", "?")
-        _error_line(Exception(f"rank {rank}: a collective failed ({first[:240]}): {why}"))
-        return EXIT_REQUEUE if timed_out else 1
+        _error_line(
+            Exception(f"rank {rank}: a collective failed ({first[:240]}): another rank ended or hangs")
+        )
+        return 1
 
 
 #: what torch's gloo and NCCL backends say when a peer is gone or a collective timed out

@@ -79,7 +79,14 @@ def train(
     reporter: Callable[[dict], None] | None = None,
 ) -> int:
     par, opt, run = plan.parallel, plan.optim, plan.run
-    ckpt = Checkpointer(run.checkpoint_dir, keep=run.checkpoint_keep, rank=rank, world=world, device=device)
+    ckpt = Checkpointer(
+        run.checkpoint_dir,
+        keep=run.checkpoint_keep,
+        rank=rank,
+        world=world,
+        device=device,
+        beat=watchdog.beat,
+    )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
     profiler = StepProfiler(run.profile_steps, opt.steps, run.output_dir, rank, device)
@@ -87,7 +94,7 @@ def train(
     # ---------------------------------------------------------------- resume
     meta = ckpt.load_latest(engine)
     start = meta["step"] if meta else 0
-    watchdog.beat(start, "first step")  # the first step carries compiles and warm-up
+    watchdog.begin(start)  # the first step carries compiles and warm-up
     if start >= opt.steps:
         log.info("all %d steps already done", opt.steps)
         _mark_complete(run.output_dir, rank)
@@ -96,7 +103,15 @@ def train(
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
     evals = None
     if eval_sampler:
-        evals = Evaluator(plan, eval_sampler, rank=rank, world=world, device=device, tb=window.tensorboard)
+        evals = Evaluator(
+            plan,
+            eval_sampler,
+            rank=rank,
+            world=world,
+            device=device,
+            tb=window.tensorboard,
+            beat=watchdog.beat,
+        )
 
     def save(step: int, extra: dict | None = None) -> None:
         info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
@@ -139,7 +154,6 @@ def train(
 
         # ------------------------------------------------------------ eval
         if evals and (done % run.eval_every == 0 or done == opt.steps):
-            watchdog.beat(done, "eval")
             window.last["eval_loss"] = evals.run(engine, done)
             watchdog.beat(done)
 
@@ -172,9 +186,18 @@ class Evaluator:
     log step, which `dskit status` and `dskit report` read), TensorBoard `eval/loss`, one log line."""
 
     def __init__(
-        self, plan: Plan, sampler: Sampler, *, rank: int, world: int, device: torch.device, tb: TensorBoardLog
+        self,
+        plan: Plan,
+        sampler: Sampler,
+        *,
+        rank: int,
+        world: int,
+        device: torch.device,
+        tb: TensorBoardLog,
+        beat: Callable[[int, str], None],
     ):
         self.sampler, self.rank, self.world, self.device = sampler, rank, world, device
+        self.beat = beat  # the watchdog's: an eval may be many steps long
         self.micro = plan.parallel.micro_batch
         self.chunked = bool(plan.parallel.loss_chunk_tokens)
         self.batches = min(plan.run.eval_batches, sampler.windows // (world * self.micro))
@@ -188,6 +211,7 @@ class Evaluator:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x tokens, tokens
         with torch.no_grad():
             for b in range(self.batches):
+                self.beat(step, f"eval batch {b + 1}/{self.batches}")
                 first = (b * self.world + self.rank) * self.micro
                 inputs, labels, extra = _to_device(self.sampler.get(first, self.micro), self.device)
                 n = (labels != IGNORE_INDEX).sum()
