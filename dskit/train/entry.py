@@ -302,9 +302,18 @@ def main() -> int:
         record_exit(1)
         _destroy_process_group()
         raise
-    record_exit(code)
+    if code == FOLLOWED_A_PEER:
+        code = 1  # torchrun's status; the verdict is the peer's, so nothing is recorded
+    else:
+        record_exit(code)
     _destroy_process_group()
     return code
+
+
+#: _main's code for a rank whose collective failed because a peer ended first (exited, was killed):
+#: the peer's own recorded code (75, 74, 2, a crash's 1) or its silence (killed) decides the verdict,
+#: and this rank adds none, so a peer's requeue is not turned into a failure by the ranks it left.
+FOLLOWED_A_PEER = -1
 
 
 def _destroy_process_group() -> None:
@@ -340,10 +349,11 @@ def _main() -> int:
         # out where the watchdog could not fire (it fires first, and decides restarts): a failure.
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         rank = os.environ.get("RANK", "?")
-        _error_line(
-            Exception(f"rank {rank}: a collective failed ({first[:240]}): another rank ended or hangs")
-        )
-        return 1
+        if "Timed out" in first or "timed out" in first:
+            _error_line(Exception(f"rank {rank}: a collective timed out ({first[:240]}): a rank hangs"))
+            return 1
+        _error_line(Exception(f"rank {rank}: a collective failed ({first[:240]}): another rank ended first"))
+        return FOLLOWED_A_PEER
 
 
 #: what torch's gloo and NCCL backends say when a peer is gone or a collective timed out
