@@ -258,10 +258,11 @@ class Checkpointer:
         tmp_tag = f"tmp-{tag}"
         tmp = self.root / tmp_tag
         self._check_space()
-        renamed = False
+        made = renamed = False
         try:
             # made here, so that its disappearance later means a peer removed it (below)
             tmp.mkdir(parents=True, exist_ok=True)
+            made = True
             engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
             torch.save(_rng_state(), tmp / f"dskit-rng-rank{self.rank}.pt")
             if self.rank == 0:
@@ -291,7 +292,7 @@ class Checkpointer:
                 prune(self.root, self.keep, saved=tag)
         except (OSError, RuntimeError) as e:  # torch.save reports a short write as a RuntimeError
             # a peer that found the disk full first removes the save's directory under this rank's writes
-            if renamed or not (_no_space(e, self.root) or not tmp.exists()):
+            if renamed or not (_no_space(e, self.root) or (made and not tmp.exists())):
                 raise
             # This rank's peers may be inside DeepSpeed's collectives of the same save: they fail when
             # it exits (gloo) or their watchdog ends them; the launcher reports this rank's code.
