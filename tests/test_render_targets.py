@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,47 @@ def test_the_charts_launch_script_is_generated_from_the_shared_template():
     assert (helm.chart_dir() / helm.LAUNCH_SCRIPT).read_text() == helm.launch_script(), (
         "helm/dskit/files/launch.sh is stale: python -m tests.regen_examples"
     )
+
+
+@pytest.mark.parametrize(
+    ("codes", "want"),
+    [
+        ([75, 75], 75),  # every rank asked for a restart
+        ([75], 75),  # the other rank was killed (a stopped one) and wrote nothing
+        ([75, 1], 1),  # a crash is not turned into a requeue by its peers
+        ([75, 74], 74),  # a full disk is not retried
+        ([74, 2, 75], 2),  # bad input wins
+        ([], 1),  # nothing written: torchrun's own status
+    ],
+)
+def test_the_pods_entrypoint_exits_with_the_ranks_verdict(tmp_path, codes, want):
+    """launch.sh runs a command that plays the ranks (each writes DSKIT_EXIT_DIR/rankN, as
+    entry.record_exit does) and fails as torchrun would: its exit is contract.exit_verdict's."""
+    from dskit.contract import exit_verdict
+    from dskit.render import helm
+
+    script = tmp_path / "launch.sh"
+    script.write_text(helm.launch_script())
+    ranks = "".join(f'echo {c} > "$DSKIT_EXIT_DIR/rank{i}"; ' for i, c in enumerate(codes))
+    stop, complete = tmp_path / "ckpt" / "STOP", tmp_path / "out" / "COMPLETE"
+    r = subprocess.run(
+        [
+            "bash",
+            str(script),
+            str(stop),
+            str(complete),
+            "75",
+            "2",
+            "74",
+            "--",
+            "bash",
+            "-c",
+            f"{ranks}exit 1",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DSKIT_EXIT_DIR": str(tmp_path / "exit")},
+        timeout=60,
+    )
+    assert r.returncode == want, r.stdout + r.stderr
+    assert (exit_verdict(set(codes)) or 1) == want  # the Python launchers' rule, the same
