@@ -186,7 +186,7 @@ def start_distributed(plan):
 
 
 def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = None):
-    """The DeepSpeed engine for the plan, its model partitioned from the first parameter on. Records
+    """The DeepSpeed engine for the plan (ZeRO-3: its model partitioned from the first parameter on). Records
     what each rank holds and its memory peaks (`construction-rankN.json`). `deepspeed_config` replaces
     the plan's only for benchmarks that measure construction without an optimizer."""
     import deepspeed
@@ -208,12 +208,14 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         ckpt_every=plan.parallel.activation_checkpointing,
         deepspeed_config=ds_config,
         loss_chunk_tokens=plan.parallel.loss_chunk_tokens,
+        device=device,
     )
     built = {
         "build_s": round(time.perf_counter() - t0, 2),
         "build_peak_alloc_gib": round(memory_gib(device)[0], 3),
     }
-    log.info("model built under ZeRO-3 partitioning in %.1f s; starting the engine", built["build_s"])
+    how = "under ZeRO-3 partitioning" if plan.parallel.zero_stage == 3 else f"whole on {device} (ZeRO-1/2)"
+    log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
@@ -233,7 +235,8 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
     from dskit.train.metrics import current_gib, memory_gib
 
     # Each element of the model is stored on exactly one rank of a full ZeRO-3 + AutoEP run, so the
-    # ranks' local counts add up to the model's parameter count and each is about 1/world of it.
+    # ranks' local counts add up to the model's parameter count and each is about 1/world of it; under
+    # ZeRO-1/2 a rank holds every non-expert weight and its 1/ep of the experts.
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.parameters())
     total = params_total
     alloc, reserved = memory_gib(device)

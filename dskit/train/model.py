@@ -11,6 +11,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import random
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -71,14 +74,23 @@ def build_model(
     ckpt_every: int,
     deepspeed_config: dict[str, Any],
     loss_chunk_tokens: int = 0,
+    device: torch.device | None = None,
 ):
-    """The model, partitioned by ZeRO-3 from its first parameter; random init or local weights.
+    """The model for the plan's ZeRO stage; random init or local weights.
 
-    Under transformers' DeepSpeed integration (`HfDeepSpeedConfig` alive while the model is built),
-    every parameter is created inside `deepspeed.zero.Init`: a rank keeps only its 1/world slice, and
-    initialisation or loading gathers one module at a time (rank 0 fills it, the others receive it).
-    No rank ever holds the whole model, so a plan that fits the cluster also starts on it. The returned
-    model carries the integration object: transformers consults it until the engine owns the model.
+    ZeRO-3: under transformers' DeepSpeed integration (`HfDeepSpeedConfig` alive while the model is
+    built), every parameter is created inside `deepspeed.zero.Init`: a rank keeps only its 1/world
+    slice, and initialisation or loading gathers one module at a time (rank 0 fills it, the others
+    receive it). No rank ever holds the whole model, so a plan that fits the cluster also starts on it.
+    ZeRO-1 and 2 keep every 16-bit weight on every rank anyway: the model is built whole on `device`
+    (the GPU: initialising there is fast, and draws from the same generator as ZeRO-3's zero.Init,
+    which allocates on the GPU too) and `deepspeed.initialize` (AutoEP) keeps this rank's experts; the
+    planner counts that construction peak (dskit/plan/memory.py). The returned model carries the integration
+    object: transformers consults it until the engine owns the model.
+
+    Random weights are drawn per module from a generator seeded by (seed, module name), so every ZeRO
+    stage starts from the same weights: zero.Init consumes the global generator differently while it
+    builds, which made stage 3's first loss differ from stage 1's and 2's.
     """
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
@@ -91,13 +103,20 @@ def build_model(
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    zero3 = HfDeepSpeedConfig(deepspeed_config)
-    if model_plan.path:
-        from dskit.train.weights import load_pretrained
+    zero3 = HfDeepSpeedConfig(deepspeed_config)  # enables zero.Init only for stage 3
+    whole_on = (
+        None if deepspeed_config["zero_optimization"]["stage"] == 3 else (device or torch.device("cpu"))
+    )
+    with init_seeded_by_name(seed):
+        if model_plan.path:
+            from dskit.train.weights import load_pretrained
 
-        model = load_pretrained(model_plan.path, config=config, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = load_pretrained(model_plan.path, config=config, dtype=dtype, device=whole_on)
+        elif whole_on is not None:
+            with torch.device(whole_on):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model._dskit_zero3 = zero3  # keeps transformers' ZeRO-3 switch on while the model lives
     if ckpt_every:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -110,3 +129,32 @@ def build_model(
 
         use_chunked_loss(model, loss_chunk_tokens)
     return model
+
+
+def module_seed(seed: int, owner: str, name: str) -> int:
+    """The seed of one module's random init: independent of the order modules are built in."""
+    return (seed * 0x9E3779B1 + zlib.crc32(f"{owner}:{name}".encode())) % 2**63
+
+
+@contextmanager
+def init_seeded_by_name(seed: int) -> Iterator[None]:
+    """While a model is built, seed the global generator before each module's weight init from the
+    module's name (transformers initialises module by module through `_initialize_weights`; under
+    ZeRO-3 it does so inside a gather on rank 0, so the full tensors are drawn the same way)."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel._initialize_weights
+    names: dict[int, dict[int, str]] = {}
+
+    def seeded(self, module, *args, **kwargs):
+        own = names.get(id(self))
+        if own is None:
+            own = names[id(self)] = {id(m): n for n, m in self.named_modules()}
+        torch.manual_seed(module_seed(seed, type(self).__name__, own.get(id(module), type(module).__name__)))
+        return original(self, module, *args, **kwargs)
+
+    PreTrainedModel._initialize_weights = seeded
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = original

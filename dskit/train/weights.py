@@ -17,9 +17,9 @@ from dskit.hf_checkpoint import check_checkpoint
 UNSAVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
 
 
-def load_pretrained(path: str, *, config, dtype):
+def load_pretrained(path: str, *, config, dtype, device=None):
     """The checkpoint at `path` loaded into a ZeRO-3-partitioned model (transformers' DeepSpeed
-    integration must be active: see model.build_model)."""
+    integration must be active: see model.build_model), or with `device` (ZeRO-1/2) whole onto it."""
     import torch
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -27,8 +27,9 @@ def load_pretrained(path: str, *, config, dtype):
     check_checkpoint(path)
     model, problem = None, None
     try:
+        placed = {} if device is None else {"device_map": {"": str(device)}}
         model, info = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dtype, local_files_only=True, output_loading_info=True
+            path, config=config, dtype=dtype, local_files_only=True, output_loading_info=True, **placed
         )
         missing = sorted(k for k in info["missing_keys"] if not k.endswith(UNSAVED_SUFFIXES))
         if info.get("error_msgs"):
