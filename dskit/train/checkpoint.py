@@ -240,9 +240,13 @@ class Checkpointer:
         world: int,
         device: torch.device,
         beat: Callable[[int, str], None] | None = None,
+        layout: dict[str, int] | None = None,
     ):
+        """`layout`: what a checkpoint's files depend on besides the world size (the ZeRO stage, the EP
+        size); recorded in dskit.json, and a resume with other values is refused."""
         self.root = Path(root)
         self.keep, self.rank, self.world, self.device = keep, rank, world, device
+        self.layout = layout or {}
         # the watchdog's: verifying and loading checkpoints (a fallback reads several) takes a while
         self.beat = beat or (lambda step, phase: None)
         if rank == 0:
@@ -250,6 +254,21 @@ class Checkpointer:
             for stale in self.root.glob("tmp-step*"):
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
+
+    def _refuse_other_layout(self, d: Path, done: dict[str, Any]) -> None:
+        """DeepSpeed cannot load a checkpoint written under another ZeRO stage or EP size (the files
+        differ in kind): one line naming the setting, exit 2, nothing retried. Checkpoints from before the
+        layout was recorded were all ZeRO-3."""
+        written = done.get("layout")
+        written = {"zero_stage": 3} if not isinstance(written, dict) else written
+        for key, field in (("zero_stage", "overrides.zero_stage"), ("ep_size", "overrides.ep_size")):
+            was, now = written.get(key), self.layout.get(key)
+            if was is not None and now is not None and was != now:
+                raise SpecError(
+                    field,
+                    f"checkpoint {d} was written with {key.replace('_', ' ')} {was}, this run has {now}: set "
+                    f"{field}={was} to resume it, or point storage.checkpoint_dir at an empty dir to start fresh",
+                )
 
     # ------------------------------------------------------------------ save
 
@@ -278,7 +297,7 @@ class Checkpointer:
             dist.barrier()
             final = self.root / tag
             if self.rank == 0:
-                done = {"step": step, "world_size": self.world, "meta": meta}
+                done = {"step": step, "world_size": self.world, "layout": self.layout, "meta": meta}
                 _write_synced(tmp / DONE, json.dumps(done, indent=1))
                 if final.exists():  # same step saved twice (signal right after a periodic save)
                     shutil.rmtree(final)
@@ -349,6 +368,8 @@ class Checkpointer:
                     f"{self.world}: render the run with the world size of the checkpoint (hardware.nodes x "
                     "hardware.gpus_per_node), or point storage.checkpoint_dir at an empty dir to start fresh",
                 )
+            if done is not None:
+                self._refuse_other_layout(d, done)
             if done is not None and not isinstance(done.get("meta"), dict):
                 problem = f"{DONE} has no meta (the loop state)"
             problem = problem or tag_problem(d, [self.rank])

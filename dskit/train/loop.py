@@ -86,6 +86,7 @@ def train(
         world=world,
         device=device,
         beat=watchdog.beat,
+        layout={"zero_stage": plan.parallel.zero_stage, "ep_size": plan.parallel.ep_size},
     )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
