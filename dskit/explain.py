@@ -13,6 +13,7 @@ from dskit.plan import Plan
 from dskit.plan.search import Row, Search
 
 COLUMNS = (
+    ("ZeRO", 4),
     ("EP", 3),
     ("mbs", 4),
     ("accum", 5),
@@ -34,6 +35,7 @@ COLUMNS = (
 def row_dict(r: Row) -> dict[str, Any]:
     c, f = r.candidate, r.fit
     return {
+        "zero_stage": c.zero_stage,
         "ep_size": c.ep_size,
         "micro_batch": c.micro_batch,
         "grad_accum": r.grad_accum,
@@ -54,6 +56,7 @@ def _cells(r: Row) -> list[str]:
     c, f, e = r.candidate, r.fit, r.fit.steady
     s = r.speed
     return [
+        str(c.zero_stage),
         str(c.ep_size),
         str(c.micro_batch),
         str(r.grad_accum),
@@ -91,6 +94,8 @@ def table(plan: Plan, found: Search) -> str:
         lines.append(" ".join(f"{x:>{w}}" for x, w in zip(_cells(r), widths, strict=True)) + f"  {r.verdict}")
     tail = []
     s = found.chosen.speed
+    if s:
+        tail.append("chosen, where the step goes: " + step_breakdown(s))
     if s and s.unknown:
         tail.append("not counted: " + "; ".join(s.unknown))
     if found.unforced_best is not None:
@@ -159,3 +164,17 @@ def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
         plt.close(fig)
         tmp.unlink(missing_ok=True)
     return path
+
+
+def step_breakdown(s) -> str:
+    """The winner's predicted seconds per step by term (dskit/plan/speed.py's names)."""
+    terms = [
+        ("compute", s.compute_s),
+        ("per-layer GPU", s.layer_gpu_s),
+        ("ZeRO collectives", s.collectives_s),
+        ("all-to-all", s.all_to_all_s),
+        ("optimizer", s.optimizer_s),
+        ("once-per-step collectives", s.boundary_s),
+    ]
+    gpu = ", ".join(f"{n} {v:.3f} s" for n, v in terms if v)
+    return f"{gpu}; host {s.host_s:.3f} s beside the GPU's {s.gpu_s:.3f} s ({s.bound}-bound); step {s.step_s:.3f} s"

@@ -163,7 +163,12 @@ class RuntimeSpec(_Section):
 
 class TrainingSpec(_Section):
     seq_len: int = Field(4096, ge=8, description="Tokens per sequence.")
-    global_batch: int = Field(256, ge=1, description="Sequences per optimizer step, over all ranks.")
+    global_batch: int | None = Field(
+        None,
+        ge=1,
+        description="Sequences per optimizer step, over all ranks. Default: 256 (about 1M tokens at seq 4096), "
+        "or 4 per GPU on clusters of more than 64 GPUs (1024 at 256 GPUs).",
+    )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
     lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")
     warmup_ratio: float = Field(
@@ -478,6 +483,15 @@ class PlanOverrides(_Section):
         None,
         ge=1,
         description="Expert-parallel group size (AutoEP autoep_size). Default: the predicted fastest.",
+    )
+    zero_stage: int | None = Field(
+        None,
+        ge=1,
+        le=3,
+        description="DeepSpeed ZeRO stage. 3: weights, gradients and optimizer states sharded (gathered per "
+        "layer); 2: gradients and optimizer states sharded, 16-bit weights whole on every GPU (the model is "
+        "built whole on each GPU first); 1: optimizer states sharded. Default: the predicted fastest "
+        "that fits (ZeRO-3 on the cpu profile).",
     )
     micro_batch: int | None = Field(
         None,

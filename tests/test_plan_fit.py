@@ -65,8 +65,11 @@ def test_every_plan_fits_or_refuses(model, gpu):
             on_gpu=True,
             loss="chunked" if par.loss_chunk_tokens else "full",
             compiled=par.compile_regions,
+            zero_stage=par.zero_stage,
         ).total_gib
-        build = memory.construction(c, world=world, ep_size=par.ep_size, on_gpu=True).total_gib
+        build = memory.construction(
+            c, world=world, ep_size=par.ep_size, on_gpu=True, zero_stage=par.zero_stage
+        ).total_gib
         node = host.estimate(
             c,
             world=world,

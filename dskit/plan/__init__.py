@@ -59,6 +59,7 @@ class HardwarePlan(_Frozen):
 
 
 class ParallelPlan(_Frozen):
+    zero_stage: int = 3  # DeepSpeed ZeRO stage (1, 2, 3); run.yaml files from before were all stage 3
     ep_size: int
     expert_dp_size: int  # ranks holding replicas of the same experts (ZeRO-3 shards experts over these)
     micro_batch: int
@@ -146,7 +147,8 @@ class Plan(_Frozen):
     def summary(self) -> str:
         p, h = self.parallel, self.hardware
         return (
-            f"{self.model.name} on {h.nodes}x{h.procs_per_node} {h.gpu}: world {h.world_size}, EP {p.ep_size}, "
+            f"{self.model.name} on {h.nodes}x{h.procs_per_node} {h.gpu}: world {h.world_size}, "
+            f"ZeRO-{p.zero_stage}, EP {p.ep_size}, "
             f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
             f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
             f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
@@ -245,6 +247,8 @@ def _micro_batch_candidates(per_rank: int) -> list[int]:
     return [m for m in (64, 32, 16, 8, 4, 2, 1) if per_rank % m == 0]
 
 
+#: ZeRO stages searched, in the fit order (3 first: the path every plan took before stages 1 and 2)
+ZERO_STAGES = (3, 2, 1)
 CPU_MAX_MICRO_BATCH = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
 #: activation checkpointing searched, in the fit order: off, every 2nd layer, every layer (why not every
 #: 3rd and beyond: dskit/plan/search.py)
@@ -272,28 +276,41 @@ def _search(
 ) -> search.Search:
     """The fastest candidate that fits (`dskit/plan/search.py`), else SpecError (exit 2).
 
-    EP sizes: the divisors of the expert count and the world size that stay inside one node (the
-    all-to-all on NVLink). Pinned overrides shrink the candidate lists; the planner's own pick is
-    still computed, so a slower forced choice is named.
+    EP sizes: every divisor of both the expert count and the world size (AutoEP takes any), inside a
+    node or across nodes, where the all-to-all runs over the fabric. ZeRO stages 3, 2 and 1; optimizer
+    offload only with stage 3 (its host-memory and speed terms are stage 3's). Pinned overrides shrink
+    the candidate lists; the planner's own pick is still computed, so a slower forced choice is named.
     """
     o = spec.overrides
     n_experts, world, per_node = shape.cfg["n_routed_experts"], shape.world, shape.per_node
-    eps = [d for d in _divisors(math.gcd(n_experts, world)) if d <= per_node]
-    if shape.gpu.is_cpu:  # no step-time model to weigh them: the largest, as the fit order always took
-        eps = [max(eps)]
+    eps = _divisors(math.gcd(n_experts, world))
+    stages = list(ZERO_STAGES)
+    if shape.gpu.is_cpu:  # no step-time model to weigh them: the fit order's first, as always taken
+        eps = [max(d for d in eps if d <= per_node)]
+        stages = [3]
     free_mbs = [
         m for m in _micro_batch_candidates(per_rank) if not shape.gpu.is_cpu or m <= CPU_MAX_MICRO_BATCH
     ]
-    free = ([False, True], sorted(eps, reverse=True), free_mbs, list(CKPT_EVERY_CHOICES))
+    # the fit order: inside a node before across nodes (largest first in each)
+    eps = sorted((d for d in eps if d <= per_node), reverse=True) + [d for d in eps if d > per_node]
+    free = ([False, True], eps, free_mbs, list(CKPT_EVERY_CHOICES), stages)
     pinned = (
         {"none": [False], "cpu": [True], "auto": free[0]}[o.offload_optimizer],
         [o.ep_size] if o.ep_size is not None else free[1],
         [o.micro_batch] if o.micro_batch else free[2],
         [o.activation_checkpointing] if o.activation_checkpointing is not None else free[3],
+        [o.zero_stage] if o.zero_stage is not None else free[4],
     )
+    if o.zero_stage is not None and o.zero_stage != 3 and o.offload_optimizer == "cpu":
+        raise SpecError(
+            "overrides.offload_optimizer",
+            f"cpu is searched with ZeRO-3 only, and overrides.zero_stage is {o.zero_stage}; "
+            "one of: auto, none (or overrides.zero_stage 3)",
+        )
     forced = [
         key
         for key, on in (
+            ("overrides.zero_stage", o.zero_stage is not None),
             ("overrides.offload_optimizer", o.offload_optimizer != "auto"),
             ("overrides.ep_size", o.ep_size is not None),
             ("overrides.micro_batch", o.micro_batch is not None),
@@ -303,11 +320,18 @@ def _search(
     ]
 
     def candidates(
-        offloads: list[bool], eps: list[int], mbs: list[int], ckpts: list[int]
+        offloads: list[bool], eps: list[int], mbs: list[int], ckpts: list[int], stages: list[int]
     ) -> list[fit.Candidate]:
-        # the fit order (used where no speed is predicted): no offload first, largest micro-batch, no ckpt
+        # the fit order (used where no speed is predicted): ZeRO-3, no offload first, largest EP inside a
+        # node, largest micro-batch, no ckpt
         return [
-            fit.Candidate(ep, mb, ck, off) for off in offloads for ep in eps for mb in mbs for ck in ckpts
+            fit.Candidate(ep, mb, ck, off, st)
+            for st in stages
+            for off in offloads
+            if not (off and st != 3)
+            for ep in eps
+            for mb in mbs
+            for ck in ckpts
         ]
 
     forced_ep = o.ep_size
@@ -487,12 +511,13 @@ def plan_parallel(
     cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
     if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
         _pick_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
-    gb = spec.training.global_batch
+    gb = global_batch(spec.training.global_batch, world)
     if gb % world:
         lo, hi = (gb // world) * world, (gb // world + 1) * world
+        nearest = ", ".join(str(x) for x in dict.fromkeys((lo or hi, hi)))
         raise SpecError(
             "training.global_batch",
-            f"{gb} is not divisible by the world size {world}; nearest: {lo or hi}, {hi}",
+            f"{gb} is not divisible by the world size {world}; nearest: {nearest}",
         )
     per_rank = gb // world
     forced_mb = spec.overrides.micro_batch
@@ -540,11 +565,13 @@ def plan_parallel(
             ckpt_every=c.ckpt_every,
             offload=c.offload,
             compiled=compiled,
+            zero_stage=c.zero_stage,
         )
 
     found = _search(spec, shape, per_rank, speed_of, fabric.name, warnings)
     c = found.chosen.candidate
     parallel = ParallelPlan(
+        zero_stage=c.zero_stage,
         ep_size=c.ep_size,
         expert_dp_size=world // c.ep_size,
         micro_batch=c.micro_batch,
@@ -559,6 +586,24 @@ def plan_parallel(
         compile_regions=compiled,
     )
     return parallel, found
+
+
+#: the default global batch: 256 sequences (~1M tokens at seq 4096, the seed post's batch) ...
+DEFAULT_GLOBAL_BATCH = 256
+#: ... or this many per GPU where that is more (clusters of more than 64 GPUs): one sequence per GPU
+#: would leave ZeRO's per-micro-step collectives and the per-layer costs unamortised. DeepSeek trained V2
+#: with 2304-9216 sequences per step and V3 with 3072-15360 (the V2 and V3 reports); 4 per GPU is 1024
+#: at 256 GPUs and 4096 at 1024.
+DEFAULT_SEQUENCES_PER_GPU = 4
+
+
+def global_batch(given: int | None, world: int) -> int:
+    """`training.global_batch`, or the default: DEFAULT_GLOBAL_BATCH or DEFAULT_SEQUENCES_PER_GPU x the
+    world size, whichever is larger, rounded up to a multiple of the world size."""
+    if given is not None:
+        return given
+    want = max(DEFAULT_GLOBAL_BATCH, DEFAULT_SEQUENCES_PER_GPU * world)
+    return -(-want // world) * world
 
 
 def regional_compile(choice: str, gpu: catalog.GPU) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dskit.plan.memory import REDUCE_BUCKET_ELEMENTS
+
 if TYPE_CHECKING:  # the sections are defined in dskit.plan, which imports this module
     from dskit.plan import HardwarePlan, ModelPlan, OptimPlan, ParallelPlan
 
@@ -24,22 +26,29 @@ def deepspeed_config(
     micro_batch, grad_accum = parallel.micro_batch, parallel.grad_accum
     autoep_preset = AUTOEP_PRESETS.get(model.config.get("model_type"), "deepseek_v2")
     zero: dict[str, Any] = {
-        "stage": 3,
+        "stage": parallel.zero_stage,
         "overlap_comm": on_gpu,
         "contiguous_gradients": True,
         # Bucket sizes in elements: DeepSpeed's own defaults, written out so run.yaml shows them. The
         # h*h "auto" heuristics of DeepSpeed's HF integration (tuned for dense layers of ~12h^2
         # parameters) cut an MoE layer into hundreds of small collectives: 30% slower per step on the
         # H200 bench (bench/README.md; bench/results/h200-2026-11-30-*-buckets.json).
-        "reduce_bucket_size": 5 * 10**8,
-        "stage3_prefetch_bucket_size": 5 * 10**7,
-        "stage3_param_persistence_threshold": 10**5,
-        "stage3_max_live_parameters": 10**9,
-        "stage3_max_reuse_distance": 10**9,
-        # dskit exports Hugging Face weights itself (`dskit export`): gathering 16-bit weights on save
-        # raises NotImplementedError under AutoEP, and costs a full all-gather per checkpoint anyway.
-        "stage3_gather_16bit_weights_on_model_save": False,
+        "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
     }
+    if parallel.zero_stage == 3:
+        zero |= {
+            "stage3_prefetch_bucket_size": 5 * 10**7,
+            "stage3_param_persistence_threshold": 10**5,
+            "stage3_max_live_parameters": 10**9,
+            "stage3_max_reuse_distance": 10**9,
+            # dskit exports Hugging Face weights itself (`dskit export`): gathering 16-bit weights on save
+            # raises NotImplementedError under AutoEP, and costs a full all-gather per checkpoint anyway.
+            "stage3_gather_16bit_weights_on_model_save": False,
+        }
+    else:
+        # ZeRO-1/2: the updated weights are all-gathered after each step in buckets of this size, and
+        # gradients reduce-scattered rather than all-reduced (half the traffic of DeepSpeed's all-reduce)
+        zero |= {"allgather_bucket_size": REDUCE_BUCKET_ELEMENTS, "reduce_scatter": True}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     cfg: dict[str, Any] = {

@@ -39,6 +39,7 @@ class Candidate:
     micro_batch: int
     ckpt_every: int
     offload: bool
+    zero_stage: int = 3
 
     @property
     def recompute_share(self) -> float:
@@ -53,7 +54,7 @@ class Candidate:
             else "no activation checkpointing"
         )
         return (
-            f"EP {self.ep_size}, micro-batch {self.micro_batch}, {ckpt}, "
+            f"ZeRO-{self.zero_stage}, EP {self.ep_size}, micro-batch {self.micro_batch}, {ckpt}, "
             f"{'optimizer offload' if self.offload else 'no offload'}"
         )
 
@@ -147,8 +148,15 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         on_gpu=on_gpu,
         loss=s.loss,
         compiled=s.compiled,
+        zero_stage=c.zero_stage,
     )
-    build = memory.construction(s.counts, world=s.world, ep_size=c.ep_size, on_gpu=on_gpu)
+    build = memory.construction(
+        s.counts,
+        world=s.world,
+        ep_size=c.ep_size,
+        on_gpu=on_gpu,
+        zero_stage=c.zero_stage,
+    )
     h = host.estimate(
         s.counts,
         world=s.world,

@@ -9,6 +9,13 @@ An estimate, not a promise: tests/test_plan.py checks it against the H200 baseli
   all ranks; AutoEP gives each rank 1/ep of the experts and ZeRO-3 shards those over the expert-data-
   parallel group (world/ep), so both come to 16 * P / world per GPU. Optimizer offload moves the 12
   fp32 bytes to host memory.
+- ZeRO-1 and 2 (`zero_stage`) keep this rank's 16-bit weights whole: every non-expert parameter and
+  1/ep of the experts, 2 bytes each. Stage 2 shards the 16-bit gradients over the data-parallel group
+  like the fp32 states; stage 1 keeps them whole until the accumulation boundary. The fp32 master,
+  momentum and variance (12 bytes) are sharded in both (DeepSpeed 0.19.8 stage_1_and_2.py: the flat
+  bf16 gradient partition, `single_partition_of_fp32_groups`, the Adam states). On one H200 ZeRO-2
+  measured 3.3 GiB below ZeRO-3 at micro-batch 16 (bench/results/h200-zero2-2026-11-30.json): at one
+  rank the states are equal and ZeRO-3's gathered layers are the difference.
 - the gathered working set: ZeRO-3 materialises about two layers' bf16 weights at once (the current and
   the prefetched one), plus gradient buckets. A MoE layer's local experts (1/ep of them) are part of
   its gathered weights whenever ZeRO-3 shards them, i.e. when the expert-data-parallel group
@@ -54,6 +61,10 @@ ACTIVATION_SLACK = 1.5
 #   ones are freed, so both are alive at once;
 #   the CUDA context and NCCL buffers (OVERHEAD_GIB, as for training).
 WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies on the GPU
+
+
+# zero_optimization.reduce_bucket_size as dskit/plan/deepspeed.py writes it (DeepSpeed's default), elements
+REDUCE_BUCKET_ELEMENTS = 5 * 10**8
 
 
 # Chunked loss (dskit/train/loss.py): rows of the output projection computed at once. 4096 x 102400
@@ -124,7 +135,29 @@ class ConstructionEstimate:
         return self.shard_gib + self.gathered_gib + self.autoep_copy_gib + self.overhead_gib
 
 
-def construction(c: ModelCounts, *, world: int, ep_size: int, on_gpu: bool) -> ConstructionEstimate:
+def local_params(c: ModelCounts, cfg: dict[str, Any], ep_size: int) -> float:
+    """Parameters whose 16-bit weights a ZeRO-1/2 rank holds: all non-expert ones, 1/ep of the experts."""
+    experts = c.experts_per_layer * moe_layers(cfg)
+    return c.total - experts + experts / ep_size
+
+
+def moe_layers(cfg: dict[str, Any]) -> int:
+    L = cfg["num_hidden_layers"]
+    return L - min(cfg.get("first_k_dense_replace") or 0, L)
+
+
+def construction(
+    c: ModelCounts, *, world: int, ep_size: int, on_gpu: bool, zero_stage: int = 3
+) -> ConstructionEstimate:
+    """ZeRO-1/2 build the whole 16-bit model on each GPU (dskit/train/model.py), then AutoEP copies one
+    layer's local experts out of it at a time: the whole model is the "shard"."""
+    if zero_stage != 3:
+        return ConstructionEstimate(
+            shard_gib=WEIGHT_BYTES * c.total / GIB,
+            gathered_gib=0.0,
+            autoep_copy_gib=WEIGHT_BYTES * c.experts_per_layer / ep_size / GIB,
+            overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
+        )
     return ConstructionEstimate(
         shard_gib=WEIGHT_BYTES * c.total / world / GIB,
         gathered_gib=WEIGHT_BYTES * c.largest_module / GIB,
@@ -177,13 +210,22 @@ def estimate(
     on_gpu: bool,
     loss: str,
     compiled: bool = False,
+    zero_stage: int = 3,
 ) -> MemoryEstimate:
-    state_bytes = 4 if offload_optimizer else 16
-    states = state_bytes * c.total / world
-    layer = c.largest_layer
-    if world // ep_size > 1:  # local experts sharded over the expert-data-parallel group: gathered too
-        layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)
-    working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
+    if zero_stage == 3:
+        state_bytes = 4 if offload_optimizer else 16
+        states = state_bytes * c.total / world
+        layer = c.largest_layer
+        if world // ep_size > 1:  # local experts sharded over the expert-data-parallel group: gathered too
+            layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)
+        working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
+    else:
+        local = local_params(c, cfg, ep_size)
+        # each parameter's data-parallel group holds world/ep (experts) or world (the rest) copies of it,
+        # so the sharded share per rank is total/world either way
+        grads = 2 * (local if zero_stage == 1 else c.total / world)
+        states = 2 * local + grads + 12 * c.total / world
+        working = 2 * 2 * min(REDUCE_BUCKET_ELEMENTS, local)  # two 16-bit reduce buckets in flight
     tokens = micro_batch * seq_len
     L = cfg["num_hidden_layers"]
     dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)

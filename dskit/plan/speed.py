@@ -7,7 +7,7 @@ side by side, because the host enqueues kernels ahead of the GPU:
 
     GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all)
     host = grad_accum x (HOST_LAYER_PASS_S x layer passes + HOST_MICRO_STEP_S)
-    step = max(GPU, host) + optimizer
+    step = max(GPU, host) + optimizer + boundary
 
 - compute: T x FLOPs/token (6 x active parameters + causal attention; `model_math.py`), plus the forward
   pass again for every checkpointed layer (a third of a layer's training FLOPs), at GEMM_EFFICIENCY of
@@ -21,6 +21,11 @@ side by side, because the host enqueues kernels ahead of the GPU:
 - collectives: all-gathers of the 16-bit weights (forward, backward, recompute) and the gradient
   reduce-scatter over the group's bandwidth (NVLink inside a node, the fabric across nodes), of which
   ZeRO-3's prefetch hides ZERO3_OVERLAP; plus a measured synchronisation cost per layer pass.
+- ZeRO-1 and 2 (`zero_stage`) keep the 16-bit weights on every rank: no per-layer gathers and no
+  module hooks. Stage 2 reduce-scatters the gradients every micro-step, overlapped with the backward
+  like ZeRO-3's; stage 1 once per step, at the accumulation boundary. Both all-gather the updated
+  weights once per step after the optimizer, exposed. Their host and GPU cost per layer pass are
+  HOST_LAYER_PASS_UNHOOKED_S and GPU_LAYER_PASS_UNHOOKED_S.
 - all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
   backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
 - optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
@@ -38,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.catalog import GPU
+from dskit.plan.memory import moe_layers as _moe_layers
 from dskit.plan.model_math import ModelCounts
 
 # ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
@@ -60,6 +66,15 @@ ADAM_BYTES_PER_PARAM = 39.0
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
 #: fitted on 2 x H200 (NVLink) runs of the same file, seconds
 SYNC_LAYER_PASS_S = 0.004
+
+#: ZeRO-1/2 (no ZeRO-3 module hooks): host time per layer pass. Every ZeRO-2 run on one H200 was
+#: GPU-bound (bench/results/h200-planner-Z2-2026-12-01.json: 4-layer V2-Lite at micro-batch 2 took 0.144 s
+#: with the GPU timeline at 0.141 s), which bounds this from above only: the largest value consistent
+#: with those runs is taken, so a host-bound ZeRO-1/2 step is never predicted faster than it can be
+HOST_LAYER_PASS_UNHOOKED_S = 0.0105
+#: ZeRO-1/2's GPU time per layer pass: the same as ZeRO-3's within the fit (the four ZeRO-2 runs of
+#: that file are within -7%..+2% with GPU_LAYER_PASS_S, -13%..0% with none of ZeRO-3's copies removed)
+GPU_LAYER_PASS_UNHOOKED_S = GPU_LAYER_PASS_S
 
 # ---- first principles, cited ----
 #: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
@@ -116,6 +131,7 @@ class StepTime:
     flops_per_token: float
     peak_tflops: float
     unknown: tuple[str, ...]  # terms left out for want of a bandwidth (named in --explain)
+    boundary_s: float = 0.0  # ZeRO-1/2: collectives once per step, after the backward (not overlapped)
 
     @property
     def gpu_s(self) -> float:
@@ -128,7 +144,7 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        return max(self.gpu_s, self.host_s) + self.optimizer_s
+        return max(self.gpu_s, self.host_s) + self.optimizer_s + self.boundary_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -177,6 +193,7 @@ def predict(
     ckpt_every: int,
     offload: bool,
     compiled: bool = False,
+    zero_stage: int = 3,
 ) -> StepTime | None:
     """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
     `peak_tflops`: at the plan's precision."""
@@ -193,25 +210,36 @@ def predict(
         compute *= 1 - COMPILED_COMPUTE_SAVING
     passes = L * (2 + frac)
 
-    # ZeRO-3: weights gathered per pass, gradients reduce-scattered once per micro-step; a group of one
-    # rank moves nothing. Experts are sharded over the expert-data-parallel group, the rest over all.
+    # Experts are sharded over the expert-data-parallel group, the rest over all ranks; a group of one
+    # rank moves nothing. AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node);
+    # the expert-data-parallel group strides by ep over all ranks, so it spans every node, as the
+    # dense group does.
     dense_params = c.total - c.experts_per_layer * _moe_layers(cfg)
     expert_params = c.experts_per_layer * _moe_layers(cfg) / layout.ep_size
-    zero3 = 0.0
-    # AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node); the expert-data-
-    # parallel group strides by ep over all ranks, so it spans every node, as the dense group does.
     multi_node = layout.world > layout.per_node
+    per_micro = per_step = 0.0  # collective seconds: every micro-step / once per optimizer step
     for params, group in ((dense_params, layout.world), (expert_params, layout.expert_dp)):
         if group == 1:
             continue
         bw = _bandwidth(group, multi_node, gpu, fabric_gbs)
         if bw is None:
-            unknown.append("ZeRO-3 collectives across nodes (fabric bandwidth unknown)")
+            unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
             continue
-        volume = WIRE_BYTES * params * (group - 1) / group * ((2 + frac) + 1)
-        zero3 += volume / (bw * GB) * (1 - ZERO3_OVERLAP)
-    if layout.world > 1:
-        zero3 += SYNC_LAYER_PASS_S * passes
+        one_pass = WIRE_BYTES * params * (group - 1) / group / (bw * GB)
+        if zero_stage == 3:  # gathers per layer pass and one gradient reduce-scatter, per micro-step
+            per_micro += one_pass * ((2 + frac) + 1) * (1 - ZERO3_OVERLAP)
+        else:  # the updated weights all-gathered once per step, exposed
+            per_step += one_pass
+            if zero_stage == 2:
+                per_micro += one_pass * (1 - ZERO3_OVERLAP)
+            else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
+                per_step += one_pass
+    syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1  # AutoEP's count exchange
+    if syncs:
+        per_micro += SYNC_LAYER_PASS_S * passes
+    hooked = zero_stage == 3
+    host_pass = HOST_LAYER_PASS_S if hooked else HOST_LAYER_PASS_UNHOOKED_S
+    gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
 
     a2a = 0.0
     if layout.ep_size > 1:
@@ -223,7 +251,7 @@ def predict(
             copy_bytes = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
             a2a = moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
-    local_params = c.total / layout.world
+    local_params = c.total / layout.world  # every stage shards the optimizer states
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
         optimizer = (
@@ -235,18 +263,14 @@ def predict(
 
     return StepTime(
         compute_s=grad_accum * compute,
-        layer_gpu_s=grad_accum * GPU_LAYER_PASS_S * passes,
-        collectives_s=grad_accum * zero3,
+        layer_gpu_s=grad_accum * gpu_pass * passes,
+        collectives_s=grad_accum * per_micro,
         all_to_all_s=grad_accum * a2a,
-        host_s=grad_accum * (HOST_LAYER_PASS_S * passes + HOST_MICRO_STEP_S),
+        host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
         optimizer_s=optimizer,
         tokens_per_step=grad_accum * T,
         flops_per_token=flops_per_token,
         peak_tflops=peak_tflops,
         unknown=tuple(dict.fromkeys(unknown)),
+        boundary_s=per_step,
     )
-
-
-def _moe_layers(cfg: dict[str, Any]) -> int:
-    L = cfg["num_hidden_layers"]
-    return L - min(cfg.get("first_k_dense_replace") or 0, L)

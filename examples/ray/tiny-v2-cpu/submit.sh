@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by dskit 0.1.0. Plan: tiny-v2 on 1x2 cpu: world 2, EP 2, micro-batch 4, grad accum 1, bf16, ~0.01 GiB/GPU
+# Rendered by dskit 0.1.0. Plan: tiny-v2 on 1x2 cpu: world 2, ZeRO-3, EP 2, micro-batch 4, grad accum 1, bf16, ~0.01 GiB/GPU
 # Submits this directory as the job's working_dir to a Ray cluster (RAY_ADDRESS, default the local head's
 # dashboard) and follows its logs; the exit code is the job's. Arguments go to `ray job submit` (e.g.
 # --no-wait). The submission id is chosen here and appended with the address to the jobs file, one
