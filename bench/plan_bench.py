@@ -75,13 +75,18 @@ def _flags(gpus: int, name: str, work: Path) -> dict:
     }
 
 
-def candidates(sets: list[str], gpus: int, work: Path, compile_choice: str = "auto") -> list[dict]:
-    """The planner's fitting candidates for a configuration, chosen first, as override lists."""
+def candidates(
+    sets: list[str], gpus: int, work: Path, compile_choice: str = "auto", zero_stage: int | None = None
+) -> list[dict]:
+    """The planner's fitting candidates for a configuration, chosen first, as override lists
+    (`zero_stage`: the search narrowed to that ZeRO stage)."""
     from dskit.plan import build_plan_searched
     from dskit.spec import load_spec
 
+    stage = [f"overrides.zero_stage={zero_stage}"] if zero_stage else []
     spec = load_spec(
-        sets=[*COMMON, *sets, f"overrides.compile={compile_choice}"], flags=_flags(gpus, "probe", work)
+        sets=[*COMMON, *sets, f"overrides.compile={compile_choice}", *stage],
+        flags=_flags(gpus, "probe", work),
     )
     plan, found = build_plan_searched(spec)
     out = []
@@ -91,17 +96,25 @@ def candidates(sets: list[str], gpus: int, work: Path, compile_choice: str = "au
             {
                 "verdict": r.verdict,
                 "overrides": _forced(
-                    c.ep_size, c.micro_batch, c.ckpt_every, c.offload, plan.parallel.compile_regions
+                    c.ep_size,
+                    c.micro_batch,
+                    c.ckpt_every,
+                    c.offload,
+                    plan.parallel.compile_regions,
+                    c.zero_stage,
                 ),
             }
         )
     return out
 
 
-def _forced(ep: int, micro_batch: int, ckpt_every: int, offload: bool, compiled: bool) -> list[str]:
+def _forced(
+    ep: int, micro_batch: int, ckpt_every: int, offload: bool, compiled: bool, zero_stage: int = 3
+) -> list[str]:
     """A candidate as the overrides that force it, regional compile included (not searched: a plan-wide
     setting, on by default on GPUs since issue 13)."""
     return [
+        f"overrides.zero_stage={zero_stage}",
         f"overrides.ep_size={ep}",
         f"overrides.micro_batch={micro_batch}",
         f"overrides.activation_checkpointing={ckpt_every}",
@@ -111,9 +124,14 @@ def _forced(ep: int, micro_batch: int, ckpt_every: int, offload: bool, compiled:
 
 
 def forced_overrides(row: dict) -> list[str]:
-    """A row's overrides; rows measured before compile was an override ran eager."""
-    o = row["overrides"]
-    return o if any(x.startswith("overrides.compile=") for x in o) else [*o, "overrides.compile=off"]
+    """A row's overrides; rows measured before compile was an override ran eager, and those measured
+    before the ZeRO stage was searched ran ZeRO-3."""
+    o = list(row["overrides"])
+    if not any(x.startswith("overrides.compile=") for x in o):
+        o.append("overrides.compile=off")
+    if not any(x.startswith("overrides.zero_stage=") for x in o):
+        o.insert(0, "overrides.zero_stage=3")
+    return o
 
 
 def config_key(row: dict) -> str:
@@ -126,7 +144,7 @@ def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[i
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 
-    values = "-".join(o.split("=")[1] for o in cand["overrides"])  # ep-mb-ckpt-offload
+    values = "-".join(o.split("=")[1] for o in cand["overrides"])  # stage-ep-mb-ckpt-offload
     name = re.sub(r"[^a-z0-9]+", "-", f"{config} {values}".lower()).strip("-")[-52:].strip("-")
     plan = build_plan(load_spec(sets=[*COMMON, *sets, *cand["overrides"]], flags=_flags(gpus, name, work)))
     run_dir = work / name
@@ -190,6 +208,7 @@ def measure(
     only: list[str] | None = None,
     picks_only: bool = False,
     compile_choice: str = "auto",
+    zero_stage: int | None = None,
 ) -> None:
     import torch
 
@@ -215,7 +234,7 @@ def measure(
         for config, (sets, gpus) in CONFIGS[s].items():
             if only and not any(o in config for o in only):
                 continue
-            for cand in candidates(sets, gpus, work, compile_choice)[: 1 if picks_only else None]:
+            for cand in candidates(sets, gpus, work, compile_choice, zero_stage)[: 1 if picks_only else None]:
                 jobs.append((config, sets, gpus, cand))
     free = list(range(n_gpus))
     cond = threading.Condition()
@@ -281,6 +300,7 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     sets = [*COMMON, *row["sets"], f"overrides.compile={o['overrides.compile']}"]
     _, found = build_plan_searched(load_spec(sets=sets, flags=_flags(row["gpus"], "x", work)))
     want = Candidate(
+        zero_stage=int(o["overrides.zero_stage"]),
         ep_size=int(o["overrides.ep_size"]),
         micro_batch=int(o["overrides.micro_batch"]),
         ckpt_every=int(o["overrides.activation_checkpointing"]),
@@ -300,7 +320,9 @@ def planner_pick(row: dict) -> list[str]:
     compiled = "overrides.compile=on" in forced_overrides(row)
     sets = [*COMMON, *row["sets"], f"overrides.compile={'on' if compiled else 'off'}"]
     p = build_plan(load_spec(sets=sets, flags=_flags(row["gpus"], "x", Path("/nonexistent")))).parallel
-    return _forced(p.ep_size, p.micro_batch, p.activation_checkpointing, p.offload_optimizer, compiled)
+    return _forced(
+        p.ep_size, p.micro_batch, p.activation_checkpointing, p.offload_optimizer, compiled, p.zero_stage
+    )
 
 
 def fastest_fitting(rows: list[dict]) -> float:
@@ -441,6 +463,7 @@ def main() -> None:
         default="auto",
         help="overrides.compile of every run (auto: on, as on GPUs; off: eager runs, which --fit refits)",
     )
+    ap.add_argument("--zero-stage", type=int, choices=[1, 2, 3], help="search only this ZeRO stage")
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
@@ -455,7 +478,7 @@ def main() -> None:
         if not (a.set and a.out):
             ap.error("--set and --out are needed to measure")
         with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-            measure(a.set, a.out, Path(tmp), a.budget_s, a.only, a.picks_only, a.compile)
+            measure(a.set, a.out, Path(tmp), a.budget_s, a.only, a.picks_only, a.compile, a.zero_stage)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,11 @@ NUMERICS: dict[str, tuple[list[str], dict]] = {
     "50 steps, plain (eager, full logits)": (PLAIN, {}),
     "50 steps, default, repeat": (S50, {}),
     "50 steps, plain, repeat": (PLAIN, {}),
+    # issue 26: each ZeRO stage the planner may pick, against ZeRO-3 (the same first weights since the
+    # seeded init; 1 GPU: stage 1 and 2 differ only in when gradients are reduced)
+    "50 steps, ZeRO-3 pinned": ([*S50, "overrides.zero_stage=3"], {}),
+    "50 steps, ZeRO-2 pinned": ([*S50, "overrides.zero_stage=2"], {}),
+    "50 steps, ZeRO-1 pinned": ([*S50, "overrides.zero_stage=1"], {}),
 }
 # Issue 13's scaling goal at this shape (--scaling, with --gpus 2): tokens/s/GPU at EP 2 against one
 # GPU. AutoEP's async_split_plan copies the all-to-all split sizes to the host on a side stream while

@@ -5,8 +5,12 @@ rebuilt for each and compared, so a change to the memory or step-time model that
 fails in CI (no GPU needed, nothing outside the repository read):
 - the plan's memory total within +-10% of the peak the allocator reserved;
 - predicted tokens/s/GPU within +-15% of the measured median;
-- for every configuration, the planner's own pick is a measured candidate within 5% of the fastest
-  that it may take (a run measured above the plan's memory limit, 90% of the GPU, is not one).
+- for every configuration as the plan runs it on GPUs (regional compile, the default since issue 13),
+  the planner's own pick is a measured candidate within 5% of the fastest that it may take (a run
+  measured above the plan's memory limit, 90% of the GPU, is not one). The eager runs predate ZeRO-1/2
+  as a plan choice: their picks are now ZeRO-2 and were measured for the reference shape only, so they
+  stay in the prediction test. The 2-GPU configurations were all eager: re-measuring their picks needs
+  the 2-GPU kind (issue "Multi-GPU validation").
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS = sorted((REPO / "bench" / "results").glob("h200x2-planner-*.json"))
+RESULTS = sorted((REPO / "bench" / "results").glob("h200*-planner-*.json"))
 
 
 def _bench():
@@ -56,7 +60,9 @@ def test_prediction_matches_measurement(row):
     assert predicted["tokens_per_s_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"], rel=0.15), summary
 
 
-@pytest.mark.parametrize("config", sorted({BENCH.config_key(r) for r in ROWS}))
+@pytest.mark.parametrize(
+    "config", sorted({BENCH.config_key(r) for r in ROWS if BENCH.config_key(r) != r["config"]})
+)
 def test_the_pick_is_the_fastest_measured(config):
     rows = [r for r in ROWS if BENCH.config_key(r) == config]
     pick = BENCH.planner_pick(rows[0])
