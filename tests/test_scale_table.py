@@ -1,0 +1,78 @@
+"""The plan at cluster scale (docs/planner.md's table, `bench/scale_table.py`): the table in the docs is
+what the planner says today, and every pick in it is something the trainer runs.
+
+Each pick is shrunk to CPU size (tiny-v2 on 2 nodes of 2 ranks: EP across nodes stays across nodes,
+inside stays inside) with the same ZeRO stage, checkpointing and offload, and rendered; the trainer
+runs each ZeRO stage and EP across nodes in tests/test_zero_stages.py and tests/test_slurm.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import dskit, render_tiny
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _table_module():
+    spec = importlib.util.spec_from_file_location("scale_table", REPO / "bench" / "scale_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TABLE = _table_module()
+ROWS = TABLE.table()
+
+
+def test_the_docs_table_is_todays_planner():
+    assert TABLE.markdown(ROWS) in (REPO / "docs" / "planner.md").read_text()
+
+
+def _shrunk(pick: dict) -> list[str]:
+    ep = pick["ep_size"]
+    shrunk_ep = 4 if ep > TABLE.PER_NODE else 2 if ep > 1 else 1
+    return [
+        f"overrides.zero_stage={pick['zero_stage']}",
+        f"overrides.ep_size={shrunk_ep}",
+        f"overrides.activation_checkpointing={pick['activation_checkpointing']}",
+        f"overrides.offload_optimizer={'cpu' if pick['offload_optimizer'] else 'none'}",
+    ]
+
+
+PICKS = sorted({tuple(_shrunk(r["now"])) for r in ROWS if "refused" not in r["now"]})
+
+
+def test_the_table_covers_the_new_choices():
+    stages = {p[0] for p in PICKS}
+    assert {"overrides.zero_stage=2", "overrides.zero_stage=3"} <= stages, PICKS
+
+
+@pytest.mark.parametrize("sets", PICKS, ids=lambda s: "-".join(x.split("=")[1] for x in s))
+def test_each_pick_shrunk_to_cpu_renders(sets, tmp_path):
+    rd = render_tiny(tmp_path, nodes=2, gpus_per_node=2, extra=list(sets))
+    import json
+
+    ds = json.loads((rd / "deepspeed.json").read_text())
+    assert f"overrides.zero_stage={ds['zero_optimization']['stage']}" in sets
+    assert f"overrides.ep_size={ds['expert_parallel']['autoep_size']}" in sets
+
+
+def test_refusals_in_the_table_are_one_line():
+    for r in ROWS:
+        if "refused" in r["now"]:
+            assert "\n" not in r["now"]["refused"] and "GiB" in r["now"]["refused"], r
+
+
+def test_the_default_global_batch_scales_with_the_cluster():
+    """512 GPUs: the default is 4 sequences per GPU (2048), not 256 (which no world of 512 divides)."""
+    r = dskit("plan", "--model", "deepseek-v3", "--gpus-per-node", "8", "--nodes", "64", "--gpu", "h100-80gb")
+    assert r.returncode == 0, r.stderr
+    assert "global_batch: 2048" in r.stdout
+    bad = dskit("plan", "--gpus-per-node", "8", "--nodes", "64", "--set", "training.global_batch=256")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "nearest: 512" in bad.stderr and "512, 512" not in bad.stderr, bad.stderr
