@@ -323,6 +323,15 @@ CASES: dict[str, tuple[Setup, str]] = {
         sets("kubernetes.secret_env={NCCL_DEBUG: s/a}", target="helm"),
         "kubernetes.secret_env: NCCL_DEBUG is set by dskit",
     ),
+    "a ZeRO stage that does not exist": (
+        sets("overrides.zero_stage=4"),
+        "overrides.zero_stage: Input should be less than or equal to 3",
+    ),
+    "optimizer offload with ZeRO-2": (
+        sets("overrides.zero_stage=2", "overrides.offload_optimizer=cpu"),
+        "overrides.offload_optimizer: cpu is searched with ZeRO-3 only, and overrides.zero_stage is 2; "
+        "one of: auto, none (or overrides.zero_stage 3)",
+    ),
     "micro_batch not dividing the per-rank batch": (
         sets("training.global_batch=12", "overrides.micro_batch=4"),
         "overrides.micro_batch: 4 does not divide the per-rank batch 6 (global_batch 12 / world 2); "
