@@ -41,8 +41,8 @@ PUBLISHED = {
 }
 
 
-def _plan(model: str, gpu: str, world: int, sets: list[str]):
-    from dskit.plan import build_plan
+def _searched(model: str, gpu: str, world: int, sets: list[str]):
+    from dskit.plan import build_plan_searched
     from dskit.spec import load_spec
 
     flags = {
@@ -51,7 +51,7 @@ def _plan(model: str, gpu: str, world: int, sets: list[str]):
         "hardware.gpus_per_node": PER_NODE,
         "hardware.nodes": world // PER_NODE,
     }
-    return build_plan(load_spec(sets=sets, flags=flags))
+    return build_plan_searched(load_spec(sets=sets, flags=flags))
 
 
 def _cell(plan) -> dict:
@@ -70,18 +70,33 @@ def _cell(plan) -> dict:
 
 
 def before(model: str, gpu: str, world: int) -> dict | None:
-    """The earlier search under today's constants: ZeRO-3, the fastest EP inside a node."""
-    from dskit.errors import SpecError
+    """The earlier search under today's constants: ZeRO-3 and EP inside a node, chosen by the search's
+    own rules (the tie window and the offload margin) over each in-node EP's winner."""
+    import math
 
-    best = None
-    for ep in (1, 2, 4, 8):
+    from dskit import catalog
+    from dskit.errors import SpecError
+    from dskit.plan import search
+
+    experts = catalog.model(model).config["n_routed_experts"]
+    eps = [d for d in range(1, PER_NODE + 1) if math.gcd(experts, world) % d == 0]
+    found = []  # (the search's winning row, its plan) per EP
+    for ep in eps:
         try:
-            plan = _plan(model, gpu, world, ["overrides.zero_stage=3", f"overrides.ep_size={ep}"])
+            plan, f = _searched(model, gpu, world, ["overrides.zero_stage=3", f"overrides.ep_size={ep}"])
         except SpecError:
             continue
-        if best is None or plan.speed["tokens_per_s_per_gpu"] > best.speed["tokens_per_s_per_gpu"]:
-            best = plan
-    return _cell(best) if best else None
+        found.append((f.chosen, plan))
+    if not found:
+        return None
+    rows = [row for row, _ in found]
+    best = search._fastest(rows)
+    resident = [r for r in rows if not r.candidate.offload]
+    if best.candidate.offload and resident:
+        alt = search._fastest(resident)
+        if alt.speed.tokens_per_s >= best.speed.tokens_per_s * (1 - search.OFFLOAD_MARGIN):
+            best = alt
+    return _cell(next(plan for row, plan in found if row is best))
 
 
 def table() -> list[dict]:
@@ -93,7 +108,7 @@ def table() -> list[dict]:
             for world in WORLDS:
                 row = {"model": model, "gpu": gpu, "gpus": world}
                 try:
-                    row["now"] = _cell(_plan(model, gpu, world, []))
+                    row["now"] = _cell(_searched(model, gpu, world, [])[0])
                 except SpecError as e:
                     row["now"] = {"refused": f"{e.field}: {e.message}"}
                 row["before"] = before(model, gpu, world)

@@ -332,7 +332,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="dskit",
-        description="Train DeepSeek-style MoE models (AutoEP + ZeRO-3) from one run spec: plan it, render it "
+        description="Train DeepSeek-style MoE models (AutoEP + DeepSpeed ZeRO) from one run spec: plan it, render it "
         "for Slurm, Kubernetes (Helm) or Ray, and run the in-container trainer.",
         epilog="Bad input exits with code 2 and one line naming the field; a failed write to stdout with 74 "
         "and one line (a full disk), or quietly with 141 (a closed pipe: `| head`). Docs: README.md.",

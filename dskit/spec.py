@@ -167,7 +167,8 @@ class TrainingSpec(_Section):
         None,
         ge=1,
         description="Sequences per optimizer step, over all ranks. Default: 256 (about 1M tokens at seq 4096), "
-        "or 4 per GPU on clusters of more than 64 GPUs (1024 at 256 GPUs).",
+        "or 4 per GPU on clusters of more than 64 GPUs (1024 at 256 GPUs), rounded up to a multiple of the "
+        "world size (264 at 24 GPUs).",
     )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
     lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")

@@ -86,6 +86,23 @@ def test_training_starts_from_the_saved_weights(tmp_path, model, ranks):
         assert r["params_local"] == pytest.approx(plan.model.params_total / ranks, rel=0.15), r
 
 
+@pytest.mark.parametrize("stage", [2, 1])
+def test_zero1_and_2_start_from_the_saved_weights_too(tmp_path, stage):
+    """ZeRO-1/2 load the checkpoint whole onto the device (no zero.Init): the first loss is the saved
+    model's, and each rank holds every non-expert weight and its half of the experts (EP 2)."""
+    ckpt = save_checkpoint("tiny-v2", tmp_path / "hf")
+    extra = [f"model.path={ckpt}", f"overrides.zero_stage={stage}"]
+    rd = render_tiny(tmp_path, None, steps=2, extra=extra)
+    assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
+    assert losses(rd)[1] == pytest.approx(hf_first_step_loss(ckpt, rd), rel=LOSS_RTOL)
+    plan = load_plan(rd / "run.yaml")
+    recs = [json.loads(p.read_text()) for p in Path(plan.run.output_dir).glob("construction-rank*.json")]
+    cfg = plan.model.config
+    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
+    experts = moe_layers * cfg["n_routed_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+    assert [r["params_local"] for r in recs] == [plan.model.params_total - experts // 2] * 2
+
+
 def test_a_missing_shard_is_refused_at_render_and_at_start(tmp_path):
     ckpt = save_checkpoint("tiny-v2", tmp_path / "hf")
     rd = render_tiny(tmp_path, None, steps=2, extra=[f"model.path={ckpt}"])

@@ -3,8 +3,9 @@
 ZeRO-1 and 2 keep the 16-bit weights whole on every rank: a different construction path (no
 zero.Init), other DeepSpeed checkpoint files, other collectives. The random init is drawn per module
 from (seed, name), so all stages start from the same weights: the first loss must be ZeRO-3's, and the
-curve must stay on it. Each stage checkpoints, resumes bit-for-bit where ZeRO-3 does, exports a model
-transformers loads, and refuses to resume a checkpoint written under another stage.
+curve must stay on it. Each stage checkpoints and exports a verified model; ZeRO-2 (the planner's usual
+pick of the two) resumes where ZeRO-3 does; a checkpoint written under another stage or EP size is
+refused.
 """
 
 from __future__ import annotations
@@ -82,4 +83,17 @@ def test_a_checkpoint_of_another_stage_is_refused_with_one_line(runs, tmp_path):
     assert run(rd, log) == 2, log.read_text()[-3000:]
     text = log.read_text()
     assert "overrides.zero_stage: checkpoint" in text and "written with zero stage 1, this run has 2" in text
+    assert not losses(rd)
+
+
+def test_a_checkpoint_of_another_ep_size_is_refused_with_one_line(runs, tmp_path):
+    ckpt = load_plan(runs[1] / "run.yaml").run.checkpoint_dir
+    extra = [f"storage.checkpoint_dir={ckpt}", f"training.steps={STEPS + 5}", "overrides.ep_size=1"]
+    rd = _render(tmp_path, 1, extra=extra)
+    log = tmp_path / "train.log"
+    assert run(rd, log) == 2, log.read_text()[-3000:]
+    assert (
+        "overrides.ep_size: checkpoint" in log.read_text()
+        and "written with ep size 2, this run has 1" in log.read_text()
+    )
     assert not losses(rd)

@@ -310,11 +310,12 @@ def _search(
     forced = [
         key
         for key, on in (
-            ("overrides.zero_stage", o.zero_stage is not None),
             ("overrides.offload_optimizer", o.offload_optimizer != "auto"),
             ("overrides.ep_size", o.ep_size is not None),
             ("overrides.micro_batch", o.micro_batch is not None),
             ("overrides.activation_checkpointing", o.activation_checkpointing is not None),
+            # last: the refusal names forced[0], and a stage rarely is what does not fit
+            ("overrides.zero_stage", o.zero_stage is not None),
         )
         if on
     ]
@@ -361,7 +362,7 @@ def _search(
     if found.chosen.speed and found.chosen.speed.unknown:
         warnings.append(
             f"speed not compared on network.fabric {fabric_name}: {'; '.join(found.chosen.speed.unknown)}; "
-            "the plan takes the fit order (largest EP inside a node, largest micro-batch)"
+            "the plan takes the fit order (ZeRO-3, largest EP inside a node, largest micro-batch)"
         )
     cost = found.forced_cost
     if cost is not None and cost > search.SPEED_TIE:

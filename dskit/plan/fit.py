@@ -181,7 +181,14 @@ def explain_no_fit(
             f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
             f"choice fits ({own.describe()}): remove {' and '.join(forced)}"
         )
-    b = min((f.construction for f in fits), key=lambda b: b.total_gib)  # the best EP's
+    least = min(fits, key=lambda f: f.construction.total_gib)  # the best EP's (and stage's)
+    b = least.construction
+    if s.gpu_limit is not None and b.total_gib > s.gpu_limit and least.candidate.zero_stage != 3:
+        # only ZeRO-1/2 were searched (overrides.zero_stage): more nodes never shrink the whole model
+        return "overrides.zero_stage", (
+            f"{s.where} cannot be built under ZeRO-{least.candidate.zero_stage}: it builds the whole 16-bit model "
+            f"({b.shard_gib:.1f} GiB) on each GPU, over {_gpu_limit(s)}; use overrides.zero_stage=3"
+        )
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
         return "hardware.nodes", (
             f"{s.where} cannot be built: construction peaks at {b.total_gib:.1f} GiB/GPU ({b.shard_gib:.1f} weight "
@@ -231,6 +238,11 @@ def _gpu_limit(s: Shape) -> str:
 def _numbers(f: Fit) -> str:
     e, s, b = f.steady, f.shape, f.construction
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and b.total_gib >= e.total_gib:
+        if f.candidate.zero_stage != 3:
+            return (
+                f"building it peaks at {b.total_gib:.1f} GiB/GPU at {f.candidate.describe()} (the whole 16-bit "
+                f"model, {b.shard_gib:.1f} GiB, on each GPU), over {_gpu_limit(s)}"
+            )
         return (
             f"building it peaks at {b.total_gib:.1f} GiB/GPU at {f.candidate.describe()} ({b.shard_gib:.1f} weight "
             f"shard, {b.gathered_gib:.1f} largest module, {b.autoep_copy_gib:.1f} AutoEP copy), over {_gpu_limit(s)}"

@@ -1,10 +1,11 @@
 """Which configuration the plan takes: every candidate that fits, ranked by predicted tokens/s.
 
-Candidates are EP size x micro-batch (the rest of the per-rank batch is gradient accumulation) x
-activation checkpointing (off, every 2nd layer, every layer) x optimizer offload (off, on). Each is checked against
+Candidates are ZeRO stage (3, 2, 1) x EP size x micro-batch (the rest of the per-rank batch is gradient
+accumulation) x activation checkpointing (off, every 2nd layer, every layer) x optimizer offload (off,
+on; with ZeRO-3 only). Each is checked against
 memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE of
-the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then ZeRO-1/2
-over ZeRO-3, then less memory, then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
+the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then ZeRO-2
+over the other stages, then less memory, then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
 first: offload's rate is not measured here, and the model under-predicted checkpointed runs near
 capacity by up to 11% on H200 (bench/results/h200x2-planner-*), so a tie with either is usually a loss.
 Then accumulation: the seed post warns that long accumulation hurts MoE convergence, and a bigger
@@ -12,7 +13,8 @@ micro-step is the same work in fewer, larger kernels. Then the ZeRO stage: in al
 one H200 (bench/results/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
 candidate), ZeRO-2 ran from 1% slower to 21% faster than ZeRO-3, 3% faster in the median, where the model
 calls GPU-bound shapes even (ZeRO-3's per-parameter passes and gathered-weight copies, not modelled
-apart). Then memory: less of it is less risk. A plan
+apart). ZeRO-1's speed was not measured, so it gets no such preference. Then memory: less of it is less
+risk. A plan
 with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
 
 Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of
@@ -23,7 +25,7 @@ beyond are not searched (not measured); a user may set any N (`overrides.activat
 
 Where no step time can be predicted (the cpu profile has no peak), or a fitting candidate has a term
 left out for an unknown bandwidth (multi-node on `network.fabric: tcp`), the order is the fit order:
-no offload, the largest EP inside a node, the largest micro-batch, no checkpointing.
+ZeRO-3, no offload, the largest EP inside a node, the largest micro-batch, no checkpointing.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def _rank_key(row: Row) -> tuple:
         c.offload,
         c.recompute_share,
         row.grad_accum,
-        c.zero_stage == 3,
+        c.zero_stage != 2,
         row.fit.steady.total_gib,
         -s.tokens_per_s if s else 0.0,
     )
@@ -117,8 +119,8 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
         why = "the winner recomputes less"
     elif row.grad_accum > best.grad_accum:
         why = "the winner accumulates fewer micro-steps"
-    elif c.zero_stage == 3 and b.zero_stage != 3:
-        why = f"the winner is ZeRO-{b.zero_stage}, which measured at least as fast as ZeRO-3 in ties"
+    elif c.zero_stage != 2 and b.zero_stage == 2:
+        why = "the winner is ZeRO-2 (measured 1% slower to 21% faster than ZeRO-3 where predicted even)"
     elif row.fit.steady.total_gib > best.fit.steady.total_gib:
         why = f"the winner needs less memory ({best.fit.steady.total_gib:.1f} GiB)"
     else:

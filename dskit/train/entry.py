@@ -214,7 +214,8 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         "build_s": round(time.perf_counter() - t0, 2),
         "build_peak_alloc_gib": round(memory_gib(device)[0], 3),
     }
-    how = "under ZeRO-3 partitioning" if plan.parallel.zero_stage == 3 else f"whole on {device} (ZeRO-1/2)"
+    stage = ds_config["zero_optimization"]["stage"]  # what build_model read (a benchmark may pass its own)
+    how = "under ZeRO-3 partitioning" if stage == 3 else f"whole on {device} (ZeRO-{stage})"
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed

@@ -1,4 +1,4 @@
-"""`dskit export`: AutoEP + ZeRO-3 checkpoint -> Hugging Face model directory (config.json + safetensors).
+"""`dskit export`: AutoEP + ZeRO (stage 1, 2 or 3) checkpoint -> Hugging Face model directory (config.json + safetensors).
 
 DeepSpeed's `save_16bit_model` refuses this case (expert shards live in expert-replica groups), so:
 1. `deepspeed.checkpoint.ds_to_universal` consolidates the newest complete checkpoint into one fp32

@@ -21,7 +21,8 @@ WARMUP_STEPS = 5  # the first steps JIT-compile kernels and grow the allocator: 
 # Ordered: the first pattern that matches a kernel's name decides its category.
 CATEGORIES: list[tuple[str, re.Pattern]] = [
     # NCCL runs all-to-all as grouped send/recv (ncclDevKernel_SendRecv); under AutoEP that is the MoE
-    # dispatch and combine. ZeRO-3 gathers parameters and reduce-scatters gradients. Kernel time of
+    # dispatch and combine. ZeRO-3 gathers parameters (ZeRO-1/2: the updated weights, once per step) and
+    # reduce-scatters gradients. Kernel time of
     # collectives overlaps compute on other streams: a share here is an upper bound on exposed time.
     ("all-to-all (MoE dispatch/combine)", re.compile(r"all_?to_?all|sendrecv", re.I)),
     ("all-gather (ZeRO-3 parameters)", re.compile(r"all_?gather", re.I)),

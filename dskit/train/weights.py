@@ -1,11 +1,13 @@
-"""Start training from a local Hugging Face checkpoint without any rank holding the whole model.
+"""Start training from a local Hugging Face checkpoint (under ZeRO-3 without any rank holding the whole model).
 
 The checkpoint is checked first, from the safetensors headers alone and identically on every rank, so
 a missing, truncated or foreign shard is one line and exit 2 everywhere instead of a hang. Then
-transformers' ZeRO-3 loader fills the partitioned model module by module: rank 0 reads each tensor
+under ZeRO-3, transformers' loader fills the partitioned model module by module: rank 0 reads each tensor
 (memory-mapped, so host memory holds pages of the shard being read, not the model), converts
 published per-expert weights to transformers' fused layout one layer at a time, and DeepSpeed
-scatters every module to the ranks that own its slices. Whatever fails on one rank fails on all.
+scatters every module to the ranks that own its slices. Under ZeRO-1/2 every rank loads the whole
+model onto its GPU (memory-mapped shards), as the plan's construction estimate counts. Whatever fails
+on one rank fails on all.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def load_pretrained(path: str, *, config, dtype, device=None):
             problem = f"{path} lacks {len(missing)} of the model's tensors, e.g. {missing[0]}"
     except (OSError, RuntimeError, ValueError, KeyError) as e:
         problem = f"cannot load weights from {path}: {_first_line(str(e))}"
-    # Only rank 0 reads values, so only rank 0 sees most problems: agree before anyone goes on.
+    # Under ZeRO-3 only rank 0 reads values, so only rank 0 sees most problems: agree before anyone goes on.
     flag = torch.tensor([0 if problem else 1], dtype=torch.int32)
     if dist.get_backend() == "nccl":
         flag = flag.cuda()
