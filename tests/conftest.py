@@ -119,3 +119,14 @@ def slurm_launch(script: str, cwd: Path) -> tuple[dict[str, str], list[str]]:
     env_part, argv_part = out.stdout.decode().split("\0\0", 1)
     env = dict(kv.split("=", 1) for kv in env_part.split("\0") if "=" in kv)
     return env, argv_part.split("\0")[:-1]
+
+
+def bench_module(name: str):
+    """A script under bench/ imported as a module (bench/ is not a package): its tables and rules are
+    what the tests check."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

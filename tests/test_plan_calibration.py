@@ -15,24 +15,18 @@ fails in CI (no GPU needed, nothing outside the repository read):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import bench_module
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = sorted((REPO / "bench" / "results").glob("h200*-planner-*.json"))
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("plan_bench", REPO / "bench" / "plan_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BENCH = _bench()
+BENCH = bench_module("plan_bench")
 ROWS = BENCH.load_rows(RESULTS)
 
 

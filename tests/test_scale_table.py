@@ -10,25 +10,17 @@ accelerator was never exercised by these tests).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from dskit.plan import load_plan
-from tests.conftest import dskit, render_tiny
+from tests.conftest import bench_module, dskit, render_tiny
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _table_module():
-    spec = importlib.util.spec_from_file_location("scale_table", REPO / "bench" / "scale_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-TABLE = _table_module()
+TABLE = bench_module("scale_table")
 ROWS = TABLE.table()
 
 
