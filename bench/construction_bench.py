@@ -43,7 +43,7 @@ def spec_flags(name: str, gpus: int, work: Path) -> dict:
 
 
 def render(name: str, sets: list[str], gpus: int, work: Path) -> Path:
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 
@@ -93,7 +93,7 @@ def construction_worker(run_dir: str) -> None:
 
 
 def torchrun(run_dir: Path, gpus: int, module_args: list[str], log: Path) -> int:
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     plan = load_plan(run_dir / "run.yaml")
     env = {**os.environ, **plan.env, "DSKIT_RUN_FILE": str(run_dir / "run.yaml")}
@@ -110,7 +110,7 @@ def torchrun(run_dir: Path, gpus: int, module_args: list[str], log: Path) -> int
 
 
 def construction_records(run_dir: Path) -> list[dict]:
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     out = Path(load_plan(run_dir / "run.yaml").run.output_dir)
     return sorted(
@@ -132,7 +132,7 @@ def main() -> int:
     if a.worker:
         construction_worker(a.worker)
         return 0
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,7 @@ def candidates(
 ) -> list[dict]:
     """The planner's fitting candidates for a configuration, chosen first, as override lists
     (`zero_stage`: the search narrowed to that ZeRO stage)."""
-    from dskit.plan import build_plan_searched
+    from dskit.plan.build import build_plan_searched
     from dskit.spec import load_spec
 
     stage = [f"overrides.zero_stage={zero_stage}"] if zero_stage else []
@@ -140,7 +140,7 @@ def config_key(row: dict) -> str:
 
 
 def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 
@@ -292,7 +292,7 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     """The current planner's prediction for a measured row (memory GiB, whether it fits, speed dict)
     and its verdict, read from the unforced search's candidate table: results stay comparable after
     the models change, also for a run the plan would now refuse as too large."""
-    from dskit.plan import build_plan_searched
+    from dskit.plan.build import build_plan_searched
     from dskit.plan.fit import Candidate
     from dskit.spec import load_spec
 
@@ -314,7 +314,7 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
 def planner_pick(row: dict) -> list[str]:
     """The current planner's own choice for a row's configuration (compiled as the row was), as the
     overrides the bench forces."""
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.spec import load_spec
 
     compiled = "overrides.compile=on" in forced_overrides(row)

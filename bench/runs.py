@@ -45,7 +45,7 @@ def header() -> dict:
 
 def step_records(run_dir: Path) -> list[dict]:
     """The trainer's per-step metrics of a rendered run directory (metrics.jsonl in its output dir)."""
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     metrics = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl"
     recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]

@@ -51,7 +51,7 @@ def write_config(work: Path, layers: int, experts: int) -> Path:
 
 
 def render(name: str, gpus: int, sets: list[str], work: Path) -> Path:
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 
@@ -79,13 +79,13 @@ def run_to_end(run_dir: Path, log: Path) -> int:
 
 
 def output_dir(run_dir: Path) -> Path:
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     return Path(load_plan(run_dir / "run.yaml").run.output_dir)
 
 
 def predictions(run_dir: Path) -> dict:
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     plan = load_plan(run_dir / "run.yaml")
     return {"summary": plan.summary(), "memory": plan.memory, "speed": plan.speed}

@@ -42,7 +42,7 @@ PUBLISHED = {
 
 
 def _searched(model: str, gpu: str, world: int, sets: list[str]):
-    from dskit.plan import build_plan_searched
+    from dskit.plan.build import build_plan_searched
     from dskit.spec import load_spec
 
     flags = {

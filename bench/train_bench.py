@@ -135,7 +135,8 @@ WARMUP_STEPS = 3
 
 
 def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int) -> dict:
-    from dskit.plan import build_plan, load_plan
+    from dskit.plan.build import build_plan
+    from dskit.plan.schema import load_plan
     from dskit.render import common, slurm
     from dskit.spec import load_spec
 

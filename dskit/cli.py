@@ -118,7 +118,8 @@ def cmd_schema(a: argparse.Namespace) -> int:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    from dskit.plan import build_plan_searched, dump_plan
+    from dskit.plan.build import build_plan_searched
+    from dskit.plan.schema import dump_plan
 
     if a.plot:
         target = Path(a.plot)
@@ -174,7 +175,7 @@ def _print_summary(plan: Any, out_dir: Path | None = None) -> None:
 
 def cmd_render(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.render import TARGETS, common
 
     target = TARGETS[a.target]
@@ -264,7 +265,7 @@ def _needs_extra(command: str, extra: str, e: ModuleNotFoundError) -> SpecError:
 def cmd_export(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
     from dskit.contract import RUN_YAML
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     run_yaml = Path(a.run) / RUN_YAML if Path(a.run).is_dir() else Path(a.run)
     # export reads the run dir, its run.yaml and the checkpoints: -o --force must not replace them

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dskit.plan import Plan
+from dskit.plan.schema import Plan
 from dskit.plan.search import Row, Search
 
 COLUMNS = (

@@ -68,7 +68,7 @@ class RunFiles:
 def locate(run_dir: str | Path) -> RunFiles:
     """RUN_DIR is a rendered run dir (run.yaml points at the output dir) or an output dir itself (a
     copy of a cluster run's outputs, with metrics.jsonl in it)."""
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     d = Path(run_dir)
     if (d / RUN_YAML).is_file():

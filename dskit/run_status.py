@@ -329,7 +329,7 @@ def _jobs_cell(jobs: list[Job], shown: int = 6) -> str:
 
 def status_text(run_dir: Path, *, address: str | None = None) -> str:
     """The table for a Slurm or Ray run dir, built whole before anything is printed."""
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     target = target_of(run_dir)
     if target not in ("slurm", "ray"):
@@ -372,7 +372,7 @@ def status(
     if target == "helm":
         # the release `dskit render helm` proposed (helm install NAME ...): its pods, then the run's files
         from dskit import k8s_status
-        from dskit.plan import load_plan
+        from dskit.plan.schema import load_plan
 
         plan = load_plan(d / RUN_YAML)
         rows = [("run", f"{plan.name} (helm release {plan.name}, namespace {namespace}) {d}")]

@@ -54,7 +54,7 @@ CASES: dict[str, tuple[list[str], dict[str, object]]] = {
 
 
 def render_case(name: str) -> dict[str, str]:
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.render import slurm
     from dskit.spec import load_spec
 
@@ -88,7 +88,7 @@ TARGET_FILES = {"helm": ("values.yaml",), "ray": ("rayjob.yaml", "runtime_env.ya
 
 
 def render_target_case(target: str, name: str) -> dict[str, str]:
-    from dskit.plan import build_plan
+    from dskit.plan.build import build_plan
     from dskit.render import TARGETS
     from dskit.spec import load_spec
 

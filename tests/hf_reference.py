@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 
 
 def first_step_loss(model: torch.nn.Module, run_dir: Path, *, masked: bool = True) -> float:

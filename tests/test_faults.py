@@ -20,7 +20,7 @@ import pytest
 from dskit.checkpoint_layout import DONE, complete_tags, tag_for
 from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.errors import EXIT_BAD_INPUT
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from dskit.train.checkpoint import newest_verified_tag, prune, tag_problem
 from dskit.train.watchdog import REPORT_FILE
 from tests.conftest import render_tiny

@@ -22,7 +22,8 @@ import yaml
 from dskit import catalog
 from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE, REQUIRED
 from dskit.errors import EXIT_BAD_INPUT
-from dskit.plan import build_plan, load_plan
+from dskit.plan.build import build_plan
+from dskit.plan.schema import load_plan
 from dskit.render import helm as helm_render
 from dskit.render import ray, slurm
 from dskit.render.helm_values import ChartValues, values_schema_json

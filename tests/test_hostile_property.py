@@ -35,7 +35,7 @@ import yaml
 
 from dskit.contract import COMPLETE_FILE, RUN_YAML, STOP_FILE, Env
 from dskit.errors import SpecError
-from dskit.plan import build_plan
+from dskit.plan.build import build_plan
 from dskit.render import helm, image, ray, slurm
 from dskit.render.helm_values import ChartValues, values_schema
 from dskit.spec import load_spec, validate_spec

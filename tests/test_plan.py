@@ -10,18 +10,16 @@ import pytest
 
 from dskit import catalog
 from dskit.errors import SpecError
-from dskit.plan import (
-    PLAN_VERSION,
+from dskit.plan.build import (
     build_plan,
-    dump_plan,
     launch_env,
-    load_plan,
     plan_hardware,
     plan_launch,
     plan_model,
     plan_storage,
     resolve_fabric,
 )
+from dskit.plan.schema import PLAN_VERSION, dump_plan, load_plan
 from dskit.spec import load_spec
 
 

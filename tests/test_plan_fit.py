@@ -15,7 +15,8 @@ import pytest
 
 from dskit import catalog
 from dskit.errors import SpecError
-from dskit.plan import build_plan, fit, host, memory
+from dskit.plan import fit, host, memory
+from dskit.plan.build import build_plan
 from dskit.plan.model_math import counts
 from dskit.spec import load_spec
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dskit import catalog
-from dskit.plan import build_plan_searched, speed
+from dskit.plan import speed
+from dskit.plan.build import build_plan_searched
 from dskit.plan.model_math import counts, flops_per_token
 from dskit.spec import load_spec
 from tests.conftest import dskit

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from dskit.errors import EXIT_BAD_INPUT
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from dskit.run_status import read_jobs
 from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE

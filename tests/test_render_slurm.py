@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dskit import catalog
-from dskit.plan import build_plan
+from dskit.plan.build import build_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
 from tests.conftest import dskit, slurm_launch

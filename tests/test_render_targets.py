@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dskit.contract import RUN_YAML
-from dskit.plan import build_plan
+from dskit.plan.build import build_plan
 from dskit.render import TARGETS, ray
 from dskit.spec import load_spec
 from tests.golden_cases import TARGET_CASES, TARGET_GOLDEN, render_target_case

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from dskit.report import read_metrics
 from tests.conftest import dskit, render_tiny
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from tests.conftest import bench_module, dskit, render_tiny
 
 REPO = Path(__file__).resolve().parent.parent

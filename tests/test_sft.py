@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dskit import catalog
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from tests.chat_data import conversations, make_tokenizer, write_jsonl
 from tests.conftest import dskit, render_tiny
 from tests.hf_reference import first_step_loss

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from dskit import catalog
-from dskit.plan import build_plan, load_plan
+from dskit.plan.build import build_plan
+from dskit.plan.schema import load_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
 from dskit.train.checkpoint import newest_verified_tag

@@ -64,7 +64,7 @@ def test_jobs_file_skips_a_torn_line_and_repeats(tmp_path):
 
 
 def _write_progress(rd: Path, steps: int, total_time: float) -> None:
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     plan = load_plan(rd / "run.yaml")
     out = Path(plan.run.output_dir)

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
-from dskit.plan import load_plan
 from dskit.plan.memory import LOSS_CHUNK_TOKENS
+from dskit.plan.schema import load_plan
 from dskit.train.profile import COMMUNICATION
 from tests.conftest import dskit, render_tiny
 

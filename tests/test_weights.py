@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dskit import catalog
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
 from tests.hf_reference import first_step_loss
 from tests.test_train import losses, run

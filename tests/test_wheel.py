@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dskit.build import make_context
-from dskit.plan import build_plan
+from dskit.plan.build import build_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
 from tests.conftest import REPO

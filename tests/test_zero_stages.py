@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.plan import load_plan
+from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
 from tests.test_train import assert_same_run, losses, ranks_of, run, start, wait_for_step
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dskit.plan.memory import REDUCE_BUCKET_ELEMENTS
-
-if TYPE_CHECKING:  # the sections are defined in dskit.plan, which imports this module
-    from dskit.plan import HardwarePlan, ModelPlan, OptimPlan, ParallelPlan
+from dskit.plan.schema import HardwarePlan, ModelPlan, OptimPlan, ParallelPlan
 
 # DeepSeek-V2 paper (Sec. 3.1.2): AdamW with beta1 0.9, beta2 0.95.
 ADAM_BETAS = (0.9, 0.95)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dskit.contract import TARGET_FILE
-from dskit.plan import Plan
+from dskit.plan.schema import Plan
 from dskit.render import helm, image, ray, slurm
 
 

@@ -25,7 +25,7 @@ from dskit.contract import (
     STOP_FILE,
 )
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.plan import Plan, dump_plan
+from dskit.plan.schema import Plan, dump_plan
 from dskit.render.common import (
     comment_block,
     dump_yaml,

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from dskit import __version__, catalog
-from dskit.plan import Plan
+from dskit.plan.schema import Plan
 from dskit.render.common import q, render_template
 
 # What `pip install /tmp/dskit-src` in the image reads, relative to the repository root: pyproject.toml's

@@ -12,7 +12,7 @@ from dskit import __version__
 from dskit.contract import JOBS_FILE, RUN_YAML, Env
 from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.errors import SpecError
-from dskit.plan import Plan, dump_plan
+from dskit.plan.schema import Plan, dump_plan
 from dskit.render.common import (
     comment_block,
     dump_yaml,

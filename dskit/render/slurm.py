@@ -15,7 +15,7 @@ from dskit.contract import (
     STOP_FILE,
 )
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.plan import Plan
+from dskit.plan.schema import Plan
 from dskit.render.common import comment_block, env_lines, q, render_template, run_files, sq, torchrun_words
 
 SCRIPT = "job.sbatch"

@@ -35,7 +35,7 @@ def setup_logging(rank: int) -> None:
 def read_contract(*, launcher_env: bool = True):
     """Plan, data, its sampler and the held-out set's sampler (or None) from DSKIT_RUN_FILE; SpecError
     (exit 2) on anything wrong."""
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
     from dskit.train.data import Mixture, Sampler, TokenData
 
     run_file = os.environ.get(Env.RUN_FILE.value)

@@ -32,7 +32,7 @@ from dskit.hf_checkpoint import INDEX, SINGLE
 if TYPE_CHECKING:  # torch is imported where it is used: `dskit export --help` stays light
     import torch
 
-    from dskit.plan import Plan
+    from dskit.plan.schema import Plan
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 VERIFY_MAX_PARAMS = 3 * 10**9  # the logits check runs the model on this machine's CPU
@@ -74,7 +74,7 @@ def export(
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
     from dskit.train.checkpoint import newest_verified_tag
     from dskit.train.local import run_file_of
     from dskit.train.model import hf_config, torch_dtype

@@ -28,7 +28,7 @@ def run_file_of(run: str | None) -> Path:
 
 
 def run_local(run: str | None, *, nproc: int | None = None) -> int:
-    from dskit.plan import load_plan
+    from dskit.plan.schema import load_plan
 
     run_file = run_file_of(run)
     plan = load_plan(run_file)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
-from dskit.plan import Plan
+from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.data import IGNORE_INDEX, Mixture, Sampler, sample_index

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dskit.plan import Plan
+from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap, load_stats
 from dskit.train.progress import Progress, format_eta
 from dskit.train.tensorboard import TensorBoardLog

@@ -1,0 +1,185 @@
+"""What run.yaml holds: the Plan's typed sections, and writing and reading them.
+
+The one module the trainer, the renderers, `dskit status` and `dskit report` read the plan through:
+it decides nothing. The decisions that fill these sections are `dskit/plan/build.py`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dskit import yamlsafe
+from dskit.errors import SpecError
+from dskit.spec import KubernetesSpec, SlurmSpec
+
+PLAN_VERSION = 3  # 2: typed slurm/kubernetes/ray sections; 3: speed (predicted step time)
+READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelPlan(_Frozen):
+    name: str
+    source: str
+    trainable: bool
+    untrainable_reason: str | None
+    path: str | None  # local HF directory to load weights from (None: random init)
+    config: dict[str, Any]  # HF config.json keys, layers already truncated
+    aux_loss_coeff: float
+    seq_aux: bool
+    params_total: int
+    params_active: int
+    flops_per_token: float
+
+
+class HardwarePlan(_Frozen):
+    gpu: str
+    on_gpu: bool
+    nodes: int
+    procs_per_node: int
+    world_size: int
+    usable_memory_gib: float | None  # per GPU, as torch reports it; the plan fits against this
+    host_memory_gib: float | None  # per node (spec, or the GPU type's reference node); None: unknown
+    peak_tflops: float | None  # at the chosen precision; None: no MFU is reported
+
+
+class ParallelPlan(_Frozen):
+    zero_stage: int = 3  # DeepSpeed ZeRO stage (1, 2, 3); run.yaml files from before were all stage 3
+    ep_size: int
+    expert_dp_size: int  # ranks holding replicas of the same experts (ZeRO-3 shards experts over these)
+    micro_batch: int
+    grad_accum: int
+    global_batch: int
+    seq_len: int
+    activation_checkpointing: int  # 0 off, N every N-th layer
+    precision: Literal["bf16", "fp16"]
+    attention: str
+    offload_optimizer: bool
+    loss_chunk_tokens: int  # 0: full logits; N: output projection + cross-entropy N tokens at a time
+    compile_regions: bool = False  # RMSNorm, SwiGLU, rotary through torch.compile (dskit/train/compile.py)
+
+
+class OptimPlan(_Frozen):
+    steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+
+
+class RunPlan(_Frozen):
+    seed: int
+    log_every: int
+    data_path: str | None
+    # Defaults where run.yaml files rendered before these fields existed (same PLAN_VERSION) still load:
+    # a run in flight, requeued by its scheduler, reads the run.yaml it was rendered with.
+    data_sources: list[tuple[str, float]] | None = None  # a mixture (path, weight); then data_path is None
+    eval_path: str | None = None  # None: DATA/eval if the trainer finds one (`data prepare --eval-fraction`)
+    packing: Literal["pack", "pad"] = "pack"
+    eval_every: int = 200
+    eval_batches: int = 8
+    checkpoint_dir: str
+    output_dir: str
+    checkpoint_every: int
+    checkpoint_keep: int
+    checkpoint_final: bool
+    profile_steps: int  # 0: off (dskit/train/profile.py)
+    # dskit/plan/watchdog.py; the default is the collective timeout run.yaml files from before had
+    # (DeepSpeed's default_pg_timeout, 10 minutes)
+    watchdog_timeout_s: float = 600.0
+
+
+class LaunchPlan(_Frozen):
+    runtime: Literal["pyxis", "apptainer", "none"]
+    image: str
+    python: str
+    mounts: list[str]
+    storage_root: str
+    rdzv_port: int
+    shm_bytes: int
+    fabric: str  # the catalog fabric the plan resolved (a CPU plan: tcp, whatever the spec's default)
+    fabric_rdma: bool
+    fabric_k8s_resource: str | None  # the device-plugin resource pods request for it (None: none)
+
+
+class RayPlan(_Frozen):
+    max_failures: int
+    storage_path: str  # absolute: Ray Train's checkpoints and results
+
+
+class Plan(_Frozen):
+    version: int
+    name: str
+    model: ModelPlan
+    hardware: HardwarePlan
+    parallel: ParallelPlan
+    optim: OptimPlan
+    run: RunPlan
+    launch: LaunchPlan
+    # Target settings, validated by the spec and passed through unchanged: each renderer reads its own.
+    slurm: SlurmSpec
+    kubernetes: KubernetesSpec
+    ray: RayPlan
+    memory: dict[str, Any]
+    # predicted step time by term (dskit/plan/speed.py); None: no GPU peak, or a plan of version 2
+    speed: dict[str, Any] | None = None
+    env: dict[str, str]  # the launch contract, minus RUN_FILE (each target adds its own path)
+    deepspeed: dict[str, Any]
+    warnings: list[str]
+    spec: dict[str, Any]  # the validated spec, for the record only: nothing outside dskit/plan reads it
+
+    def summary(self) -> str:
+        p, h = self.parallel, self.hardware
+        return (
+            f"{self.model.name} on {h.nodes}x{h.procs_per_node} {h.gpu}: world {h.world_size}, "
+            f"ZeRO-{p.zero_stage}, EP {p.ep_size}, "
+            f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
+            f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
+            f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
+            f"{'torch.compile regions, ' if p.compile_regions else ''}"
+            f"~{self.memory['total_gib']} GiB/GPU"
+            + (
+                f", predicted {'at most ' if self.speed.get('not_counted') else ''}"
+                f"{self.speed['tokens_per_s_per_gpu']:,} tokens/s/GPU ({self.speed['mfu']:.0%} MFU)"
+                + (" (inter-node traffic not counted)" if self.speed.get("not_counted") else "")
+                if self.speed
+                else ""
+            )
+            + (
+                f" [overrides: predicted {self.speed['overrides_cost']:.0%} slower than the planner's choice]"
+                if self.speed and "overrides_cost" in self.speed
+                else ""
+            )
+        )
+
+
+def dump_plan(plan: Plan) -> str:
+    return yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=120)
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read run.yaml back. Any problem is a SpecError naming the file and the field."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(str(p), "run.yaml not found")
+    data = yamlsafe.load_file(p, "run.yaml")
+    if not isinstance(data, dict):
+        raise SpecError(str(p), "run.yaml must be a mapping (render it with `dskit render`)")
+    if data.get("version") not in READABLE_VERSIONS:
+        raise SpecError(
+            f"{p}: version",
+            f"expected {' or '.join(map(str, READABLE_VERSIONS))}, got {data.get('version')!r}; "
+            "re-render with this dskit",
+        )
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise SpecError(f"{p}: {'.'.join(str(x) for x in err['loc'])}", err["msg"]) from None
