@@ -62,7 +62,7 @@ def read_metrics(path: Path) -> Series:
 class RunFiles:
     run_dir: Path
     output_dir: Path
-    plan: Any | None  # dskit.plan.Plan when run.yaml is there
+    plan: Any | None  # dskit.plan.schema.Plan when run.yaml is there
 
 
 def locate(run_dir: str | Path) -> RunFiles:
