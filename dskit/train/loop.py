@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -51,7 +52,17 @@ class StopRequest:
     def _file_requested(self) -> bool:
         # Launchers delete stale files before starting ranks, so any file here is a live request, even
         # one made before this process started (a time-limit signal during start-up).
-        return self.file.exists()
+        try:
+            made = self.file.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if not self.flag:
+            # When the request was made, to the millisecond: with metrics.jsonl's step times it shows
+            # that the checkpoint came at the first step boundary after it.
+            when = datetime.fromtimestamp(made, timezone.utc).isoformat(timespec="milliseconds")
+            log.warning("rank 0: %s written at %s; checkpointing after this step", self.file.name, when)
+            self.flag = True
+        return True
 
     def requested(self) -> bool:
         """Collective: every rank must call it at the same step. (`.item()` syncs the GPU once a step.)"""
