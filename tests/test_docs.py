@@ -1,25 +1,75 @@
-"""The docs cite tests by `tests/FILE.py::NAME` (the README's fault table above all): each must exist,
-so a renamed or deleted test cannot leave a row promising a check that no longer runs."""
+"""What the docs and the code's comments cite must exist: a test by `tests/FILE.py::NAME` (the README's
+fault table above all), and any repository path (`dskit/plan/memory.py`, `bench/results/h200-*.json`).
+A renamed or deleted test, module or result cannot leave a sentence promising something that is not there."""
 
 from __future__ import annotations
 
 import ast
+import io
+import itertools
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
+CODE = sorted(p for d in ("dskit", "bench", "tests") for p in (REPO / d).rglob("*.py"))
 CITE = re.compile(r"tests/([\w/]+\.py)::(\w+)")
+# A path from the repository root. Placeholders are capitals (bench/results/RESULT.json) and cite only
+# the folder before them; braces are alternatives (h200x2-planner-{A,C}-2026-11-30.json).
+TOP = "dskit|tests|bench|docs|templates|helm|images|slurm|examples"
+PATH = re.compile(rf"(?<![\w/.{{-])((?:{TOP})/[\w./*{{}},-]*[\w*}}])")
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*(\.\w+)?$")
 
 
 def _functions(path: Path) -> set[str]:
     return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
 
 
+def _prose(path: Path) -> str:
+    """A doc whole; of a Python file only its comments and docstrings (string literals in code are
+    data, such as a template's name relative to templates/)."""
+    text = path.read_text()
+    if path.suffix != ".py":
+        return text
+    parts = [
+        t.string for t in tokenize.generate_tokens(io.StringIO(text).readline) if t.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            parts.append(ast.get_docstring(node) or "")
+    return "\n".join(parts)
+
+
 def _citations() -> list[tuple[str, str, str]]:
     return [(d.name, *m.groups()) for d in DOCS if d.is_file() for m in CITE.finditer(d.read_text())]
+
+
+def _expand(path: str) -> list[str]:
+    pieces = re.split(r"\{([^{}]*)\}", path)
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(pieces)]
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def _cited_paths() -> list[tuple[str, str]]:
+    found = set()
+    for f in [*DOCS, *CODE]:
+        if f.is_file():
+            for m in PATH.finditer(_prose(f)):
+                found.add((str(f.relative_to(REPO)), m.group(1).rstrip(".,")))
+    return sorted(found)
+
+
+def _exists(path: str) -> bool:
+    parts = path.split("/")
+    for i, part in enumerate(parts):
+        if PLACEHOLDER.match(part):
+            parts = parts[:i]
+            break
+    pattern = "/".join(parts)
+    return any(REPO.glob(pattern)) if "*" in pattern else (REPO / pattern).exists()
 
 
 def test_the_readme_cites_tests():
@@ -31,3 +81,10 @@ def test_every_cited_test_exists(doc, file, name):
     path = REPO / "tests" / file
     assert path.is_file(), f"{doc} cites tests/{file}, which does not exist"
     assert name in _functions(path), f"{doc} cites tests/{file}::{name}, which is not defined there"
+
+
+def test_every_cited_path_exists():
+    paths = _cited_paths()
+    assert len(paths) > 100  # the scan reads the docs and the comments, not nothing
+    missing = [f"{where} cites {p}" for where, p in paths if not all(_exists(x) for x in _expand(p))]
+    assert not missing, "\n".join(missing)

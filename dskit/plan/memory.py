@@ -12,9 +12,8 @@ allocator reserved on every H200 run of bench/results/h200*-planner-*.json. What
   1/ep of the experts, 2 bytes each. Stage 2 shards the 16-bit gradients over the data-parallel group
   like the fp32 states; stage 1 keeps them whole until the accumulation boundary. The fp32 master,
   momentum and variance (12 bytes) are sharded in both (DeepSpeed 0.19.8 stage_1_and_2.py: the flat
-  bf16 gradient partition, `single_partition_of_fp32_groups`, the Adam states). On one H200 ZeRO-2
-  measured 3.3 GiB below ZeRO-3 at micro-batch 16 (bench/results/h200-zero2-2026-11-30.json): at one
-  rank the states are equal and ZeRO-3's gathered layers are the difference.
+  bf16 gradient partition, `single_partition_of_fp32_groups`, the Adam states). At one rank the states
+  equal ZeRO-3's, and ZeRO-3's gathered layers are the difference (docs/planner.md "ZeRO stages").
 - the gathered working set: ZeRO-3 materialises about two layers' bf16 weights at once (the current and
   the prefetched one), plus gradient buckets. A MoE layer's local experts (1/ep of them) are part of
   its gathered weights whenever ZeRO-3 shards them, i.e. when the expert-data-parallel group

@@ -16,7 +16,7 @@ from dskit import yamlsafe
 from dskit.errors import SpecError
 from dskit.spec import KubernetesSpec, SlurmSpec
 
-PLAN_VERSION = 3  # 2: typed slurm/kubernetes/ray sections; 3: speed (predicted step time)
+PLAN_VERSION = 3  # 2: typed slurm, kubernetes and ray sections; 3: speed (predicted step time)
 READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load
 
 

@@ -175,5 +175,5 @@ def render(plan: Plan, out_dir: Path) -> dict[str, str]:
 
 def run_file_path() -> str:
     """DSKIT_RUN_FILE inside the pods: the chart mounts the ConfigMap at K8S_CONFIG_MOUNT
-    (templates/job.yaml; the contract test checks the two agree)."""
+    (helm/dskit/templates/job.yaml; the contract test checks the two agree)."""
     return os.path.join(K8S_CONFIG_MOUNT, RUN_YAML)

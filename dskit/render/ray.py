@@ -103,7 +103,7 @@ def claim_name(plan: Plan) -> str:
 
 def _claim(plan: Plan) -> dict | None:
     """The PersistentVolumeClaim rayjob.yaml creates when the spec names none, as the chart's
-    templates/pvc.yaml does: ReadWriteMany, kubernetes.storage_size and storage_class."""
+    helm/dskit/templates/pvc.yaml does: ReadWriteMany, kubernetes.storage_size and storage_class."""
     k = plan.kubernetes
     if k.existing_claim:
         return None

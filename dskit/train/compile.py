@@ -2,10 +2,10 @@
 
 Eager PyTorch runs RMSNorm as six kernels with an fp32 copy of the hidden state kept for backward, the
 shared experts' SwiGLU as three, and DeepSeek-V2's rotary embedding through complex tensors. Compiled,
-each becomes one or two kernels that keep less for backward. Measured on one H200 (bench/README.md,
-issue 13): 8% less step time and 7.6 GiB less memory where the step is GPU-bound (micro-batch 16,
-seq 4096); no change where it is host-bound. Only the math is compiled: the regions take the weights
-ZeRO-3 has already gathered as inputs, so its module hooks run outside them, as before.
+each becomes one or two kernels that keep less for backward; it pays where the step is GPU-bound, not
+where it is host-bound (bench/README.md "Regional torch.compile on one H200"). Only the math is compiled:
+the regions take the weights ZeRO-3 has already gathered as inputs, so its module hooks run outside
+them, as before.
 
 `overrides.compile` (plan: `parallel.compile_regions`): on by default on GPUs, where the planner counts
 what it saves (`dskit/plan/memory.py` `compiled_saving_per_token_layer`, `dskit/plan/speed.py`

@@ -1,9 +1,9 @@
 """Build the Hugging Face DeepSeek model the plan describes, with the attention backend resolved here.
 
-Attention: MLA has q/k head dim 192 and v head dim 128 (V2/V3 config.json). Measured on one H200 (forward +
-backward, seq 4096): cuDNN SDPA with native 192/128 dims 1.50 ms, flash SDPA with V padded 3.34 ms,
-memory-efficient SDPA 13.3 ms. So on sm90 the plan picks `sdpa_cudnn`; on sm80/86/89 FlashAttention-2
-(transformers pads V to 192 and crops the output); elsewhere plain SDPA.
+Attention: MLA has q/k head dim 192 and v head dim 128 (V2/V3 config.json), which not every kernel
+takes. The catalog's per-GPU default (`dskit/catalog/gpus.yaml` `attention`) is `sdpa_cudnn` on sm90,
+FlashAttention-2 on sm80/86/89 (transformers pads V to 192 and crops the output), plain SDPA elsewhere;
+docs/planner.md "Attention on each GPU" has the measurements behind it.
 """
 
 from __future__ import annotations
