@@ -18,7 +18,7 @@ for it and reduce-scatters the gradient it returns, exactly as for a plain linea
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +91,11 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
 
 
-@dataclass
-class LMOutput:
+class LMOutput(NamedTuple):
+    """A named tuple, not a dataclass: ZeRO-3's module hooks find the tensors of a module's output only
+    in tuples, lists and dicts (deepspeed/runtime/zero/utils.py `apply_to_tensors_only`), and warned at
+    every start that they could not see into the dataclass."""
+
     loss: torch.Tensor | None
     logits: torch.Tensor | None
 
