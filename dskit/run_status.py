@@ -2,12 +2,14 @@
 
 The run directory says which target it was rendered for (TARGET_FILE) and which jobs were submitted
 from it (JOBS_FILE, appended by the rendered submit.sh, and by job.sbatch when a plain `sbatch` job
-starts). The scheduler answers for those jobs: Slurm through `scontrol show job` (the job's state,
-`Restarts=` = requeues; after slurmctld forgets a finished job, MinJobAge, through `sacct` where
-accounting is configured, else the state is reported as unknown), Ray through its job client, Helm
-through the Kubernetes API (dskit.k8s_status, the release named like the run). Step, loss,
-throughput, ETA and the last checkpoint come from the run's own files: OUTPUT_DIR/metrics.jsonl,
-read with `dskit report`'s reader, and the checkpoint dir's complete tags.
+starts). That target's entry in dskit.render.TARGETS names how its jobs are asked about
+(`Target.status`: one of the strategies at the end of this module). The schedulers answer: Slurm
+through `scontrol show job` (the job's state, `Restarts=` = requeues; after slurmctld forgets a
+finished job, MinJobAge, through `sacct` where accounting is configured, else the state is reported
+as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.k8s_status, the
+release named like the run). Step, loss, throughput, ETA and the last checkpoint come from the run's
+own files: OUTPUT_DIR/metrics.jsonl, read with `dskit report`'s reader, and the checkpoint dir's
+complete tags.
 
 Only the standard library is imported here (plus ray's client for a Ray run, the kubernetes client for
 a Helm run): it runs on a login node without torch.
