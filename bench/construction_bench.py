@@ -43,14 +43,10 @@ def spec_flags(name: str, gpus: int, work: Path) -> dict:
 
 
 def render(name: str, sets: list[str], gpus: int, work: Path) -> Path:
-    from dskit.plan.build import build_plan
-    from dskit.render import common, slurm
+    from dskit.render.run_dir import render_run
     from dskit.spec import load_spec
 
-    plan = build_plan(load_spec(sets=sets, flags=spec_flags(name, gpus, work)))
-    run_dir = work / name
-    common.write_output(slurm.render(plan, run_dir), run_dir)
-    return run_dir
+    return render_run(load_spec(sets=sets, flags=spec_flags(name, gpus, work)), "slurm", work / name).out
 
 
 def plan_verdict(sets: list[str], gpus: int, work: Path) -> dict:

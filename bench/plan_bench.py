@@ -140,15 +140,14 @@ def config_key(row: dict) -> str:
 
 
 def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
-    from dskit.plan.build import build_plan
-    from dskit.render import common, slurm
+    from dskit.render.run_dir import render_run
     from dskit.spec import load_spec
 
     values = "-".join(o.split("=")[1] for o in cand["overrides"])  # stage-ep-mb-ckpt-offload
     name = re.sub(r"[^a-z0-9]+", "-", f"{config} {values}".lower()).strip("-")[-52:].strip("-")
-    plan = build_plan(load_spec(sets=[*COMMON, *sets, *cand["overrides"]], flags=_flags(gpus, name, work)))
-    run_dir = work / name
-    common.write_output(slurm.render(plan, run_dir), run_dir)
+    spec = load_spec(sets=[*COMMON, *sets, *cand["overrides"]], flags=_flags(gpus, name, work))
+    run = render_run(spec, "slurm", work / name)
+    plan, run_dir = run.plan, run.out
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
     t0 = time.time()
     proc = subprocess.run(

@@ -51,8 +51,7 @@ def write_config(work: Path, layers: int, experts: int) -> Path:
 
 
 def render(name: str, gpus: int, sets: list[str], work: Path) -> Path:
-    from dskit.plan.build import build_plan
-    from dskit.render import common, slurm
+    from dskit.render.run_dir import render_run
     from dskit.spec import load_spec
 
     flags = {
@@ -62,10 +61,7 @@ def render(name: str, gpus: int, sets: list[str], work: Path) -> Path:
         "storage.root": str(work / "storage"),
         "name": name,
     }
-    plan = build_plan(load_spec(sets=sets, flags=flags))
-    run_dir = work / name
-    common.write_output(slurm.render(plan, run_dir), run_dir)
-    return run_dir
+    return render_run(load_spec(sets=sets, flags=flags), "slurm", work / name).out
 
 
 def launch(run_dir: Path, log: Path) -> subprocess.Popen:

@@ -135,9 +135,8 @@ WARMUP_STEPS = 3
 
 
 def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int) -> dict:
-    from dskit.plan.build import build_plan
     from dskit.plan.schema import load_plan
-    from dskit.render import common, slurm
+    from dskit.render.run_dir import render_run
     from dskit.spec import load_spec
 
     flags = {
@@ -149,9 +148,9 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
         "name": re.sub(r"[^a-z0-9]+", "-", name.lower())[:40].strip("-"),
     }
     # micro-batch 2 per GPU, as the baseline; EP = GPUs (the planner's choice inside one node)
-    plan = build_plan(load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags))
-    run_dir = work / flags["name"]
-    common.write_output(slurm.render(plan, run_dir), run_dir)
+    spec = load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags)
+    run = render_run(spec, "slurm", work / flags["name"])
+    plan, run_dir = run.plan, run.out
     if ds_patch:  # a lever under measurement, not yet a plan decision
         run_yaml = run_dir / "run.yaml"
         data = yaml.safe_load(run_yaml.read_text())

@@ -174,28 +174,11 @@ def _print_summary(plan: Any, out_dir: Path | None = None) -> None:
 
 
 def cmd_render(a: argparse.Namespace) -> int:
-    from dskit.atomic import check_replaceable
-    from dskit.plan.build import build_plan
-    from dskit.render import TARGETS, common
+    from dskit.render.run_dir import render_run
 
-    target = TARGETS[a.target]
-    spec = _spec_from_args(a)
-    plan = build_plan(spec)
-    # what the render reads: --force must never replace a directory holding one of them
-    sources = [x.path for x in spec.data.sources or []]
-    inputs = [a.spec, spec.data.path, spec.data.eval_path, *sources, spec.model.path]
-    default = f"runs/{plan.name}-{a.target}"
-    out = check_replaceable(
-        default if a.output is None else a.output, force=a.force, kind="run", inputs=inputs
-    )
-    for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *target.writes(plan)]:
-        if Path(kept).resolve().is_relative_to(out):
-            # replacing the run dir (--force) would delete the checkpoints and metrics inside it
-            raise SpecError("--output", f"{out} would contain {kept}; render elsewhere or move storage.root")
-    files = target.files(plan, out)
-    common.write_output(files, out, force=a.force, executable=target.executable, inputs=inputs)
-    _print_summary(plan, out)
-    print(f"next: {target.next_step(plan, out, files)}")
+    run = render_run(_spec_from_args(a), a.target, a.output, force=a.force, spec_file=a.spec)
+    _print_summary(run.plan, run.out)
+    print(f"next: {run.next_step()}")
     return 0
 
 

@@ -114,6 +114,14 @@ def _check_name(value: str, field: str, longest: int) -> None:
 
 
 def status(release: str, namespace: str, *, kubeconfig: str | None = None, context: str | None = None) -> int:
+    print(status_text(release, namespace, kubeconfig=kubeconfig, context=context))
+    return 0
+
+
+def status_text(
+    release: str, namespace: str, *, kubeconfig: str | None = None, context: str | None = None
+) -> str:
+    """The release's jobs and pods, as one text (printed by `status`, or above a run dir's rows)."""
     _check_name(release, "RELEASE", 53)
     _check_name(namespace, "--namespace", 63)
     core, batch = _clients(kubeconfig, context)
@@ -136,16 +144,14 @@ def status(release: str, namespace: str, *, kubeconfig: str | None = None, conte
     if not jobs:
         raise SpecError("RELEASE", f"no dskit job for release {release!r} in namespace {namespace!r}")
     try:
-        text = _status_text(jobs, pods)
+        return _release_text(jobs, pods)
     except Exception as e:  # noqa: BLE001 - objects missing fields a real API server always sets
         raise SpecError(
             "dskit status", f"unreadable answer from the Kubernetes API: {type(e).__name__}: {e}"
         ) from None
-    print(text)
-    return 0
 
 
-def _status_text(jobs: list[Any], pods: list[Any]) -> str:
+def _release_text(jobs: list[Any], pods: list[Any]) -> str:
     """Built whole before printing: a malformed answer prints nothing but the one error line."""
     lines = []
     for j in jobs:

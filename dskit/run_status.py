@@ -2,12 +2,14 @@
 
 The run directory says which target it was rendered for (TARGET_FILE) and which jobs were submitted
 from it (JOBS_FILE, appended by the rendered submit.sh, and by job.sbatch when a plain `sbatch` job
-starts). The scheduler answers for those jobs: Slurm through `scontrol show job` (the job's state,
-`Restarts=` = requeues; after slurmctld forgets a finished job, MinJobAge, through `sacct` where
-accounting is configured, else the state is reported as unknown), Ray through its job client, Helm
-through the Kubernetes API (dskit.k8s_status, the release named like the run). Step, loss,
-throughput, ETA and the last checkpoint come from the run's own files: OUTPUT_DIR/metrics.jsonl,
-read with `dskit report`'s reader, and the checkpoint dir's complete tags.
+starts). That target's entry in dskit.render.TARGETS names how its jobs are asked about
+(`Target.status`: one of the strategies at the end of this module). The schedulers answer: Slurm
+through `scontrol show job` (the job's state, `Restarts=` = requeues; after slurmctld forgets a
+finished job, MinJobAge, through `sacct` where accounting is configured, else the state is reported
+as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.k8s_status, the
+release named like the run). Step, loss, throughput, ETA and the last checkpoint come from the run's
+own files: OUTPUT_DIR/metrics.jsonl, read with `dskit report`'s reader, and the checkpoint dir's
+complete tags.
 
 Only the standard library is imported here (plus ray's client for a Ray run, the kubernetes client for
 a Helm run): it runs on a login node without torch.
@@ -19,17 +21,19 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
 from dskit.contract import COMPLETE_FILE, JOBS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
 from dskit.text import escape
 
-#: What a run dir rendered before TARGET_FILE existed holds, per target.
-_TARGET_SIGNS = (("job.sbatch", "slurm"), ("values.yaml", "helm"), ("runtime_env.yaml", "ray"))
+if TYPE_CHECKING:
+    from dskit.render import Target
+
 SLURM_ID_RE = re.compile(r"[0-9]{1,18}")
 RAY_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
 DEFAULT_RAY_ADDRESS = "http://127.0.0.1:8265"  # what the rendered ray/submit.sh uses without RAY_ADDRESS
@@ -48,26 +52,46 @@ class Job:
     log: str | None = None  # where its output goes
 
 
+@dataclass(frozen=True)
+class Query:
+    """What `dskit status RUN_DIR` was given besides the run dir; each target's status reads its own."""
+
+    address: str | None = None  # Ray's dashboard; None: the one submit.sh recorded
+    namespace: str = "default"  # Kubernetes
+    kubeconfig: str | None = None
+    context: str | None = None
+
+
+#: (job id, Ray address or None) per recorded submission, oldest first: what read_jobs returns
+Entries = list[tuple[str, str | None]]
+#: a scheduler's answer about them: every job, the one that speaks for the run, the attempts row
+Asked = tuple[list[Job], Job, str]
+
+
 def is_run_dir(arg: str) -> bool:
     """`dskit status ARG`: a directory `dskit render` wrote (run.yaml, or TARGET_FILE for an image) is
     a run dir; anything else a Helm release name."""
     return (Path(arg) / RUN_YAML).is_file() or (Path(arg) / TARGET_FILE).is_file()
 
 
-def target_of(run_dir: Path) -> str:
+def target_of(run_dir: Path) -> Target:
+    """The registered target (dskit.render.TARGETS) a run dir was rendered for."""
+    # imported here: the registry imports this module for the targets' status strategies
+    from dskit.render import TARGETS
+
     f = run_dir / TARGET_FILE
     if f.is_file():
         name = f.read_text().strip()
-        if name not in ("slurm", "helm", "ray", "image"):
+        if name not in TARGETS:
             raise SpecError(str(f), f"names an unknown target {name!r}; re-render the run directory")
-        return name
-    for sign, name in _TARGET_SIGNS:  # rendered by a dskit that did not record the target
-        if (run_dir / sign).is_file():
-            return name
+        return TARGETS[name]
+    for target in TARGETS.values():  # rendered by a dskit that did not record the target
+        if target.sign is not None and (run_dir / target.sign).is_file():
+            return target
     raise SpecError(str(run_dir), f"no {TARGET_FILE} file: render it with `dskit render TARGET`")
 
 
-def read_jobs(run_dir: Path) -> list[tuple[str, str | None]]:
+def read_jobs(run_dir: Path) -> Entries:
     """(job id, Ray address or None) per submission, oldest first, each once. A last line without its
     newline is a write in progress and is skipped."""
     f = run_dir / JOBS_FILE
@@ -84,15 +108,6 @@ def read_jobs(run_dir: Path) -> list[tuple[str, str | None]]:
             raise SpecError(f"{f}:{n}", f"not a job record: {line[:80]!r} (JOBID [ADDRESS] per line)")
         seen.setdefault(words[0], words[1] if len(words) > 1 else None)
     return list(seen.items())
-
-
-def _not_submitted(run_dir: Path, target: str) -> SpecError:
-    how = f"bash {run_dir / 'submit.sh'}"
-    if target == "slurm":
-        how += " (a job submitted with plain sbatch is recorded when it starts)"
-    else:
-        how += " (a KubeRay RayJob applied with kubectl is not recorded: kubectl get rayjob)"
-    return SpecError(str(run_dir), f"not submitted yet (no job in {JOBS_FILE}) — run {how}")
 
 
 # --------------------------------------------------------------------------- Slurm
@@ -196,10 +211,15 @@ def slurm_summary(jobs: list[Job]) -> tuple[Job, str]:
     return current, f"{len(jobs)} job(s), {requeues}"
 
 
+def ask_slurm(entries: Entries, query: Query) -> Asked:
+    jobs = slurm_jobs([job_id for job_id, _ in entries])
+    return (jobs, *slurm_summary(jobs))
+
+
 # --------------------------------------------------------------------------- Ray
 
 
-def ray_jobs(entries: list[tuple[str, str | None]], address: str | None) -> list[Job]:
+def ray_jobs(entries: Entries, address: str | None) -> list[Job]:
     try:
         from ray.job_submission import JobSubmissionClient
     except ModuleNotFoundError:
@@ -233,6 +253,11 @@ def ray_jobs(entries: list[tuple[str, str | None]], address: str | None) -> list
         detail = _ray_detail(info.message or "")
         out.append(Job(job_id, state, None, detail, f"ray job logs --address {addr} {job_id}"))
     return out
+
+
+def ask_ray(entries: Entries, query: Query) -> Asked:
+    jobs = ray_jobs(entries, query.address)  # the latest submission speaks for the run
+    return jobs, jobs[-1], f"{len(jobs)} submission(s)"
 
 
 # --------------------------------------------------------------------------- the run's own files
@@ -327,36 +352,6 @@ def _jobs_cell(jobs: list[Job], shown: int = 6) -> str:
     return more + "; ".join(cells)
 
 
-def status_text(run_dir: Path, *, address: str | None = None) -> str:
-    """The table for a Slurm or Ray run dir, built whole before anything is printed."""
-    from dskit.plan.schema import load_plan
-
-    target = target_of(run_dir)
-    if target not in ("slurm", "ray"):
-        raise SpecError(str(run_dir), f"rendered for the {target} target, which has no job to ask about")
-    plan = load_plan(run_dir / RUN_YAML)
-    entries = read_jobs(run_dir)
-    if not entries:
-        raise _not_submitted(run_dir, target)
-    if target == "slurm":
-        jobs = slurm_jobs([e[0] for e in entries])
-        current, attempts = slurm_summary(jobs)
-    else:
-        jobs = ray_jobs(entries, address)
-        current, attempts = jobs[-1], f"{len(jobs)} submission(s)"
-    state = f"{current.state}: job {current.id}" + (f", {current.detail}" if current.detail else "")
-    rows = [
-        ("run", f"{plan.name} ({target}) {run_dir}"),
-        ("state", state),
-        ("jobs", _jobs_cell(jobs)),
-        ("attempts", attempts),
-        *progress_rows(plan, run_dir, running=current.state in ACTIVE),
-    ]
-    if current.log:
-        rows.append(("log", current.log))
-    return format_table(rows)
-
-
 def status(
     run_dir: str | Path,
     *,
@@ -367,18 +362,86 @@ def status(
 ) -> int:
     d = Path(run_dir).resolve()
     target = target_of(d)
-    if address and target != "ray":
-        raise SpecError("--address", f"is for Ray runs; {d} was rendered for {target}")
-    if target == "helm":
-        # the release `dskit render helm` proposed (helm install NAME ...): its pods, then the run's files
+    if address and not target.status.takes_address:
+        raise SpecError("--address", f"is for Ray runs; {d} was rendered for {target.name}")
+    print(target.status.text(d, target.name, Query(address, namespace, kubeconfig, context)))
+    return 0
+
+
+# --------------------------------------------------------------------------- the targets' strategies
+
+
+class Status(Protocol):
+    """How `dskit status` finds and describes the job of one target's run dir (`Target.status`)."""
+
+    #: whether --address (Ray's dashboard) means anything for it; refused otherwise
+    takes_address: bool
+
+    def text(self, run_dir: Path, target: str, query: Query) -> str:
+        """The whole answer, built before anything is printed; a SpecError is the one error line."""
+        ...
+
+
+@dataclass(frozen=True)
+class RecordedJobs:
+    """The target's submit script appends each job it submits to JOBS_FILE; `ask` asks its scheduler
+    about them."""
+
+    ask: Callable[[Entries, Query], Asked]
+    submit: str  # the run dir's script that submits and records
+    unrecorded: str  # how a job may be submitted without a record: the not-submitted hint says
+    takes_address: bool = False
+
+    def text(self, run_dir: Path, target: str, query: Query) -> str:
+        from dskit.plan.schema import load_plan
+
+        plan = load_plan(run_dir / RUN_YAML)
+        entries = read_jobs(run_dir)
+        if not entries:
+            raise SpecError(
+                str(run_dir),
+                f"not submitted yet (no job in {JOBS_FILE}) — run bash {run_dir / self.submit} "
+                f"({self.unrecorded})",
+            )
+        jobs, current, attempts = self.ask(entries, query)
+        state = f"{current.state}: job {current.id}" + (f", {current.detail}" if current.detail else "")
+        rows = [
+            ("run", f"{plan.name} ({target}) {run_dir}"),
+            ("state", state),
+            ("jobs", _jobs_cell(jobs)),
+            ("attempts", attempts),
+            *progress_rows(plan, run_dir, running=current.state in ACTIVE),
+        ]
+        if current.log:
+            rows.append(("log", current.log))
+        return format_table(rows)
+
+
+@dataclass(frozen=True)
+class HelmRelease:
+    """The release `dskit render helm` proposed (`helm install NAME ...`, NAME the run's name): its
+    pods through the Kubernetes API (dskit.k8s_status), then the run's files."""
+
+    takes_address: bool = False
+
+    def text(self, run_dir: Path, target: str, query: Query) -> str:
         from dskit import k8s_status
         from dskit.plan.schema import load_plan
 
-        plan = load_plan(d / RUN_YAML)
-        rows = [("run", f"{plan.name} (helm release {plan.name}, namespace {namespace}) {d}")]
-        rows += progress_rows(plan, d, running=None)
-        k8s_status.status(plan.name, namespace, kubeconfig=kubeconfig, context=context)
-        print(format_table(rows))
-        return 0
-    print(status_text(d, address=address))
-    return 0
+        plan = load_plan(run_dir / RUN_YAML)
+        rows = [("run", f"{plan.name} (helm release {plan.name}, namespace {query.namespace}) {run_dir}")]
+        rows += progress_rows(plan, run_dir, running=None)
+        pods = k8s_status.status_text(
+            plan.name, query.namespace, kubeconfig=query.kubeconfig, context=query.context
+        )
+        return f"{pods}\n{format_table(rows)}"
+
+
+@dataclass(frozen=True)
+class NoJob:
+    """A target whose run dir submits nothing to ask about (an image is built, not run)."""
+
+    takes_address: bool = False
+
+    def text(self, run_dir: Path, target: str, query: Query) -> str:
+        raise SpecError(str(run_dir), f"rendered for the {target} target, which has no job to ask about")

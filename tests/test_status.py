@@ -296,3 +296,53 @@ def test_a_helm_run_dir_asks_for_the_release_named_like_the_run(tmp_path, monkey
     rows = table(out.split("\n", 2)[2])  # after the job line and the (empty) pod table's header
     assert rows["run"] == f"helmrun (helm release helmrun, namespace ml) {rd.resolve()}"
     assert rows["step"].startswith("10 / 40, logged") and rows["ETA"].endswith("(if it is running)")
+
+
+def test_a_target_added_only_to_the_registry_renders_and_answers_status(tmp_path, monkeypatch, capsys):
+    """docs/architecture.md's recipe: a target is one `Target` in TARGETS, nothing else. A fake
+    scheduler's target, registered here only (monkeypatch restores TARGETS), is rendered by `dskit
+    render` and asked about by `dskit status`."""
+    from dskit import cli
+    from dskit.render import TARGETS, Target
+    from dskit.render.common import run_files
+
+    submit = "fake-submit.sh"
+
+    def render(plan, out):
+        return {**run_files(plan), submit: f"#!/bin/bash\necho fake-1 >> '{out / JOBS_FILE}'\n"}
+
+    asked = []
+
+    def ask(entries, query):
+        asked.append(entries)
+        jobs = [run_status.Job(job_id, "RUNNING", None, "on the fake cluster") for job_id, _ in entries]
+        return jobs, jobs[-1], f"{len(jobs)} fake submission(s)"
+
+    fake = Target(
+        "fake",
+        "a fake scheduler's job",
+        render,
+        (submit,),
+        lambda plan, out, files: f"bash {out / submit}",
+        run_status.RecordedJobs(ask, submit, "nothing else records a fake job"),
+    )
+    monkeypatch.setitem(TARGETS, "fake", fake)
+    rd = tmp_path / "fake"
+    args = ["render", "fake", "--gpu", "cpu", "-o", str(rd), "--set", f"storage.root={tmp_path}/s"]
+    assert cli.main(args) == 0
+    assert capsys.readouterr().out.endswith(f"next: bash {rd / submit}\n")
+    assert (rd / TARGET_FILE).read_text() == "fake\n" and os.access(rd / submit, os.X_OK)
+
+    assert cli.main(["status", str(rd)]) == 2
+    err = capsys.readouterr().err
+    assert f"not submitted yet (no job in jobs) — run bash {rd / submit} (nothing else records" in err
+    assert cli.main(["status", str(rd), "--address", "http://127.0.0.1:1"]) == 2
+    assert "--address: is for Ray runs" in capsys.readouterr().err
+
+    subprocess.run(["bash", str(rd / submit)], check=True)
+    assert cli.main(["status", str(rd)]) == 0
+    rows = table(capsys.readouterr().out)
+    assert asked == [[("fake-1", None)]]
+    assert rows["run"].endswith(f"(fake) {rd}")
+    assert rows["state"] == "RUNNING: job fake-1, on the fake cluster"
+    assert rows["attempts"] == "1 fake submission(s)" and rows["step"].startswith("- / ")

@@ -1,6 +1,8 @@
-"""Render targets: a plan -> the files of one run directory. Each target is one `Target` in `TARGETS`;
-the CLI (`dskit render TARGET`) only iterates this registry, so adding a target is adding an entry here
-(and its module beside this one)."""
+"""Render targets: the one registry of what a target is. Each target is one `Target` in `TARGETS`: how a
+plan becomes its run directory's files, how its job is submitted, and how `dskit status` asks about it.
+`dskit render TARGET` (dskit/render/run_dir.py), `dskit status RUN_DIR` (dskit/run_status.py) and the
+bench scripts only look targets up here, so adding a target is adding an entry here (and its module
+beside this one)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from dskit.contract import TARGET_FILE
 from dskit.plan.schema import Plan
 from dskit.render import helm, image, ray, slurm
+from dskit.run_status import HelmRelease, NoJob, RecordedJobs, Status, ask_ray, ask_slurm
 
 
 @dataclass(frozen=True)
@@ -20,10 +23,14 @@ class Target:
     #: the run directory's files (relative path -> text); `out_dir` is where they will live
     render: Callable[[Plan, Path], dict[str, str]]
     executable: tuple[str, ...]  # relative paths written with mode 0755
-    #: what to run next, given the plan, the run directory and the files written there
+    #: how its job is submitted: what to run next, given the plan, the run directory and its files
     next_step: Callable[[Plan, Path, dict[str, str]], str]
+    #: how `dskit status RUN_DIR` finds and describes its job (dskit/run_status.py)
+    status: Status
     #: directories the run writes besides the plan's checkpoint and output dirs (-o must not hold them)
     writes: Callable[[Plan], list[str]] = lambda plan: []
+    #: a file only its run dirs hold: names the target of one rendered before TARGET_FILE existed
+    sign: str | None = None
 
     def files(self, plan: Plan, out_dir: Path) -> dict[str, str]:
         """What `dskit render` writes: the target's files and TARGET_FILE naming the target, which
@@ -47,6 +54,10 @@ TARGETS: dict[str, Target] = {
             slurm.render,
             (slurm.SCRIPT, slurm.SUBMIT),
             _slurm_next,
+            RecordedJobs(
+                ask_slurm, slurm.SUBMIT, "a job submitted with plain sbatch is recorded when it starts"
+            ),
+            sign=slurm.SCRIPT,
         ),
         Target(
             "helm",
@@ -54,6 +65,8 @@ TARGETS: dict[str, Target] = {
             helm.render,
             (),
             lambda plan, out, files: f"helm install {plan.name} {out / helm.CHART} -f {out / helm.VALUES}",
+            HelmRelease(),
+            sign=helm.VALUES,
         ),
         Target(
             "ray",
@@ -61,7 +74,14 @@ TARGETS: dict[str, Target] = {
             ray.render,
             (ray.SUBMIT,),
             lambda plan, out, files: f"bash {out / ray.SUBMIT}   (or: kubectl apply -f {out / ray.RAYJOB})",
+            RecordedJobs(
+                ask_ray,
+                ray.SUBMIT,
+                "a KubeRay RayJob applied with kubectl is not recorded: kubectl get rayjob",
+                takes_address=True,
+            ),
             writes=lambda plan: [plan.ray.storage_path],  # Ray Train's checkpoints and results
+            sign=ray.RUNTIME_ENV,
         ),
         Target(
             "image",
@@ -69,6 +89,7 @@ TARGETS: dict[str, Target] = {
             image.render,
             (image.INSTALL, image.ENROOT),
             lambda plan, out, files: f"docker build -f {out / image.DOCKERFILE} -t {image.plan_tag(plan)} .",
+            NoJob(),
         ),
     )
 }
