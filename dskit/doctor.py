@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -56,110 +57,171 @@ def run_checks(build: bool = False) -> list[Check]:
         return _run_checks(build)
 
 
+@dataclass(frozen=True)
+class _Host:
+    """What the checks after python and torch depend on, read once."""
+
+    build: bool  # `--build`: the image's smoke test, no GPU or launcher expected
+    gpu: bool  # a CUDA device is visible
+    cuda_build: str | None  # the CUDA version torch was built for (None: a CPU torch)
+    image_arch: str  # the compute capability the image was built for ("" outside a dskit image)
+
+
 def _run_checks(build: bool) -> list[Check]:
-    out: list[Check] = []
-    add = lambda n, s, d: out.append(Check(n, s, d))  # noqa: E731
-
-    py = platform.python_version()
-    add("python", PASS if sys.version_info >= (3, 10) else FAIL, f"{py} at {sys.executable}")
-
-    tv = _version("torch")
-    if tv is None or tv.startswith("IMPORT ERROR"):
-        add("torch", FAIL, tv or "not installed (pip install 'dskit[train]')")
-        return out
+    out = [_python(), _torch()]
+    if out[-1].status == FAIL:
+        return out  # every check below imports torch
     import torch
 
-    cuda_build = torch.version.cuda
-    add(
-        "torch", PASS, f"{tv} (CUDA {cuda_build or 'none'}, cuDNN {torch.backends.cudnn.version() or 'none'})"
-    )
-    image_arch = os.environ.get("DSKIT_IMAGE_ARCH", "")
-    gpu_ok = torch.cuda.is_available()
-    if gpu_ok:
+    host = _Host(build, torch.cuda.is_available(), torch.version.cuda, os.environ.get("DSKIT_IMAGE_ARCH", ""))
+    for check in CHECKS:
+        out.extend(check(host))
+    return out
+
+
+def _python() -> Check:
+    py = platform.python_version()
+    return Check("python", PASS if sys.version_info >= (3, 10) else FAIL, f"{py} at {sys.executable}")
+
+
+def _torch() -> Check:
+    tv = _version("torch")
+    if tv is None or tv.startswith("IMPORT ERROR"):
+        return Check("torch", FAIL, tv or "not installed (pip install 'dskit[train]')")
+    import torch
+
+    cudnn = torch.backends.cudnn.version() or "none"
+    return Check("torch", PASS, f"{tv} (CUDA {torch.version.cuda or 'none'}, cuDNN {cudnn})")
+
+
+def _gpu(host: _Host) -> list[Check]:
+    import torch
+
+    if host.gpu:
         cc = torch.cuda.get_device_capability(0)
         name = torch.cuda.get_device_name(0)
-        have = f"{cc[0]}.{cc[1]}"
-        archs = torch.cuda.get_arch_list()
-        arch_ok = any(a.startswith(f"sm_{cc[0]}{cc[1]}") for a in archs) or any(
-            a.startswith(f"sm_{cc[0]}") for a in archs
-        )
-        add("gpu", PASS, f"{torch.cuda.device_count()} x {name}, compute capability {have}")
-        add(
-            "torch arch list",
-            PASS if arch_ok else FAIL,
-            f"torch kernels for {', '.join(archs)}"
-            + ("" if arch_ok else f": none runs on sm_{cc[0]}{cc[1]}"),
-        )
-        if image_arch:
-            add(
-                "image arch",
-                PASS if image_arch == have else FAIL,
-                f"image built for {image_arch}, this GPU is {have}"
-                + (
-                    ""
-                    if image_arch == have
-                    else ": DeepSpeed/flash-attn ops will not load; use `dskit render image --gpu` for it"
-                ),
-            )
-        add(
-            "bf16",
-            PASS if torch.cuda.is_bf16_supported() else WARN,
-            "supported"
-            if torch.cuda.is_bf16_supported()
-            else "not supported: the plan will use fp16 with loss scaling",
-        )
-        try:
-            add("nccl", PASS, "version " + ".".join(map(str, torch.cuda.nccl.version())))
-        except Exception as e:
-            add("nccl", FAIL, f"unavailable: {e}")
-    elif build:
-        add(
-            "gpu",
-            PASS,
-            "not checked at image build time" + (f" (image arch {image_arch})" if image_arch else ""),
-        )
-    else:
-        want_gpu = os.environ.get(Env.GPU_PROFILE.value, "cpu") != "cpu"
-        add(
+        detail = f"{torch.cuda.device_count()} x {name}, compute capability {cc[0]}.{cc[1]}"
+        return [Check("gpu", PASS, detail)]
+    if host.build:
+        arch = f" (image arch {host.image_arch})" if host.image_arch else ""
+        return [Check("gpu", PASS, "not checked at image build time" + arch)]
+    want_gpu = os.environ.get(Env.GPU_PROFILE.value, "cpu") != "cpu"
+    return [
+        Check(
             "gpu",
             FAIL if want_gpu else WARN,
             "no CUDA device visible"
             + (f" but {Env.GPU_PROFILE.value}={os.environ[Env.GPU_PROFILE.value]}" if want_gpu else ""),
         )
+    ]
 
+
+def _torch_arch(host: _Host) -> list[Check]:
+    if not host.gpu:
+        return []
+    import torch
+
+    cc = torch.cuda.get_device_capability(0)
+    archs = torch.cuda.get_arch_list()
+    arch_ok = any(a.startswith(f"sm_{cc[0]}{cc[1]}") for a in archs) or any(
+        a.startswith(f"sm_{cc[0]}") for a in archs
+    )
+    return [
+        Check(
+            "torch arch list",
+            PASS if arch_ok else FAIL,
+            f"torch kernels for {', '.join(archs)}"
+            + ("" if arch_ok else f": none runs on sm_{cc[0]}{cc[1]}"),
+        )
+    ]
+
+
+def _image_arch(host: _Host) -> list[Check]:
+    if not (host.gpu and host.image_arch):
+        return []
+    import torch
+
+    cc = torch.cuda.get_device_capability(0)
+    have = f"{cc[0]}.{cc[1]}"
+    return [
+        Check(
+            "image arch",
+            PASS if host.image_arch == have else FAIL,
+            f"image built for {host.image_arch}, this GPU is {have}"
+            + (
+                ""
+                if host.image_arch == have
+                else ": DeepSpeed/flash-attn ops will not load; use `dskit render image --gpu` for it"
+            ),
+        )
+    ]
+
+
+def _bf16(host: _Host) -> list[Check]:
+    if not host.gpu:
+        return []
+    import torch
+
+    if torch.cuda.is_bf16_supported():
+        return [Check("bf16", PASS, "supported")]
+    return [Check("bf16", WARN, "not supported: the plan will use fp16 with loss scaling")]
+
+
+def _nccl(host: _Host) -> list[Check]:
+    if not host.gpu:
+        return []
+    import torch
+
+    try:
+        return [Check("nccl", PASS, "version " + ".".join(map(str, torch.cuda.nccl.version())))]
+    except Exception as e:
+        return [Check("nccl", FAIL, f"unavailable: {e}")]
+
+
+def _flash_attn(host: _Host) -> list[Check]:
     fa_expected = os.environ.get("DSKIT_IMAGE_FLASH_ATTN", "")
+    checks = []
     for mod, gen in (("flash_attn", "fa2"), ("flash_attn_interface", "fa3")):
         v = _version(mod)
         expected = fa_expected in (gen, "fa3") if gen == "fa2" else fa_expected == "fa3"
         if v is None:
-            add(
-                mod,
-                FAIL if expected else PASS,
-                "not installed" + (" but the image should have it" if expected else " (not needed here)"),
+            checks.append(
+                Check(
+                    mod,
+                    FAIL if expected else PASS,
+                    "not installed" + (" but the image should have it" if expected else " (not needed here)"),
+                )
             )
         else:
-            add(mod, FAIL if v.startswith("IMPORT ERROR") else PASS, v)
+            checks.append(Check(mod, FAIL if v.startswith("IMPORT ERROR") else PASS, v))
+    return checks
 
+
+def _deepspeed(host: _Host) -> list[Check]:
     dv = _version("deepspeed")
     if dv is None or dv.startswith("IMPORT ERROR"):
-        add("deepspeed", FAIL, dv or "not installed")
-    else:
-        add("deepspeed", PASS, dv)
-        out.extend(_deepspeed_ops(gpu_ok))
+        return [Check("deepspeed", FAIL, dv or "not installed")]
+    return [Check("deepspeed", PASS, dv), *_deepspeed_ops(host.gpu)]
 
-    if cuda_build:
-        # a CUDA torch on a machine that will not train on a GPU (a login node, a CI runner) compiles nothing
-        out.append(_triton_toolchain(required=gpu_ok or build))
-    out.append(_shm())
-    out.append(_infiniband())
-    if not build:
-        missing = [n for n in REQUIRED if n not in os.environ]
-        add(
+
+def _triton(host: _Host) -> list[Check]:
+    if not host.cuda_build:
+        return []
+    # a CUDA torch on a machine that will not train on a GPU (a login node, a CI runner) compiles nothing
+    return [_triton_toolchain(required=host.gpu or host.build)]
+
+
+def _launch_contract(host: _Host) -> list[Check]:
+    if host.build:
+        return []
+    missing = [n for n in REQUIRED if n not in os.environ]
+    return [
+        Check(
             "launch contract",
             PASS if not missing else WARN,
             "all set" if not missing else f"not set: {', '.join(missing)} (fine outside a dskit job)",
         )
-    return out
+    ]
 
 
 def _deepspeed_ops(gpu: bool) -> list[Check]:
@@ -258,6 +320,23 @@ def _infiniband() -> Check:
         "none"
         + (" but the fabric in the launch contract needs RDMA" if wants_rdma else " (not needed here)"),
     )
+
+
+#: Every check after python and torch, in the order they print; each returns its lines ([] where it
+#: does not apply here).
+CHECKS: tuple[Callable[[_Host], list[Check]], ...] = (
+    _gpu,
+    _torch_arch,
+    _image_arch,
+    _bf16,
+    _nccl,
+    _flash_attn,
+    _deepspeed,
+    _triton,
+    lambda host: [_shm()],  # /dev/shm and the RDMA devices need nothing from _Host
+    lambda host: [_infiniband()],
+    _launch_contract,
+)
 
 
 def main(as_json: bool = False, build: bool = False) -> int:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dskit import yamlsafe
 from dskit.errors import SpecError
-from dskit.spec import KubernetesSpec, SlurmSpec
+from dskit.spec_targets import KubernetesSpec, SlurmSpec
 
 PLAN_VERSION = 3  # 2: typed slurm, kubernetes and ray sections; 3: speed (predicted step time)
 READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load

@@ -15,7 +15,7 @@ from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.errors import SpecError
 from dskit.plan.schema import Plan, dump_plan
-from dskit.spec import ENV_NAME_RE
+from dskit.spec_values import ENV_NAME_RE
 from dskit.text import comment
 
 

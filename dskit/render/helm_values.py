@@ -13,12 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from dskit.spec import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
+from dskit.spec_values import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
 
 
 def portable(pattern: re.Pattern) -> str:
-    """A spec.py pattern for pydantic's Rust engine and JSON Schema: both read `$` as the very end
-    (Python's re also matches it before a trailing newline, hence spec.py's \\Z)."""
+    """A spec_values.py pattern for pydantic's Rust engine and JSON Schema: both read `$` as the very end
+    (Python's re also matches it before a trailing newline, hence spec_values.py's \\Z)."""
     return pattern.pattern.removesuffix(r"\Z") + "$"
 
 

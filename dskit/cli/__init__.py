@@ -1,0 +1,90 @@
+"""`dskit` command line. Small and stable: new knobs go into the spec (and `--set`), not new flags.
+
+Each command's module holds its `cmd_*` and the `add_*` that declares its flags beside it; COMMANDS
+is the order `dskit --help` lists them in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dskit import stdout
+from dskit.cli import data, host, plan, run, spec
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.text import escape
+
+COMMANDS = (
+    spec.add_init,
+    spec.add_schema,
+    plan.add_plan,
+    plan.add_render,
+    spec.add_catalog,
+    run.add_train,
+    run.add_export,
+    host.add_doctor,
+    host.add_build,
+    run.add_status,
+    run.add_report,
+    data.add_data,
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line promise: a bad flag or value is `dskit: error: ...`, exit 2, without
+    the usage block (`--help` still shows it). Sub-commands inherit this class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"dskit: error: {escape(self.prog)}: {escape(message)} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="dskit",
+        description="Train DeepSeek-style MoE models (AutoEP + DeepSpeed ZeRO) from one run spec: plan it, render it "
+        "for Slurm, Kubernetes (Helm) or Ray, and run the in-container trainer.",
+        epilog="Bad input exits with code 2 and one line naming the field; a failed write to stdout with 74 "
+        "and one line (a full disk), or quietly with 141 (a closed pipe: `| head`). Docs: README.md.",
+    )
+    from dskit import __version__
+
+    p.add_argument("--version", action="version", version=f"dskit {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    # every command's output (--help included) goes through one guard: a full disk or a closed pipe
+    # behind stdout is one line or a quiet exit (dskit/stdout.py), never a traceback
+    return stdout.guarded(lambda: _run(argv))
+
+
+def _run(argv: list[str] | None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        return a.func(a)
+    except SpecError as e:
+        print(f"dskit: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        # a path the user gave that the OS refuses (ENAMETOOLONG, EACCES, ELOOP...), or a deleted
+        # current directory under a relative path: one line naming it, not a traceback
+        where = e.filename if e.filename is not None else _cwd_gone()
+        if where is None:
+            raise
+        print(f"dskit: error: {escape(str(where))}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _cwd_gone() -> str | None:
+    """'current directory' when it no longer exists (os.path.abspath then raises FileNotFoundError)."""
+    import os
+
+    try:
+        os.getcwd()
+    except OSError:
+        return "current directory (deleted; cd to an existing one)"
+    return None

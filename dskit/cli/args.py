@@ -1,0 +1,69 @@
+"""What several commands share: integer and fraction flag types, the spec flags (`--set` and the
+SPEC_FLAGS shortcuts), and the one-line error for a missing extra."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from dskit.errors import SpecError
+
+# what add_subparsers() returns; argparse names no public type for it
+Subparsers = argparse._SubParsersAction
+
+
+def count(text: str) -> int:
+    """An integer flag: ASCII digits only (int() would also take '١', '+1', ' 2' or '1_0')."""
+    if not re.fullmatch(r"[0-9]{1,18}", text):
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (ASCII digits 0-9 only)")
+    return int(text)
+
+
+def fraction(text: str) -> float:
+    """A share in [0, 1) written as a plain decimal (no 'nan', 'inf', '1e-2' surprises: 0.01)."""
+    if not re.fullmatch(r"0?\.[0-9]{1,12}|0", text):
+        raise argparse.ArgumentTypeError(
+            f"invalid fraction: {text!r} (a decimal from 0 to below 1, e.g. 0.01)"
+        )
+    return float(text)
+
+
+# Flags that map 1:1 onto spec fields (dest -> dotted spec key).
+SPEC_FLAGS: dict[str, tuple[str, Any, str]] = {
+    "job_name": ("name", str, "run/job name (spec: name)"),
+    "model": ("model.preset", str, "catalog model (spec: model.preset)"),
+    "gpu": ("hardware.gpu", str, "GPU profile (spec: hardware.gpu)"),
+    "gpus_per_node": ("hardware.gpus_per_node", count, "GPUs per node (spec: hardware.gpus_per_node)"),
+    "nodes": ("hardware.nodes", count, "node count (spec: hardware.nodes)"),
+    "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
+    "runtime": ("runtime.kind", str, "Slurm: pyxis | apptainer | none (spec: runtime.kind)"),
+    "image": ("runtime.image", str, "container image (spec: runtime.image)"),
+    "chain": ("slurm.chain", count, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
+}
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("spec", nargs="?", help="run spec YAML (default: built-in defaults; see `dskit init`)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any spec field, e.g. --set training.steps=100 --set slurm.time=48:00:00 "
+        "(repeatable). VALUE is taken literally (no YAML: '#' and quotes are characters) unless it is "
+        "a number, true/false, null, a [a, b] list or a {k: v} mapping",
+    )
+    for dest, (_, typ, help_) in SPEC_FLAGS.items():
+        p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=help_)
+
+
+def spec_from_args(a: argparse.Namespace):
+    from dskit.spec import load_spec
+
+    flags = {key: getattr(a, dest) for dest, (key, _, _) in SPEC_FLAGS.items()}
+    return load_spec(a.spec, a.set, flags)
+
+
+def needs_extra(command: str, extra: str, e: ModuleNotFoundError) -> SpecError:
+    return SpecError(command, f"needs the {extra} extra (missing {e.name}): pip install 'dskit[{extra}]'")

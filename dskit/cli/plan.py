@@ -1,0 +1,120 @@
+"""`dskit plan` and `dskit render`: a spec's plan, printed or written out as a run directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dskit.cli.args import Subparsers, add_spec_args, needs_extra, spec_from_args
+from dskit.errors import SpecError
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    from dskit.plan.build import build_plan_searched
+    from dskit.plan.schema import dump_plan
+
+    if a.plot:
+        target = Path(a.plot)
+        if target.suffix.lower() != ".png":
+            raise SpecError("--plot", f"{a.plot}: give a .png file name")
+        if target.is_dir():
+            raise SpecError("--plot", f"{a.plot} is a directory; give a file name")
+        parent = target.resolve().parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise SpecError("--plot", f"{parent} is not a writable directory")
+        try:
+            import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
+        except ModuleNotFoundError as e:
+            raise needs_extra("plan --plot", "report", e) from None
+    plan, found = build_plan_searched(spec_from_args(a))
+    if a.plot:  # first: a plot that cannot be written fails before anything is printed
+        from dskit.explain import plot
+
+        try:
+            written = plot(plan, found, Path(a.plot))
+        except OSError as e:
+            raise SpecError("--plot", f"cannot write {a.plot}: {e.strerror or e}") from None
+        print(f"wrote {written}", file=sys.stderr)
+    if a.explain:
+        from dskit.explain import row_dict, table
+
+        if a.json:
+            print(
+                json.dumps(
+                    {"plan": plan.model_dump(mode="json"), "candidates": [row_dict(r) for r in found.rows]},
+                    indent=2,
+                )
+            )
+        else:
+            print(table(plan, found))
+            for w in plan.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+    elif a.json:
+        print(json.dumps(plan.model_dump(mode="json"), indent=2))
+    else:
+        print(dump_plan(plan), end="")
+        print_summary(plan)
+    return 0
+
+
+def add_plan(sub: Subparsers) -> None:
+    s = sub.add_parser(
+        "plan",
+        help="resolve a spec into the plan (run.yaml) and print it",
+        description="Resolve the spec into the plan. The planner weighs every EP size, micro-batch x "
+        "gradient accumulation, activation checkpointing (off, every 2nd layer, every layer) and optimizer offload (off, "
+        "cpu): each is checked against GPU and host memory and timed by the step-time model "
+        "(dskit/plan/speed.py); the fastest that fits wins. --explain shows them all.",
+    )
+    add_spec_args(s)
+    s.add_argument(
+        "--json", action="store_true", help="print JSON instead of YAML (with --explain: plan + candidates)"
+    )
+    s.add_argument(
+        "--explain",
+        action="store_true",
+        help="print every candidate: memory breakdown, predicted step time, tokens/s/GPU, MFU, why it lost",
+    )
+    s.add_argument("--plot", metavar="FILE.png", help="draw the candidates' memory and predicted throughput")
+    s.set_defaults(func=cmd_plan)
+
+
+def print_summary(plan: Any, out_dir: Path | None = None) -> None:
+    for w in plan.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if out_dir:
+        print(f"wrote {out_dir}")
+    print(plan.summary())
+
+
+def cmd_render(a: argparse.Namespace) -> int:
+    from dskit.render.run_dir import render_run
+
+    run = render_run(spec_from_args(a), a.target, a.output, force=a.force, spec_file=a.spec)
+    print_summary(run.plan, run.out)
+    print(f"next: {run.next_step()}")
+    return 0
+
+
+def add_render(sub: Subparsers) -> None:
+    s = sub.add_parser(
+        "render",
+        help="write a run directory for a target",
+        description="Resolve the spec and write run.yaml, deepspeed.json and the target's files "
+        "into a new directory (atomically: all files or none).",
+    )
+    from dskit.render import TARGETS
+
+    s.add_argument(
+        "target",
+        choices=list(TARGETS),
+        help="; ".join(f"{t.name}: {t.help}" for t in TARGETS.values()),
+    )
+    add_spec_args(s)
+    s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-TARGET)")
+    s.add_argument("--force", action="store_true", help="replace an existing run directory")
+    s.set_defaults(func=cmd_render)
