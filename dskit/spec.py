@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from dskit import yamlsafe
+from dskit.data import MIXTURE_BLOCK
 from dskit.errors import SpecError
 from dskit.text import describe, first_unsafe
 
@@ -206,11 +207,6 @@ class TrainingSpec(_Section):
         le=1e3,
         description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha.",
     )
-
-
-#: samples are drawn in blocks of this many, each source getting its share of every block
-#: (dskit.train.data.Mixture.BLOCK reads it from here)
-MIXTURE_BLOCK = 1024
 
 
 class DataSource(_Section):
