@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from dskit import yamlsafe
+from dskit.data import MIXTURE_BLOCK
 from dskit.errors import SpecError
 from dskit.spec_targets import KubernetesSpec, RaySpec, SlurmSpec
 from dskit.spec_values import NAME_RE, _Section
@@ -138,11 +139,6 @@ class TrainingSpec(_Section):
         le=1e3,
         description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha.",
     )
-
-
-#: samples are drawn in blocks of this many, each source getting its share of every block
-#: (dskit.train.data.Mixture.BLOCK reads it from here)
-MIXTURE_BLOCK = 1024
 
 
 class DataSource(_Section):

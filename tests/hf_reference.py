@@ -14,7 +14,9 @@ def first_step_loss(model: torch.nn.Module, run_dir: Path, *, masked: bool = Tru
     """Mean over ranks of each rank's step-1 cross-entropy, batched exactly as the trainer batches it
     (labels as the data gives them: masked for chat data). `masked=False`: on every next token of the
     row instead, prompts included (the contrast for chat data)."""
-    from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, sample_index
+    from dskit.data import IGNORE_INDEX
+    from dskit.data.sampler import Sampler, sample_index
+    from dskit.data.shards import TokenData
 
     plan = load_plan(run_dir / "run.yaml")
     par, world = plan.parallel, plan.hardware.world_size

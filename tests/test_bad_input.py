@@ -580,13 +580,13 @@ def test_status_against_a_server_answering_garbage_is_one_line(tmp_path, body):
 
 def test_a_jsonl_with_a_byte_order_mark_is_read(tmp_path):
     pytest.importorskip("numpy")
-    from dskit.train.data import _records
+    from dskit.data.readers import records
 
     f = tmp_path / "a.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n')
     t = tmp_path / "b.txt"
     t.write_bytes(b"\xef\xbb\xbfhi")
-    assert list(_records([str(f), str(t)])) == ["hello", "hi"]
+    assert list(records([str(f), str(t)])) == ["hello", "hi"]
 
 
 def test_shards_linked_into_a_cache_are_accepted(tmp_path):

@@ -15,7 +15,12 @@ import pytest
 import torch
 
 from dskit import catalog
-from dskit.train.data import IGNORE_INDEX, Sampler, TokenData, encode_chat, prepare, tokenizer
+from dskit.data import IGNORE_INDEX
+from dskit.data.chat import encode_chat
+from dskit.data.prepare import prepare
+from dskit.data.sampler import Sampler
+from dskit.data.shards import TokenData
+from dskit.data.tokenizers import tokenizer
 from tests.chat_data import conversations, make_tokenizer, write_jsonl
 from tests.conftest import dskit
 
@@ -276,7 +281,7 @@ def test_a_datasets_dict_asks_for_one_split(tmp_path):
 
 
 def test_a_mixture_draws_by_weight_as_a_pure_function_of_the_sample_number(tmp_path):
-    from dskit.train.data import Mixture
+    from dskit.data.sampler import Mixture
 
     # two text sources whose tokens tell them apart: 'a' bytes and 'b' bytes
     for name in ("a", "b"):

@@ -40,7 +40,9 @@ def hf_eval_loss(model_dir: Path, run_dir: Path) -> float:
     eval before any training step, for comparison)."""
     from transformers import AutoModelForCausalLM
 
-    from dskit.train.data import IGNORE_INDEX, Sampler, TokenData
+    from dskit.data import IGNORE_INDEX
+    from dskit.data.sampler import Sampler
+    from dskit.data.shards import TokenData
 
     plan = load_plan(run_dir / "run.yaml")
     par, world = plan.parallel, plan.hardware.world_size
@@ -63,7 +65,8 @@ def hf_eval_loss(model_dir: Path, run_dir: Path) -> float:
 def test_chat_fine_tune_from_a_saved_model_with_masked_loss_and_a_falling_eval_loss(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from dskit.train.data import Sampler, TokenData
+    from dskit.data.sampler import Sampler
+    from dskit.data.shards import TokenData
     from dskit.train.model import hf_config
 
     tok = make_tokenizer(tmp_path / "tokenizer")

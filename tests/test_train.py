@@ -84,7 +84,7 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
     """`dskit data prepare` over real text (the embedded corpus written out as .txt and .jsonl)."""
-    from dskit.train.data import embedded_corpus
+    from dskit.data.corpus import embedded_corpus
 
     d = tmp_path_factory.mktemp("data")
     docs = embedded_corpus()

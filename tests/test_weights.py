@@ -34,7 +34,8 @@ def save_checkpoint(model: str, out: Path, *, train_steps: int = 30) -> Path:
     saved in several safetensors shards like a published checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    from dskit.train.data import Sampler, TokenData
+    from dskit.data.sampler import Sampler
+    from dskit.data.shards import TokenData
     from dskit.train.model import hf_config
 
     torch.manual_seed(7)

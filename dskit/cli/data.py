@@ -18,7 +18,7 @@ def cmd_data(a: argparse.Namespace) -> int:
         raise SpecError("--workers", f"{a.workers}: give 1 to {cpus} (this machine's CPUs)")
     check_replaceable(a.output, force=a.force, kind="data", inputs=[*a.inputs, tokenizer_dir])
     try:
-        from dskit.train.data import prepare
+        from dskit.data.prepare import prepare
 
         prepare(
             a.inputs,

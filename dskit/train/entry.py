@@ -35,8 +35,9 @@ def setup_logging(rank: int) -> None:
 def read_contract(*, launcher_env: bool = True):
     """Plan, data, its sampler and the held-out set's sampler (or None) from DSKIT_RUN_FILE; SpecError
     (exit 2) on anything wrong."""
+    from dskit.data.sampler import Mixture, Sampler
+    from dskit.data.shards import TokenData
     from dskit.plan.schema import load_plan
-    from dskit.train.data import Mixture, Sampler, TokenData
 
     run_file = os.environ.get(Env.RUN_FILE.value)
     if not run_file:
@@ -91,7 +92,8 @@ def read_contract(*, launcher_env: bool = True):
 
 def _eval_sampler(plan, data):
     """The held-out set: data.eval_path, or DATA/eval written by `data prepare --eval-fraction`."""
-    from dskit.train.data import EVAL_DIR, Sampler, TokenData
+    from dskit.data.sampler import Sampler
+    from dskit.data.shards import EVAL_DIR, TokenData
 
     path, field = plan.run.eval_path, "data.eval_path"
     if path is None and plan.run.data_path and Path(plan.run.data_path, EVAL_DIR, "index.json").is_file():

@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.data import IGNORE_INDEX
+from dskit.data.sampler import Mixture, Sampler, sample_index
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
-from dskit.train.data import IGNORE_INDEX, Mixture, Sampler, sample_index
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, current_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100  # labels with this value carry no loss (transformers' convention)
+from dskit.data import IGNORE_INDEX
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor, scale: torch.Tensor):

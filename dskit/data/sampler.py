@@ -1,0 +1,210 @@
+"""Which samples a step reads: `Sampler` (one shard directory), `Mixture` (several, by weight).
+
+Two ways to cut training samples, chosen by the data's kind:
+- text (continued pre-training): windows of seq_len+1 tokens that cross document boundaries, every
+  token a target, as in GPT-style pre-training;
+- chat (fine-tuning): whole samples packed into rows of seq_len, never split; each sample's position
+  ids restart at 0, which transformers' DeepSeek path turns into attention confined to the sample
+  (a block-diagonal causal mask for SDPA/eager, varlen for FlashAttention).
+
+Sampling is a pure function of (seed, global sample number): resuming at step N reproduces exactly the
+batches an uninterrupted run would have seen, with no loader state to save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from dskit.data import IGNORE_INDEX, MIXTURE_BLOCK
+from dskit.data.shards import Shard, TokenData
+from dskit.errors import SpecError
+
+
+@dataclass
+class Batch:
+    """One micro-batch: [n, seq_len] int64 each; labels are IGNORE_INDEX where no loss is taken;
+    position_ids is None for text windows (positions 0..seq_len-1, attention across the window)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray | None
+
+
+class Sampler:
+    """Training samples addressed by global sample number, in a seeded permutation per epoch.
+
+    Sample g of the run is unit perm_e[g mod U] with e = g // U: any rank can compute its samples for
+    any step without state, so resume is exact and ranks never overlap. A unit is a window of seq_len+1
+    tokens (text; windows stay inside one shard, losing under seq_len tokens per 256M-token shard) or a
+    pack of whole samples (chat: the samples in a seeded order, filled greedily into rows of seq_len).
+    """
+
+    def __init__(self, data: TokenData, seq_len: int, seed: int, *, packing: str = "pack"):
+        self.data, self.seq_len, self.seed = data, seq_len, seed
+        self.chat = data.kind == "chat"
+        self.truncated = 0  # chat samples cut to seq_len+1 (text windows cut nothing)
+        if self.chat:
+            self._build_packs(packing)
+            self.windows = len(self._pack_first) - 1
+        else:
+            per = [max(0, (len(s.tokens) - 1) // seq_len) for s in data.shards]
+            self._shard_first = np.cumsum([0, *per])
+            self.windows = int(self._shard_first[-1])
+        if self.windows < 1:
+            raise SpecError(
+                "data.path",
+                f"{data.source} has {data.n_tokens} tokens, fewer than seq_len+1 ({seq_len + 1})",
+            )
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def describe(self) -> str:
+        return f"{self.data.source}, {self.data.kind}, {self.data.n_tokens} tokens"
+
+    def _build_packs(self, packing: str) -> None:
+        """Chat packs, once: document d spans tokens [start, end) of its shard and takes L-1 row slots
+        (its inputs are tokens[:-1], its labels tokens[1:]); one longer than seq_len+1 is cut to that
+        (counted and logged by the caller through `truncated`). `packing='pad'`: one sample per row."""
+        starts, ends, shard_of = [], [], []
+        for i, s in enumerate(self.data.shards):
+            e = s.ends.astype(np.int64)
+            starts.append(np.concatenate([[0], e[:-1]]))
+            ends.append(e)
+            shard_of.append(np.full(len(e), i, dtype=np.int32))
+        self._starts, self._ends = np.concatenate(starts), np.concatenate(ends)
+        self._shard = np.concatenate(shard_of)
+        lengths = np.minimum(self._ends - self._starts, self.seq_len + 1)
+        self.truncated = int(((self._ends - self._starts) > self.seq_len + 1).sum())
+        order = np.random.default_rng([self.seed, 0xDA7A]).permutation(len(lengths))
+        order = order[lengths[order] >= 2]  # one token predicts nothing
+        first, used = [0], 0
+        for j, d in enumerate(order):
+            need = int(lengths[d]) - 1
+            if used and (packing == "pad" or used + need > self.seq_len):
+                first.append(j)
+                used = 0
+            used += need
+        if len(order):
+            first.append(len(order))
+        self._order = order
+        self._pack_first = np.asarray(first if len(order) else [0], dtype=np.int64)
+
+    def _unit(self, g: int) -> int:
+        epoch, i = divmod(g, self.windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._perm_epoch = epoch
+        return int(self._perm[i])
+
+    def _window(self, g: int) -> tuple[Shard, int]:
+        w = self._unit(g)
+        shard = int(np.searchsorted(self._shard_first, w, side="right")) - 1
+        return self.data.shards[shard], (w - int(self._shard_first[shard])) * self.seq_len
+
+    def batch(self, first_sample: int, n: int) -> np.ndarray:
+        """[n, seq_len + 1] int64 token windows (text data) for global samples first_sample ...+n-1."""
+        if self.chat:
+            raise SpecError("data.path", f"{self.data.source} is chat data: read it with Sampler.get")
+        out = np.empty((n, self.seq_len + 1), dtype=np.int64)
+        for j in range(n):
+            shard, s = self._window(first_sample + j)
+            out[j] = shard.tokens[s : s + self.seq_len + 1]
+        return out
+
+    def get(self, first_sample: int, n: int) -> Batch:
+        """The micro-batch of global samples first_sample .. first_sample + n - 1."""
+        if not self.chat:
+            w = self.batch(first_sample, n)
+            return Batch(w[:, :-1], w[:, 1:], None)
+        L = self.seq_len
+        inputs = np.full((n, L), self.data.eos_id, dtype=np.int64)
+        labels = np.full((n, L), IGNORE_INDEX, dtype=np.int64)
+        # Padding gets its own run of positions 0.. so it reads as one more (label-less) sample.
+        pos = np.tile(np.arange(L, dtype=np.int64), (n, 1))
+        for j in range(n):
+            p = self._unit(first_sample + j)
+            at = 0
+            for d in self._order[self._pack_first[p] : self._pack_first[p + 1]]:
+                sh = self.data.shards[int(self._shard[d])]
+                s = int(self._starts[d])
+                e = min(int(self._ends[d]), s + L + 1)
+                toks = np.asarray(sh.tokens[s:e], dtype=np.int64)
+                keep = np.asarray(sh.mask[s + 1 : e], dtype=bool)
+                k = len(toks) - 1
+                inputs[j, at : at + k] = toks[:-1]
+                labels[j, at : at + k] = np.where(keep, toks[1:], IGNORE_INDEX)
+                pos[j, at : at + k] = np.arange(k)
+                at += k
+            if at < L:
+                pos[j, at:] = np.arange(L - at)
+        return Batch(inputs, labels, pos)
+
+
+class Mixture:
+    """Samples drawn from several sources by weight, as a pure function of (seed, global sample number).
+
+    Sample numbers are cut into blocks of BLOCK; in every block each source gets its share of the
+    slots (largest remainder, so the shares are exact per block) and the slots are shuffled by a
+    generator seeded with (seed, block). Sample g is then source i's sample number
+    (block x slots_i + its rank among the block's slots of source i), read through that source's own
+    Sampler: no state to save, so resume stays exact, and each source runs through its own epochs.
+    """
+
+    BLOCK = MIXTURE_BLOCK
+
+    def __init__(self, samplers: list[Sampler], weights: list[float], seed: int):
+        self.samplers, self.seed = samplers, seed
+        w = np.asarray(weights, dtype=np.float64)
+        share = w / w.sum() * self.BLOCK
+        n = np.floor(share).astype(np.int64)
+        rest = self.BLOCK - int(n.sum())
+        n[np.argsort(-(share - n), kind="stable")[:rest]] += 1
+        self.per_block = n
+        self.data = samplers[0].data
+        self.chat = samplers[0].chat
+        self._block, self._src, self._idx = -1, np.empty(0, np.int64), np.empty(0, np.int64)
+
+    @property
+    def truncated(self) -> int:
+        return sum(s.truncated for s in self.samplers)
+
+    def describe(self) -> str:
+        parts = [
+            f"{s.data.source} x{int(k)}/{self.BLOCK}"
+            for s, k in zip(self.samplers, self.per_block, strict=True)
+        ]
+        return "mixture of " + ", ".join(parts)
+
+    def _slots(self, block: int) -> None:
+        if block == self._block:
+            return
+        src = np.repeat(np.arange(len(self.samplers)), self.per_block)
+        src = src[np.random.default_rng([self.seed, 0x313C, block]).permutation(self.BLOCK)]
+        idx = np.empty(self.BLOCK, dtype=np.int64)
+        for i in range(len(self.samplers)):
+            at = np.flatnonzero(src == i)
+            idx[at] = block * self.per_block[i] + np.arange(len(at))
+        self._block, self._src, self._idx = block, src, idx
+
+    def source_of(self, g: int) -> tuple[int, int]:
+        """(source, that source's own sample number) of global sample g."""
+        block, j = divmod(g, self.BLOCK)
+        self._slots(block)
+        return int(self._src[j]), int(self._idx[j])
+
+    def get(self, first_sample: int, n: int) -> Batch:
+        rows = []
+        for g in range(first_sample, first_sample + n):
+            i, k = self.source_of(g)
+            rows.append(self.samplers[i].get(k, 1))
+        pos = None if rows[0].position_ids is None else np.concatenate([r.position_ids for r in rows])
+        return Batch(
+            np.concatenate([r.input_ids for r in rows]), np.concatenate([r.labels for r in rows]), pos
+        )
+
+
+def sample_index(step: int, micro: int, rank: int, *, grad_accum: int, world: int, micro_batch: int) -> int:
+    """Global number of the first sample of (optimizer step, micro step, rank)."""
+    return ((step * grad_accum + micro) * world + rank) * micro_batch
