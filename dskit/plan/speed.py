@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.catalog import GPU
-from dskit.plan.memory import moe_layers as _moe_layers
 from dskit.plan.model_math import ModelCounts
 
 # ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
@@ -214,8 +213,8 @@ def predict(
     # rank moves nothing. AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node);
     # the expert-data-parallel group strides by ep over all ranks, so it spans every node, as the
     # dense group does.
-    dense_params = c.total - c.experts_per_layer * _moe_layers(cfg)
-    expert_params = c.experts_per_layer * _moe_layers(cfg) / layout.ep_size
+    dense_params = c.total - c.experts_per_layer * c.moe_layers
+    expert_params = c.experts_per_layer * c.moe_layers / layout.ep_size
     multi_node = layout.world > layout.per_node
     per_micro = per_step = 0.0  # collective seconds: every micro-step / once per optimizer step
     for params, group in ((dense_params, layout.world), (expert_params, layout.expert_dp)):
@@ -247,7 +246,7 @@ def predict(
         if bw is None:
             unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
         else:
-            moe_passes = _moe_layers(cfg) * (2 * 2 + 2 * frac)  # dispatch + combine per pass
+            moe_passes = c.moe_layers * (2 * 2 + 2 * frac)  # dispatch + combine per pass
             copy_bytes = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
             a2a = moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
