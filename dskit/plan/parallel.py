@@ -208,13 +208,9 @@ def _search(
     fabric_name: str,
     warnings: list[str],
 ) -> search.Search:
-    """The fastest candidate that fits (`dskit/plan/search.py`), else SpecError (exit 2).
-
-    EP sizes: every divisor of both the expert count and the world size (AutoEP takes any), inside a
-    node or across nodes, where the all-to-all runs over the fabric. ZeRO stages 3, 2 and 1; optimizer
-    offload only with stage 3 (its host-memory and speed terms are stage 3's). Pinned overrides shrink
-    the candidate lists; the planner's own pick is still computed, so a slower forced choice is named.
-    """
+    """The fastest candidate that fits, else SpecError (exit 2). The candidates are `search.axes`';
+    overrides pin dimensions of them, and the planner's own pick is still ranked, so a slower forced
+    choice is named in a warning."""
     free = search.axes(shape, per_rank)
     pinned, forced = _pinned(o, free)
     found = search.search(
