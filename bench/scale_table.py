@@ -72,14 +72,12 @@ def _cell(plan) -> dict:
 def before(model: str, gpu: str, world: int) -> dict | None:
     """The earlier search under today's constants: ZeRO-3 and EP inside a node, chosen by the search's
     own rules (the tie window and the offload margin) over each in-node EP's winner."""
-    import math
-
     from dskit import catalog
     from dskit.errors import SpecError
     from dskit.plan import search
 
     experts = catalog.model(model).config["n_routed_experts"]
-    eps = [d for d in range(1, PER_NODE + 1) if math.gcd(experts, world) % d == 0]
+    eps = sorted(d for d in search.ep_sizes(experts, world, PER_NODE) if d <= PER_NODE)  # the in-node ones
     found = []  # (the search's winning row, its plan) per EP
     for ep in eps:
         try:

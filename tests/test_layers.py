@@ -22,7 +22,13 @@ READERS = [
     "dskit.run_status",
     "dskit.report",
 ]
-DECISIONS = ["dskit.plan.build", "dskit.plan.search", "dskit.plan.fit", "dskit.plan.speed"]
+DECISIONS = [
+    "dskit.plan.build",
+    "dskit.plan.parallel",
+    "dskit.plan.search",
+    "dskit.plan.fit",
+    "dskit.plan.speed",
+]
 
 
 def test_plan_readers_do_not_import_the_decisions():

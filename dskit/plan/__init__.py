@@ -3,6 +3,7 @@
 - `schema`: the Plan's typed sections and run.yaml I/O (`dump_plan`, `load_plan`). The trainer, the
   renderers, `dskit status` and `dskit report` import only this.
 - `build`: the decisions (`build_plan`, `build_plan_searched`), from the spec and the catalogs, through
-  `search` (which candidate), `fit`/`memory`/`host` (what fits), `speed` (how fast), `deepspeed` (the
-  DeepSpeed config), `watchdog` (the hang timeout).
+  `parallel` (the parallel section: batch split, overrides), `search` (the candidates and which one),
+  `fit`/`memory`/`host` (what fits), `speed` (how fast), `deepspeed` (the DeepSpeed config), `watchdog`
+  (the hang timeout).
 """

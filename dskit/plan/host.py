@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dskit.catalog import GPU
 from dskit.plan.model_math import ModelCounts
 
 GIB = 2**30
@@ -88,3 +89,15 @@ def estimate(
         offload_gib=offload,
         device_gib=ranks_per_node * device_gib_per_rank,
     )
+
+
+def node_memory(given_gib: float | None, gpu: GPU, gpus_per_node: int) -> tuple[float | None, str]:
+    """Host RAM per node and where it came from: `hardware.host_memory_gib` (`given_gib`), else the GPU
+    type's reference node; None where neither is known (not checked)."""
+    if given_gib is not None:
+        return given_gib, "hardware.host_memory_gib"
+    per_gpu = gpu.host_memory_gib_per_gpu
+    if per_gpu is None:
+        return None, "unknown"
+    n = gpus_per_node
+    return float(per_gpu * n), f"default: {per_gpu:g} GiB per {gpu.name} of its reference node x {n}"

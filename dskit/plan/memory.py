@@ -134,15 +134,10 @@ class ConstructionEstimate:
         return self.shard_gib + self.gathered_gib + self.autoep_copy_gib + self.overhead_gib
 
 
-def local_params(c: ModelCounts, cfg: dict[str, Any], ep_size: int) -> float:
+def local_params(c: ModelCounts, ep_size: int) -> float:
     """Parameters whose 16-bit weights a ZeRO-1/2 rank holds: all non-expert ones, 1/ep of the experts."""
-    experts = c.experts_per_layer * moe_layers(cfg)
+    experts = c.experts_per_layer * c.moe_layers
     return c.total - experts + experts / ep_size
-
-
-def moe_layers(cfg: dict[str, Any]) -> int:
-    L = cfg["num_hidden_layers"]
-    return L - min(cfg.get("first_k_dense_replace") or 0, L)
 
 
 def construction(
@@ -219,15 +214,14 @@ def estimate(
             layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)
         working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
     else:
-        local = local_params(c, cfg, ep_size)
+        local = local_params(c, ep_size)
         # each parameter's data-parallel group holds world/ep (experts) or world (the rest) copies of it,
         # so the sharded share per rank is total/world either way
         grads = 2 * (local if zero_stage == 1 else c.total / world)
         states = 2 * local + grads + 12 * c.total / world
         working = 2 * 2 * min(REDUCE_BUCKET_ELEMENTS, local)  # two 16-bit reduce buckets in flight
     tokens = micro_batch * seq_len
-    L = cfg["num_hidden_layers"]
-    dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
+    L, dense_layers = cfg["num_hidden_layers"], c.dense_layers
     # ACTIVATION_SLACK scales what the eager layers keep (fitted on eager runs); the compiled saving is
     # bytes that are no longer allocated at all
     per_layer = [

@@ -18,6 +18,8 @@ class ModelCounts:
     moe_layer_non_expert: int  # a MoE layer's attention, norms, shared experts and router (0 if none)
     largest_module: int  # largest single module: one MoE layer's routed experts, the embedding, an MLP
     attn_flops_per_token: float  # causal attention score/value FLOPs per token, forward + backward
+    dense_layers: int  # the first decoder layers, with a dense MLP (first_k_dense_replace)
+    moe_layers: int  # the rest, each with routed experts
 
 
 def head_dims(cfg: dict[str, Any]) -> tuple[int, int]:
@@ -43,6 +45,7 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
     h, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     E, mi, k = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     shared = cfg.get("n_shared_experts") or 0
+    # the layer split, for every count here and in the memory and step-time models (ModelCounts)
     dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
     moe_layers = L - dense_layers
     attn = attention_params(cfg) + 2 * h  # + the two RMSNorms
@@ -73,6 +76,8 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
         moe_layer_non_expert=attn + moe_non_expert if moe_layers else 0,
         largest_module=largest_module,
         attn_flops_per_token=attn_flops,
+        dense_layers=dense_layers,
+        moe_layers=moe_layers,
     )
 
 

@@ -31,6 +31,7 @@ ZeRO-3, no offload, the largest EP inside a node, the largest micro-batch, no ch
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,6 +46,113 @@ SPEED_TIE = 0.03
 OFFLOAD_MARGIN = 0.15
 
 SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
+
+# ---- the candidates: each dimension in the fit order ----
+#: ZeRO stages searched (3 first: the path every plan took before stages 1 and 2)
+ZERO_STAGES = (3, 2, 1)
+#: optimizer offload searched: off, on (with ZeRO-3 only: `offload_with`)
+OFFLOADS = (False, True)
+#: activation checkpointing searched: off, every 2nd layer, every layer (why not every 3rd and beyond:
+#: the module docstring)
+CKPT_EVERY_CHOICES = (0, 2, 1)
+#: micro-batches searched, largest first: powers of two (a pinned one may be any value that splits the
+#: per-rank batch: `micro_batch_splits`)
+MICRO_BATCHES = (64, 32, 16, 8, 4, 2, 1)
+CPU_MAX_MICRO_BATCH = 8  # CPU runs: a small micro-batch keeps 2-core test machines responsive
+#: a micro-batch refusal lists every valid value up to this many, else the smallest and largest few
+_LIST_AT_MOST = 12
+#: values tried from below for that list (their cofactors give the large ones): bounds the refusal's cost
+_SCAN = 100_000
+
+
+def ep_divides(n_experts: int, world: int, ep: int) -> bool:
+    """The EP sizes AutoEP takes: groups that hold whole experts and tile the world."""
+    return n_experts % ep == 0 and world % ep == 0
+
+
+def ep_sizes(n_experts: int, world: int, per_node: int) -> list[int]:
+    """Every EP size AutoEP takes, in the fit order: inside a node, largest first (the all-to-all runs
+    on NVLink), then across nodes, where it runs over the fabric."""
+    every = [d for d in range(1, math.gcd(n_experts, world) + 1) if ep_divides(n_experts, world, d)]
+    return sorted((d for d in every if d <= per_node), reverse=True) + [d for d in every if d > per_node]
+
+
+def default_ep(n_experts: int, world: int, per_node: int) -> int:
+    """The fit order's first EP size: the largest inside a node."""
+    return ep_sizes(n_experts, world, per_node)[0]
+
+
+def offload_with(zero_stage: int) -> bool:
+    """Optimizer offload is searched with ZeRO-3 only: its host-memory and speed terms are stage 3's."""
+    return zero_stage == 3
+
+
+def micro_batch_splits(per_rank: int, micro_batch: int) -> bool:
+    """What a micro-batch must meet: whole micro-steps (grad_accum = per_rank / micro_batch). A pinned
+    one is taken if it does; whether it fits in memory is the search's to say."""
+    return per_rank % micro_batch == 0
+
+
+def micro_batches(per_rank: int, on_cpu: bool) -> list[int]:
+    """The micro-batches the planner searches on its own, largest first."""
+    return [
+        m
+        for m in MICRO_BATCHES
+        if micro_batch_splits(per_rank, m) and (not on_cpu or m <= CPU_MAX_MICRO_BATCH)
+    ]
+
+
+def valid_micro_batches(per_rank: int) -> str:
+    """The values `micro_batch_splits` accepts for `per_rank`, for a refusal: each one is checked by
+    that rule (no second definition of valid), listed whole when short, else described compactly."""
+    root = math.isqrt(per_rank)
+    small = [m for m in range(1, min(root, _SCAN) + 1) if micro_batch_splits(per_rank, m)]
+    large = [per_rank // m for m in reversed(small) if micro_batch_splits(per_rank, per_rank // m)]
+    if root > _SCAN:  # the middle was not searched: name the rule and the ends found
+        return f"the divisors of {per_rank}, e.g. {', '.join(map(str, [*small[:4], '...', *large[-2:]]))}"
+    valid = sorted(set(small + large))
+    if len(valid) <= _LIST_AT_MOST:
+        return ", ".join(map(str, valid))
+    ends = [*map(str, valid[:6]), "...", *map(str, valid[-3:])]
+    return f"the {len(valid)} divisors of {per_rank}: {', '.join(ends)}"
+
+
+@dataclass(frozen=True)
+class Axes:
+    """The search's dimensions, each in the fit order; an override pins one to its value."""
+
+    offloads: tuple[bool, ...]
+    eps: tuple[int, ...]
+    micro_batches: tuple[int, ...]
+    ckpts: tuple[int, ...]
+    stages: tuple[int, ...]
+
+    def candidates(self) -> list[fit.Candidate]:
+        """Every combination, in the fit order (used where no speed is predicted): ZeRO-3, no offload
+        first, largest EP inside a node, largest micro-batch, no checkpointing."""
+        return [
+            fit.Candidate(ep, mb, ck, off, st)
+            for st in self.stages
+            for off in self.offloads
+            if not off or offload_with(st)
+            for ep in self.eps
+            for mb in self.micro_batches
+            for ck in self.ckpts
+        ]
+
+
+def axes(shape: fit.Shape, per_rank: int) -> Axes:
+    """Every choice the planner weighs on its own. The cpu profile has no step-time model to weigh EP
+    sizes and stages: there it takes the fit order's first of each, as it always has."""
+    on_cpu = shape.gpu.is_cpu
+    eps = ep_sizes(shape.cfg["n_routed_experts"], shape.world, shape.per_node)
+    return Axes(
+        offloads=OFFLOADS,
+        eps=tuple(eps[:1] if on_cpu else eps),
+        micro_batches=tuple(micro_batches(per_rank, on_cpu)),
+        ckpts=CKPT_EVERY_CHOICES,
+        stages=ZERO_STAGES[:1] if on_cpu else ZERO_STAGES,
+    )
 
 
 @dataclass(frozen=True)
@@ -162,18 +270,20 @@ def rank(shape: fit.Shape, candidates: list[fit.Candidate], per_rank: int, speed
 
 def search(
     shape: fit.Shape,
-    candidates: list[fit.Candidate],
+    pinned: Axes,
     *,
-    unforced: list[fit.Candidate],
+    free: Axes,
     forced: list[str],
     per_rank: int,
     speed_of: SpeedOf,
     ep_for: Callable[[int], int],
 ) -> Search:
-    """The ranked candidates, or SpecError (exit 2) saying why none fits."""
-    rows = rank(shape, candidates, per_rank, speed_of)
-    free = rank(shape, unforced, per_rank, speed_of) if forced else None
-    own = free[0] if free and free[0].fits else None
+    """The ranked candidates of `pinned` (`free` narrowed by the overrides named in `forced`), or
+    SpecError (exit 2) saying why none fits. With overrides, `free` is ranked too: the planner's own
+    pick, to name a slower forced choice and to tell a bad override from a small cluster."""
+    rows = rank(shape, pinned.candidates(), per_rank, speed_of)
+    free_rows = rank(shape, free.candidates(), per_rank, speed_of) if forced else None
+    own = free_rows[0] if free_rows and free_rows[0].fits else None
     if not rows[0].fits:
         field, message = fit.explain_no_fit(
             shape, [r.fit for r in rows], own.candidate if own else None, forced, ep_for

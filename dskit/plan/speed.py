@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.catalog import GPU
-from dskit.plan.memory import moe_layers as _moe_layers
 from dskit.plan.model_math import ModelCounts
 
 # ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
@@ -199,25 +198,61 @@ def predict(
     `peak_tflops`: at the plan's precision."""
     if peak_tflops is None or gpu.memory_bw_gbs is None:
         return None
-    peak = peak_tflops * 1e12
     L = cfg["num_hidden_layers"]
     T = micro_batch * seq_len
     frac = checkpointed_fraction(L, ckpt_every)
-    unknown: list[str] = []
+    passes = L * (2 + frac)
+    unknown: list[str] = []  # filled by the terms that need a bandwidth the catalog lacks
 
-    compute = T * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
+    compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled)
+    per_micro, per_step = _collectives_s(c, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
+    a2a = _all_to_all_s(cfg, c, layout, gpu, fabric_gbs, T, frac, unknown)
+    hooked = zero_stage == 3
+    host_pass = HOST_LAYER_PASS_S if hooked else HOST_LAYER_PASS_UNHOOKED_S
+    gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
+    return StepTime(
+        compute_s=grad_accum * compute,
+        layer_gpu_s=grad_accum * gpu_pass * passes,
+        collectives_s=grad_accum * per_micro,
+        all_to_all_s=grad_accum * a2a,
+        host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
+        optimizer_s=_optimizer_s(c, layout, gpu, offload),
+        tokens_per_step=grad_accum * T,
+        flops_per_token=flops_per_token,
+        peak_tflops=peak_tflops,
+        unknown=tuple(dict.fromkeys(unknown)),
+        boundary_s=per_step,
+    )
+
+
+def _compute_s(tokens: int, flops_per_token: float, frac: float, peak: float, compiled: bool) -> float:
+    """One micro-step's FLOPs (the recomputed forwards included) at GEMM_EFFICIENCY of `peak` FLOP/s."""
+    compute = tokens * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
     if compiled:
         compute *= 1 - COMPILED_COMPUTE_SAVING
-    passes = L * (2 + frac)
+    return compute
 
+
+def _collectives_s(
+    c: ModelCounts,
+    layout: Layout,
+    gpu: GPU,
+    fabric_gbs: float | None,
+    zero_stage: int,
+    frac: float,
+    passes: float,
+    unknown: list[str],
+) -> tuple[float, float]:
+    """ZeRO's collective seconds (every micro-step, once per optimizer step), their synchronisation
+    included; a group whose bandwidth is unknown is named in `unknown` and not counted."""
     # Experts are sharded over the expert-data-parallel group, the rest over all ranks; a group of one
     # rank moves nothing. AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node);
     # the expert-data-parallel group strides by ep over all ranks, so it spans every node, as the
     # dense group does.
-    dense_params = c.total - c.experts_per_layer * _moe_layers(cfg)
-    expert_params = c.experts_per_layer * _moe_layers(cfg) / layout.ep_size
+    dense_params = c.total - c.experts_per_layer * c.moe_layers
+    expert_params = c.experts_per_layer * c.moe_layers / layout.ep_size
     multi_node = layout.world > layout.per_node
-    per_micro = per_step = 0.0  # collective seconds: every micro-step / once per optimizer step
+    per_micro = per_step = 0.0
     for params, group in ((dense_params, layout.world), (expert_params, layout.expert_dp)):
         if group == 1:
             continue
@@ -237,40 +272,40 @@ def predict(
     syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1  # AutoEP's count exchange
     if syncs:
         per_micro += SYNC_LAYER_PASS_S * passes
-    hooked = zero_stage == 3
-    host_pass = HOST_LAYER_PASS_S if hooked else HOST_LAYER_PASS_UNHOOKED_S
-    gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
+    return per_micro, per_step
 
-    a2a = 0.0
-    if layout.ep_size > 1:
-        bw = _bandwidth(layout.ep_size, layout.ep_size > layout.per_node, gpu, fabric_gbs)
-        if bw is None:
-            unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
-        else:
-            moe_passes = _moe_layers(cfg) * (2 * 2 + 2 * frac)  # dispatch + combine per pass
-            copy_bytes = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
-            a2a = moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
+def _all_to_all_s(
+    cfg: dict[str, Any],
+    c: ModelCounts,
+    layout: Layout,
+    gpu: GPU,
+    fabric_gbs: float | None,
+    tokens: int,
+    frac: float,
+    unknown: list[str],
+) -> float:
+    """One micro-step's AutoEP dispatch and combine seconds (0 without EP, or where the bandwidth is
+    unknown: then named in `unknown`)."""
+    if layout.ep_size == 1:
+        return 0.0
+    bw = _bandwidth(layout.ep_size, layout.ep_size > layout.per_node, gpu, fabric_gbs)
+    if bw is None:
+        unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
+        return 0.0
+    moe_passes = c.moe_layers * (2 * 2 + 2 * frac)  # dispatch + combine per pass
+    copy_bytes = tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+    return moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
+
+
+def _optimizer_s(c: ModelCounts, layout: Layout, gpu: GPU, offload: bool) -> float:
+    """Adam over this rank's shard of every parameter: GPU memory bandwidth, or with offload the host's
+    CPU Adam plus the PCIe round trip."""
     local_params = c.total / layout.world  # every stage shards the optimizer states
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
-        optimizer = (
+        return (
             local_params * layout.per_node / 1e9 * CPU_ADAM_S_PER_BPARAM_NODE
             + local_params * OFFLOAD_BYTES_PER_PARAM / (pcie * GB)
         )
-    else:
-        optimizer = local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
-
-    return StepTime(
-        compute_s=grad_accum * compute,
-        layer_gpu_s=grad_accum * gpu_pass * passes,
-        collectives_s=grad_accum * per_micro,
-        all_to_all_s=grad_accum * a2a,
-        host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
-        optimizer_s=optimizer,
-        tokens_per_step=grad_accum * T,
-        flops_per_token=flops_per_token,
-        peak_tflops=peak_tflops,
-        unknown=tuple(dict.fromkeys(unknown)),
-        boundary_s=per_step,
-    )
+    return local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)

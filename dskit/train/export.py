@@ -31,8 +31,12 @@ from dskit.hf_checkpoint import INDEX, SINGLE
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dskit export --help` stays light
     import torch
+    from transformers import PretrainedConfig
 
     from dskit.plan.schema import Plan
+
+#: name -> (shape, dtype) of each tensor of the exported model, in the model's order
+Shapes = dict[str, tuple[tuple[int, ...], "torch.dtype"]]
 
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 VERIFY_MAX_PARAMS = 3 * 10**9  # the logits check runs the model on this machine's CPU
@@ -69,90 +73,132 @@ def _load_universal(udir: Path, name: str) -> torch.Tensor | None:
 def export(
     run: str, output: str, *, force: bool = False, verify: bool = True, shard_bytes: int = SHARD_BYTES
 ) -> Path:
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
+    """The run's newest verified checkpoint as a Hugging Face model directory at `output`."""
+    from dskit.train.model import torch_dtype
 
+    plan, src, out = _inputs(run, output, force=force)
+    dtype = torch_dtype(plan.parallel.precision)
+    with atomic_dir(out, kind="export", force=force) as work:
+        udir = _to_universal(src, work / "universal")
+        config, shapes = _hf_shapes(plan, dtype)
+        shards = plan_shards(shapes, shard_bytes)
+        _write_shards(work, udir, src, shapes, shards)
+        shutil.rmtree(udir)
+        (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
+        _write_index(work, shapes, shards)
+        config.save_pretrained(work)
+        meta = _write_meta(work, src, plan)
+        if verify:
+            _verify(work, src, plan, dtype)
+    print(f"wrote {out} (step {meta['step']} of {plan.name})")
+    return out
+
+
+def _inputs(run: str, output: str, *, force: bool) -> tuple[Plan, Path, Path]:
+    """(the run's plan, its newest verified checkpoint, the output path), or SpecError before any work."""
     from dskit.plan.schema import load_plan
     from dskit.train.checkpoint import newest_verified_tag
     from dskit.train.local import run_file_of
-    from dskit.train.model import hf_config, torch_dtype
 
     plan = load_plan(run_file_of(run))
     out = Path(output).resolve()
     if out.exists() and not force:  # before the expensive part; atomic_dir checks again
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
-    src = newest_verified_tag(Path(plan.run.checkpoint_dir))
-    dtype = torch_dtype(plan.parallel.precision)
-    with atomic_dir(out, kind="export", force=force) as work:
-        udir = work / "universal"
-        print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "deepspeed.checkpoint.ds_to_universal",
-                "--input_folder",
-                str(src),
-                "--output_folder",
-                str(udir),
-                "--num_extract_workers",
-                "1",
-                "--num_merge_workers",
-                "1",
-            ],
-            env={**os.environ, "DS_ACCELERATOR": "cpu"},
-            capture_output=True,
-            text=True,
+    return plan, newest_verified_tag(Path(plan.run.checkpoint_dir)), out
+
+
+def _to_universal(src: Path, udir: Path) -> Path:
+    """`src` consolidated by DeepSpeed into one fp32 tensor per parameter under `udir`; on failure its
+    output goes to a log file that the SpecError names."""
+    print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(src),
+            "--output_folder",
+            str(udir),
+            "--num_extract_workers",
+            "1",
+            "--num_merge_workers",
+            "1",
+        ],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="dskit-export-", suffix=".log", delete=False, encoding="utf-8", errors="replace"
+        ) as log:
+            log.write(f"{proc.stdout}\n{proc.stderr}")
+        raise SpecError(
+            "checkpoint",
+            f"ds_to_universal failed on {src} (exit {proc.returncode}); its full output is in {log.name}",
         )
-        if proc.returncode != 0:
-            with tempfile.NamedTemporaryFile(
-                "w", prefix="dskit-export-", suffix=".log", delete=False, encoding="utf-8", errors="replace"
-            ) as log:
-                log.write(f"{proc.stdout}\n{proc.stderr}")
-            raise SpecError(
-                "checkpoint",
-                f"ds_to_universal failed on {src} (exit {proc.returncode}); its full output is in {log.name}",
-            )
-        config = hf_config(plan.model.config, "sdpa")
-        config.dtype = dtype
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        shapes = {
-            name: (tuple(t.shape), _export_dtype(name, dtype)) for name, t in skeleton.state_dict().items()
-        }
-        del skeleton
-        shards = plan_shards(shapes, shard_bytes)
-        with tqdm(total=len(shapes), desc="exporting", unit="tensor", disable=None) as bar:
-            for fname, names in shards.items():
-                # one shard in memory at a time: the export's footprint is bounded by SHARD_BYTES plus
-                # one tensor in fp32, whatever the model's size
-                tensors = {}
-                for name in names:
-                    tensors[name] = _consolidated(udir, src, name, *shapes[name])
-                    bar.update()
-                save_file(tensors, str(work / fname), metadata={"format": "pt"})
-                del tensors
-        shutil.rmtree(udir)
-        (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
-        if len(shards) > 1:
-            total = sum(_nbytes(*shapes[n]) for n in shapes)
-            weight_map = {n: fname for fname, names in shards.items() for n in names}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (work / INDEX).write_text(json.dumps(index, indent=1) + "\n")
-        config.save_pretrained(work)
-        meta = {
-            "source_checkpoint": str(src),
-            "step": json.loads((src / "dskit.json").read_text())["step"],
-            "plan": plan.name,
-            "model": plan.model.name,
-        }
-        (work / "dskit-export.json").write_text(json.dumps(meta, indent=1) + "\n")
-        if verify:
-            _verify(work, src, plan, dtype)
-    print(f"wrote {out} (step {meta['step']} of {plan.name})")
-    return out
+    return udir
+
+
+def _hf_shapes(plan: Plan, dtype: torch.dtype) -> tuple[PretrainedConfig, Shapes]:
+    """The Hugging Face config and its tensors' shapes, from a model built on the meta device (no memory
+    for the weights): names and sizes are known before any data is read."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dskit.train.model import hf_config
+
+    config = hf_config(plan.model.config, "sdpa")
+    config.dtype = dtype
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    shapes = {name: (tuple(t.shape), _export_dtype(name, dtype)) for name, t in skeleton.state_dict().items()}
+    return config, shapes
+
+
+def _write_shards(
+    work: Path,
+    udir: Path,
+    src: Path,
+    shapes: Shapes,
+    shards: dict[str, list[str]],
+) -> None:
+    """Each shard's tensors consolidated from the universal checkpoint, in the export's dtype."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    with tqdm(total=len(shapes), desc="exporting", unit="tensor", disable=None) as bar:
+        for fname, names in shards.items():
+            # one shard in memory at a time: the export's footprint is bounded by SHARD_BYTES plus
+            # one tensor in fp32, whatever the model's size
+            tensors = {}
+            for name in names:
+                tensors[name] = _consolidated(udir, src, name, *shapes[name])
+                bar.update()
+            save_file(tensors, str(work / fname), metadata={"format": "pt"})
+            del tensors
+
+
+def _write_index(work: Path, shapes: Shapes, shards: dict[str, list[str]]) -> None:
+    """The sharded checkpoint's index, as transformers writes it; a single file needs none."""
+    if len(shards) > 1:
+        total = sum(_nbytes(*shapes[n]) for n in shapes)
+        weight_map = {n: fname for fname, names in shards.items() for n in names}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (work / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+
+
+def _write_meta(work: Path, src: Path, plan: Plan) -> dict:
+    """dskit-export.json: which checkpoint, step, plan and model the export came from."""
+    meta = {
+        "source_checkpoint": str(src),
+        "step": json.loads((src / "dskit.json").read_text())["step"],
+        "plan": plan.name,
+        "model": plan.model.name,
+    }
+    (work / "dskit-export.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
 
 
 def _export_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -166,7 +212,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def plan_shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: int) -> dict[str, list[str]]:
+def plan_shards(shapes: Shapes, limit: int) -> dict[str, list[str]]:
     """File name -> tensor names, in model order, each file at most `limit` bytes (or one tensor).
     Decided from shapes alone, before any data is read, so shard names are final when written."""
     groups: list[list[str]] = [[]]

@@ -90,7 +90,9 @@ def train(
     watchdog: Watchdog,
     reporter: Callable[[dict], None] | None = None,
 ) -> int:
-    par, opt, run = plan.parallel, plan.optim, plan.run
+    """Resume, run the steps from there, checkpoint, stop on request; returns the process's exit code
+    (0, or EXIT_REQUEUE after a stop request's checkpoint)."""
+    opt, run = plan.optim, plan.run
     ckpt = Checkpointer(
         run.checkpoint_dir,
         keep=run.checkpoint_keep,
@@ -105,56 +107,20 @@ def train(
     profiler = StepProfiler(run.profile_steps, opt.steps, run.output_dir, rank, device)
 
     # ---------------------------------------------------------------- resume
-    meta = ckpt.load_latest(engine)
-    start = meta["step"] if meta else 0
-    watchdog.begin(start)  # the first step carries compiles and warm-up
+    start = _resume(ckpt, engine, watchdog)
     if start >= opt.steps:
         log.info("all %d steps already done", opt.steps)
         _mark_complete(run.output_dir, rank)
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
-    evals = None
-    if eval_sampler:
-        evals = Evaluator(
-            plan,
-            eval_sampler,
-            rank=rank,
-            world=world,
-            device=device,
-            tb=window.tensorboard,
-            beat=watchdog.beat,
-        )
-
-    def save(step: int, extra: dict | None = None) -> None:
-        info = {"step": step, "samples": step * par.grad_accum * par.micro_batch * world, "plan": plan.name}
-        watchdog.beat(step, "checkpoint save")
-        path = ckpt.save(engine, step, info, extra=extra)
-        watchdog.beat(step, "step")
-        # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
-        # step: a report took ~2 s on the CPU test cluster, longer than a step.
-        # The per-expert counts (layers x experts ints) stay in metrics.jsonl, out of Ray's result rows.
-        if reporter:
-            last = {k: v for k, v in window.last.items() if k != "expert_counts"}
-            reporter({**last, "step": step, "checkpoint": str(path)})
+    evals = _evaluator(plan, eval_sampler, window, watchdog, rank=rank, world=world, device=device)
+    save = _Saver(plan, engine, ckpt, watchdog, window, reporter, world=world)
 
     # ---------------------------------------------------------------- loop
     for step in range(start, opt.steps):
-        lr = lr_at(step, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps, total_steps=opt.steps)
-        for group in engine.optimizer.param_groups:
-            group["lr"] = lr
-        for micro in range(par.grad_accum):
-            first = sample_index(
-                step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
-            )
-            inputs, labels, extra = _to_device(sampler.get(first, par.micro_batch), device)
-            tap.start()
-            ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
-            tap.stop()
-            aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
-            engine.backward(ce + aux)
-            engine.step()
-            window.add(ce, aux)
+        lr = _set_lr(engine, plan, step)
+        _micro_steps(plan, engine, tap, sampler, window, step, rank=rank, world=world, device=device)
         done = step + 1
         watchdog.beat(done)
         profiler.after_step(done)
@@ -173,14 +139,8 @@ def train(
         # ------------------------------------------------------------ checkpoint / stop
         if done == opt.steps:
             break
-        if stop.requested():
-            save(done)
-            stop.clear_file()
-            window.close()
-            log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
+        if _checkpoint_or_stop(done, run.checkpoint_every, stop, save, window):
             return EXIT_REQUEUE
-        if done % run.checkpoint_every == 0:
-            save(done)
 
     # ---------------------------------------------------------------- finish
     if run.checkpoint_final:
@@ -189,6 +149,117 @@ def train(
     stop.clear_file()
     window.close()
     return 0
+
+
+def _resume(ckpt: Checkpointer, engine, watchdog: Watchdog) -> int:
+    """The newest verified checkpoint loaded into the engine (if any); returns the step it ends."""
+    meta = ckpt.load_latest(engine)
+    start = meta["step"] if meta else 0
+    watchdog.begin(start)  # the first step carries compiles and warm-up
+    return start
+
+
+def _evaluator(
+    plan: Plan,
+    sampler: Sampler | None,
+    window: LogWindow,
+    watchdog: Watchdog,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> Evaluator | None:
+    """The eval loss's runner where the plan has a held-out set; it writes to the training log's
+    TensorBoard and beats the training watchdog."""
+    if not sampler:
+        return None
+    return Evaluator(
+        plan, sampler, rank=rank, world=world, device=device, tb=window.tensorboard, beat=watchdog.beat
+    )
+
+
+class _Saver:
+    """save(step, extra files): a checkpoint at `step`, under the watchdog, reported to Ray Train."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        engine,
+        ckpt: Checkpointer,
+        watchdog: Watchdog,
+        window: LogWindow,
+        reporter: Callable[[dict], None] | None,
+        *,
+        world: int,
+    ):
+        self.plan, self.engine, self.ckpt, self.watchdog = plan, engine, ckpt, watchdog
+        self.window, self.reporter, self.world = window, reporter, world
+
+    def __call__(self, step: int, extra: dict | None = None) -> None:
+        par = self.plan.parallel
+        samples = step * par.grad_accum * par.micro_batch * self.world
+        info = {"step": step, "samples": samples, "plan": self.plan.name}
+        self.watchdog.beat(step, "checkpoint save")
+        path = self.ckpt.save(self.engine, step, info, extra=extra)
+        self.watchdog.beat(step, "step")
+        # Ray Train: report at each checkpoint, on every rank (report() is collective). Not every log
+        # step: a report took ~2 s on the CPU test cluster, longer than a step.
+        # The per-expert counts (layers x experts ints) stay in metrics.jsonl, out of Ray's result rows.
+        if self.reporter:
+            last = {k: v for k, v in self.window.last.items() if k != "expert_counts"}
+            self.reporter({**last, "step": step, "checkpoint": str(path)})
+
+
+def _set_lr(engine, plan: Plan, step: int) -> float:
+    """The schedule's learning rate for `step`, set on every parameter group; returned for the log."""
+    opt = plan.optim
+    lr = lr_at(step, lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps, total_steps=opt.steps)
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
+def _micro_steps(
+    plan: Plan,
+    engine,
+    tap: RouterTap,
+    sampler: Sampler | Mixture,
+    window: LogWindow,
+    step: int,
+    *,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> None:
+    """One optimizer step: grad_accum micro-steps of forward, balance loss and backward (DeepSpeed's
+    engine.step() updates the weights at the accumulation boundary)."""
+    par = plan.parallel
+    for micro in range(par.grad_accum):
+        first = sample_index(
+            step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
+        )
+        inputs, labels, extra = _to_device(sampler.get(first, par.micro_batch), device)
+        tap.start()
+        ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
+        tap.stop()
+        aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
+        engine.backward(ce + aux)
+        engine.step()
+        window.add(ce, aux)
+
+
+def _checkpoint_or_stop(done: int, every: int, stop: StopRequest, save: _Saver, window: LogWindow) -> bool:
+    """After any step but the last: True (exit to be requeued) once a stop request has been checkpointed;
+    else a checkpoint every `every` steps. Collective: every rank asks at the same step."""
+    if stop.requested():
+        save(done)
+        stop.clear_file()
+        window.close()
+        log.warning("stopped at step %d on request; exiting with %d (requeue)", done, EXIT_REQUEUE)
+        return True
+    if done % every == 0:
+        save(done)
+    return False
 
 
 class Evaluator:

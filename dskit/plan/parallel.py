@@ -1,0 +1,309 @@
+"""The plan's parallel section: how the global batch splits over the ranks, and the fastest candidate
+that fits (ZeRO stage, EP size, micro-batch, activation checkpointing, optimizer offload;
+`dskit/plan/search.py` holds the candidates and the ranking), with the loss chunk, regional compile and
+attention backend that go with it.
+
+The spec's overrides pin dimensions of the search here (`_pinned`); a pinned value the search cannot
+take is refused with the values it can (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from dskit import catalog
+from dskit.errors import SpecError, one_of
+from dskit.plan import fit, host, memory, search, speed
+from dskit.plan.model_math import ModelCounts
+from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
+from dskit.spec import PlanOverrides, Spec
+
+#: the default global batch: 256 sequences (~1M tokens at seq 4096, the seed post's batch) ...
+DEFAULT_GLOBAL_BATCH = 256
+#: ... or this many per GPU where that is more (clusters of more than 64 GPUs): one sequence per GPU
+#: would leave ZeRO's per-micro-step collectives and the per-layer costs unamortised. DeepSeek trained V2
+#: with 2304-9216 sequences per step and V3 with 3072-15360 (the V2 and V3 reports); 4 per GPU is 1024
+#: at 256 GPUs and 4096 at 1024.
+DEFAULT_SEQUENCES_PER_GPU = 4
+
+
+def plan_parallel(
+    spec: Spec,
+    model: ModelPlan,
+    model_counts: ModelCounts,
+    gpu: catalog.GPU,
+    fabric: catalog.Fabric,
+    hardware: HardwarePlan,
+    precision: str,
+    warnings: list[str],
+) -> tuple[ParallelPlan, search.Search]:
+    """EP size and batch split, checkpointing and offload: the fastest candidate that fits
+    (`dskit/plan/search.py`), and the attention backend."""
+    cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
+    if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
+        _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
+    gb, per_rank = _batch_split(spec, world)
+    compiled = _compiled(spec, gpu, warnings)
+    shape = _shape(spec, model, model_counts, gpu, hardware, compiled)
+    seq_len = spec.training.seq_len
+    speed_of = _speed_of(
+        model, model_counts, gpu, fabric, hardware, per_rank=per_rank, seq_len=seq_len, compiled=compiled
+    )
+    found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings)
+    c = found.chosen.candidate
+    parallel = ParallelPlan(
+        zero_stage=c.zero_stage,
+        ep_size=c.ep_size,
+        expert_dp_size=world // c.ep_size,
+        micro_batch=c.micro_batch,
+        grad_accum=per_rank // c.micro_batch,
+        global_batch=gb,
+        seq_len=seq_len,
+        activation_checkpointing=c.ckpt_every,
+        precision=precision,
+        attention=_attention(spec, gpu),
+        offload_optimizer=c.offload,
+        loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
+        compile_regions=compiled,
+    )
+    return parallel, found
+
+
+def speed_section(found: search.Search) -> dict[str, Any] | None:
+    """The plan's `speed`: the winner's predicted step time; with overrides that cost speed, the cost."""
+    if not found.chosen.speed:
+        return None
+    d = found.chosen.speed.as_dict()
+    cost = found.forced_cost
+    if cost is not None and cost > search.SPEED_TIE:
+        d["overrides_cost"] = round(cost, 3)  # predicted share of tokens/s given up to the overrides
+    return d
+
+
+def global_batch(given: int | None, world: int) -> int:
+    """`training.global_batch`, or the default: DEFAULT_GLOBAL_BATCH or DEFAULT_SEQUENCES_PER_GPU x the
+    world size, whichever is larger, rounded up to a multiple of the world size."""
+    if given is not None:
+        return given
+    want = max(DEFAULT_GLOBAL_BATCH, DEFAULT_SEQUENCES_PER_GPU * world)
+    return -(-want // world) * world
+
+
+def regional_compile(choice: str, gpu: catalog.GPU) -> bool:
+    """`overrides.compile` -> whether the trainer compiles its regions. auto: on GPUs, where it measured
+    faster and smaller (bench/README.md); off on the cpu profile, whose runs are tests and short: there
+    inductor's C++ compile takes longer than it saves."""
+    return choice == "on" or (choice == "auto" and not gpu.is_cpu)
+
+
+def _check_pinned_ep(n_experts: int, world: int, per_node: int, ep: int) -> None:
+    if not search.ep_divides(n_experts, world, ep):
+        valid = ", ".join(str(d) for d in sorted(search.ep_sizes(n_experts, world, per_node)))
+        raise SpecError(
+            "overrides.ep_size",
+            f"{ep} must divide both the expert count ({n_experts}) and the world size ({world}); valid: {valid}",
+        )
+
+
+def _batch_split(spec: Spec, world: int) -> tuple[int, int]:
+    """(global batch, per-rank batch), or the refusal of a global batch or pinned micro-batch that does
+    not split into whole micro-steps."""
+    gb = global_batch(spec.training.global_batch, world)
+    if gb % world:
+        lo, hi = (gb // world) * world, (gb // world + 1) * world
+        nearest = ", ".join(str(x) for x in dict.fromkeys((lo or hi, hi)))
+        raise SpecError(
+            "training.global_batch",
+            f"{gb} is not divisible by the world size {world}; nearest: {nearest}",
+        )
+    per_rank = gb // world
+    mb = spec.overrides.micro_batch
+    if mb is not None and not search.micro_batch_splits(per_rank, mb):
+        raise SpecError(
+            "overrides.micro_batch",
+            f"{mb} does not divide the per-rank batch {per_rank} "
+            f"(global_batch {gb} / world {world}); valid: {search.valid_micro_batches(per_rank)}",
+        )
+    return gb, per_rank
+
+
+def _compiled(spec: Spec, gpu: catalog.GPU, warnings: list[str]) -> bool:
+    compiled = regional_compile(spec.overrides.compile, gpu)
+    if compiled and gpu.is_cpu:
+        warnings.append(
+            "overrides.compile=on on the cpu profile: inductor builds C++ at the first step, which needs a C++ "
+            "compiler (dskit's CPU image has none) and takes longer than short runs save"
+        )
+    return compiled
+
+
+def _shape(
+    spec: Spec,
+    model: ModelPlan,
+    model_counts: ModelCounts,
+    gpu: catalog.GPU,
+    hardware: HardwarePlan,
+    compiled: bool,
+) -> fit.Shape:
+    """What every candidate's fit depends on besides the candidate."""
+    host_gib, host_from = host.node_memory(spec.hardware.host_memory_gib, gpu, spec.hardware.gpus_per_node)
+    return fit.Shape(
+        model=model.name,
+        cfg=model.config,
+        counts=model_counts,
+        seq_len=spec.training.seq_len,
+        gpu=gpu,
+        nodes=hardware.nodes,
+        per_node=hardware.procs_per_node,
+        host_memory_gib=host_gib,
+        host_memory_from=host_from,
+        loads_weights=model.path is not None,
+        loss=spec.overrides.loss,
+        compiled=compiled,
+    )
+
+
+def _speed_of(
+    model: ModelPlan,
+    model_counts: ModelCounts,
+    gpu: catalog.GPU,
+    fabric: catalog.Fabric,
+    hardware: HardwarePlan,
+    *,
+    per_rank: int,
+    seq_len: int,
+    compiled: bool,
+) -> search.SpeedOf:
+    """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`)."""
+    world, per_node = hardware.world_size, hardware.procs_per_node
+
+    def speed_of(c: fit.Candidate) -> speed.StepTime | None:
+        return speed.predict(
+            model.config,
+            model_counts,
+            model.flops_per_token,
+            gpu=gpu,
+            peak_tflops=hardware.peak_tflops,
+            fabric_gbs=fabric.gbs_per_gpu,
+            layout=speed.Layout(world=world, per_node=per_node, ep_size=c.ep_size),
+            micro_batch=c.micro_batch,
+            grad_accum=per_rank // c.micro_batch,
+            seq_len=seq_len,
+            ckpt_every=c.ckpt_every,
+            offload=c.offload,
+            compiled=compiled,
+            zero_stage=c.zero_stage,
+        )
+
+    return speed_of
+
+
+def _search(
+    o: PlanOverrides,
+    shape: fit.Shape,
+    per_rank: int,
+    speed_of: search.SpeedOf,
+    fabric_name: str,
+    warnings: list[str],
+) -> search.Search:
+    """The fastest candidate that fits, else SpecError (exit 2). The candidates are `search.axes`';
+    overrides pin dimensions of them, and the planner's own pick is still ranked, so a slower forced
+    choice is named in a warning."""
+    free = search.axes(shape, per_rank)
+    pinned, forced = _pinned(o, free)
+    found = search.search(
+        shape,
+        pinned,
+        free=free,
+        forced=forced,
+        per_rank=per_rank,
+        speed_of=speed_of,
+        ep_for=_ep_at(shape.cfg["n_routed_experts"], shape.per_node, o.ep_size),
+    )
+    warnings.extend(_search_warnings(found, o, forced, fabric_name))
+    return found
+
+
+def _pinned(o: PlanOverrides, free: search.Axes) -> tuple[search.Axes, list[str]]:
+    """The search's dimensions with the overrides' values pinned, and the overrides' keys that pin one."""
+    if o.zero_stage is not None and not search.offload_with(o.zero_stage) and o.offload_optimizer == "cpu":
+        raise SpecError(
+            "overrides.offload_optimizer",
+            f"cpu is searched with ZeRO-3 only, and overrides.zero_stage is {o.zero_stage}; "
+            "one of: auto, none (or overrides.zero_stage 3)",
+        )
+
+    def one(value: Any) -> tuple | None:
+        return None if value is None else (value,)
+
+    pins = {  # axis: (spec key, its pinned values or None), in the order a refusal names them
+        "offloads": (
+            "overrides.offload_optimizer",
+            {"none": (False,), "cpu": (True,)}.get(o.offload_optimizer),
+        ),
+        "eps": ("overrides.ep_size", one(o.ep_size)),
+        "micro_batches": ("overrides.micro_batch", one(o.micro_batch)),
+        "ckpts": ("overrides.activation_checkpointing", one(o.activation_checkpointing)),
+        # last: the refusal names forced[0], and a stage rarely is what does not fit
+        "stages": ("overrides.zero_stage", one(o.zero_stage)),
+    }
+    pinned = dataclasses.replace(free, **{axis: v for axis, (_, v) in pins.items() if v is not None})
+    return pinned, [key for key, v in pins.values() if v is not None]
+
+
+def _ep_at(n_experts: int, per_node: int, pinned_ep: int | None) -> Callable[[int], int]:
+    """The EP size at another world size (the refusal's "use N nodes" hint): the pinned one where AutoEP
+    still takes it, else the planner's default."""
+
+    def ep_at(world: int) -> int:
+        if pinned_ep is not None and search.ep_divides(n_experts, world, pinned_ep):
+            return pinned_ep
+        return search.default_ep(n_experts, world, per_node)
+
+    return ep_at
+
+
+def _search_warnings(
+    found: search.Search, o: PlanOverrides, forced: list[str], fabric_name: str
+) -> list[str]:
+    """What the plan's warnings say about the search's pick: offload, an untimed fabric, forced costs."""
+    warnings = []
+    if found.chosen.candidate.offload:
+        if o.offload_optimizer == "cpu":
+            warnings.append("optimizer states offloaded to CPU: set by overrides.offload_optimizer")
+        elif any(r.fits and not r.candidate.offload for r in found.rows):
+            warnings.append(
+                "optimizer states offloaded to CPU: predicted faster than every fitting plan without it"
+            )
+        else:
+            warnings.append("optimizer states offloaded to CPU: no plan without it fits; expect slower steps")
+    if found.chosen.speed and found.chosen.speed.unknown:
+        warnings.append(
+            f"speed not compared on network.fabric {fabric_name}: {'; '.join(found.chosen.speed.unknown)}; "
+            "the plan takes the fit order (ZeRO-3, largest EP inside a node, largest micro-batch)"
+        )
+    cost = found.forced_cost
+    if cost is not None and cost > search.SPEED_TIE:
+        own = found.unforced_best.candidate.describe()  # type: ignore[union-attr]
+        warnings.append(
+            f"{', '.join(forced)} as set is predicted {cost:.0%} slower than the planner's own choice ({own})"
+        )
+    return warnings
+
+
+def _attention(spec: Spec, gpu: catalog.GPU) -> str:
+    """The backend the trainer runs: the profile's default for auto, else the pinned one if the GPU can
+    run it (catalog.attention_unmet holds the rule), so a kernel the GPU lacks fails here, not at step 1."""
+    want = spec.overrides.attention
+    if want == "auto":
+        return gpu.attention
+    unmet = catalog.attention_unmet(gpu, want)
+    if unmet is not None:
+        sm = "no CUDA device" if gpu.is_cpu else "sm" + gpu.compute_capability.replace(".", "")
+        raise SpecError(
+            "overrides.attention",
+            f"{want} cannot run on {gpu.name} ({sm}): {unmet}; {one_of(['auto', *gpu.attention_backends])}",
+        )
+    return want
