@@ -19,6 +19,7 @@ from typing import Any
 
 from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
+from dskit.train.progress import throughput_text
 
 METRICS_FILE = "metrics.jsonl"
 LAUNCH_ENV_FILE = "launch-env.json"  # written by rank 0 (dskit.train.entry.LAUNCH_ENV_FILE)
@@ -129,7 +130,13 @@ def plot_loss(s: Series, path: Path) -> Path:
 def plot_throughput(s: Series, path: Path) -> Path:
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    a1.plot(*s.column("tokens_per_s_per_gpu"), color="tab:green", lw=1.5)
+    a1.plot(
+        *s.column("tokens_per_s_per_gpu"), color="tab:green", lw=1, alpha=0.5, label="computed (with padding)"
+    )
+    steps, real = s.column("real_tokens_per_s_per_gpu")
+    if real:
+        a1.plot(steps, real, color="tab:green", lw=1.5, label="real tokens")
+    a1.legend(loc="best")
     a1.set_ylabel("tokens/s per GPU")
     a1.set_title("Throughput and model FLOPs utilisation")
     steps, mfu = s.column("mfu")
@@ -303,7 +310,7 @@ def write_html(
     state = [
         ("latest step", f"{last['step']}" + (f" / {total}" if total else "")),
         ("loss", _num(last.get("loss"))),
-        ("tokens/s/GPU", last.get("tokens_per_s_per_gpu")),
+        ("tokens/s/GPU", throughput_text(last)),
         ("restarts (first step logged after each)", ", ".join(map(str, s.restarts)) or "none"),
     ]
     env_rows = sorted((launch_env or {}).items()) or [("launch-env.json", "not written yet")]

@@ -286,7 +286,7 @@ def progress_rows(
     """Step/total, loss, tokens/s, ETA and the last checkpoint from the run's files. `running`: what
     the scheduler says (None: not asked; the ETA then assumes the run goes on)."""
     from dskit.report import METRICS_FILE, locate, read_metrics
-    from dskit.train.progress import format_eta
+    from dskit.train.progress import format_eta, throughput_text
 
     now = time.time() if now is None else now
     total = plan.optim.steps
@@ -305,8 +305,7 @@ def progress_rows(
             rows.append(("resumed", f"{len(s.restarts)} time(s), at step {', '.join(map(str, s.restarts))}"))
         loss = last.get("loss")
         rows.append(("loss", "-" if loss is None else f"{loss:.4f}"))
-        tps = last.get("tokens_per_s_per_gpu")
-        rows.append(("tokens/s/GPU", "-" if tps is None else f"{tps:,.0f}"))
+        rows.append(("tokens/s/GPU", throughput_text(last)))
         if complete:
             eta = "done"
         elif running is not False:

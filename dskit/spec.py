@@ -183,7 +183,8 @@ class DataSpec(_Section):
     packing: Literal["pack", "pad"] = Field(
         "pack",
         description="Chat data: 'pack' fills each row with whole samples (attention stays inside each), "
-        "'pad' puts one sample per row. Text data always uses windows across documents.",
+        "'pad' puts one sample per row, each micro-batch only as wide as a bucket of its longest sample. "
+        "Text data always uses windows across documents.",
     )
 
 

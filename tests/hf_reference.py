@@ -22,7 +22,9 @@ def first_step_loss(model: torch.nn.Module, run_dir: Path, *, masked: bool = Tru
     par, world = plan.parallel, plan.hardware.world_size
     model.eval()
     model.config.use_cache = False
-    sampler = Sampler(TokenData.open(plan.run.data_path), par.seq_len, plan.run.seed)
+    sampler = Sampler(
+        TokenData.open(plan.run.data_path), par.seq_len, plan.run.seed, packing=plan.run.packing
+    )
     total = 0.0
     with torch.no_grad():
         for rank in range(world):

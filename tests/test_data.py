@@ -18,7 +18,7 @@ from dskit import catalog
 from dskit.data import IGNORE_INDEX
 from dskit.data.chat import encode_chat
 from dskit.data.prepare import prepare
-from dskit.data.sampler import Sampler
+from dskit.data.sampler import Sampler, pad_width
 from dskit.data.shards import TokenData
 from dskit.data.tokenizers import tokenizer
 from tests.chat_data import conversations, make_tokenizer, write_jsonl
@@ -86,6 +86,39 @@ def test_packed_rows_keep_samples_whole_with_labels_only_on_targets(chat_shards)
             seen[(*inp[a:e], lab[e - 1])] += 1
     assert sampler.truncated == 0
     assert seen == docs  # one epoch of packs holds every sample once, whole
+
+
+def _samples_tokens(b) -> list[int]:
+    """Per row, the positions before its trailing padding (a last run of positions 0, 1, ... with no
+    label), read from the batch alone."""
+    out = []
+    for pos, lab in zip(b.position_ids, b.labels, strict=True):
+        last = max(i for i in range(len(pos)) if pos[i] == 0)
+        out.append(last if last and (lab[last:] == IGNORE_INDEX).all() else len(pos))
+    return out
+
+
+def test_pad_rows_are_as_wide_as_a_bucket_of_the_longest_and_count_only_real_tokens(chat_shards):
+    """`packing: pad` cuts each micro-batch to the narrowest of a few widths (seq_len halved) that holds
+    its longest sample, so padding is not computed; every Batch counts the positions that hold a
+    sample's token (what throughput and MFU count)."""
+    data, L = TokenData.open(str(chat_shards)), 512
+    pad, pack = Sampler(data, L, seed=3, packing="pad"), Sampler(data, L, seed=3)
+    widths = set()
+    for g in range(0, 40, 4):
+        b = pad.get(g, 4)
+        real = _samples_tokens(b)
+        assert b.real_tokens == sum(real) and b.input_ids.shape[1] == pad_width(max(real), L)
+        assert (
+            max(real) <= b.input_ids.shape[1] and b.labels.shape == b.position_ids.shape == b.input_ids.shape
+        )
+        widths.add(b.input_ids.shape[1])
+    assert len(widths) > 1 and max(widths) < L  # these short samples never needed the whole row
+    assert {pad_width(n, L) for n in range(1, L + 1)} == {8, 16, 32, 64, 128, 256, 512}
+    assert pad_width(100, 4096) == 128 and pad_width(4000, 4096) == 4096 and pad_width(5, 100) == 8
+    assert {pad_width(n, 100) for n in range(1, 101)} == {8, 16, 32, 56, 100}
+    packed = pack.get(0, 4)
+    assert packed.input_ids.shape == (4, L) and packed.real_tokens == sum(_samples_tokens(packed)) < 4 * L
 
 
 def test_sampling_is_a_pure_function_of_seed_and_sample_number(chat_shards):

@@ -8,6 +8,7 @@ check.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -37,6 +38,15 @@ def _spec(model: str, gpu: str, nodes: int):
     )
 
 
+@functools.cache
+def _plan(model: str, gpu: str, nodes: int):
+    """The plan, or the SpecError refusing it: both tests walk the same grid, so each is built once."""
+    try:
+        return build_plan(_spec(model, gpu, nodes))
+    except SpecError as e:
+        return e
+
+
 @pytest.mark.parametrize("gpu", GPUS)
 @pytest.mark.parametrize("model", MODELS)
 def test_every_plan_fits_or_refuses(model, gpu):
@@ -44,9 +54,9 @@ def test_every_plan_fits_or_refuses(model, gpu):
     gpu_limit = (1 - fit.GPU_MEMORY_MARGIN) * g.usable_memory_gib
     host_limit = (1 - fit.HOST_MEMORY_MARGIN) * g.host_memory_gib_per_gpu * PER_NODE
     for nodes in NODES:
-        try:
-            p = build_plan(_spec(model, gpu, nodes))
-        except SpecError as e:
+        p = _plan(model, gpu, nodes)
+        if isinstance(p, SpecError):
+            e = p
             # refused for memory, with numbers and a way out
             assert e.field in {"hardware.nodes", "hardware.host_memory_gib"}, e
             assert "GiB" in e.message and "use " in e.message, e
@@ -92,11 +102,8 @@ def test_the_catalog_is_not_refused_wholesale():
     for m in MODELS:
         for gpu in GPUS:
             for nodes in NODES:
-                try:
-                    build_plan(_spec(m, gpu, nodes))
+                if not isinstance(_plan(m, gpu, nodes), SpecError):
                     fits[m].append((gpu, nodes))
-                except SpecError:
-                    pass
     assert all(fits.values()), fits
     # V3 (671B) on H100s: at 4 nodes even offloaded, the bf16 weights and gradients left on each GPU
     # are 4 B x 671B / 32 ranks = 78 GiB, over the 71.2 GiB limit; 8 nodes fit with offload

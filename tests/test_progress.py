@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("tqdm")
 
-from dskit.train.progress import Progress, format_eta  # noqa: E402
+from dskit.train.progress import Progress, format_eta, throughput_text  # noqa: E402
 
 
 class Terminal(io.StringIO):
@@ -36,7 +36,8 @@ def test_a_terminal_gets_a_bar_with_loss_and_throughput_and_log_lines_above_it()
     p = Progress(0, 4, enabled=True, stream=term)
     for step in (1, 2):
         p.step(step)
-    p.logged({"loss": 3.25, "tokens_per_s_per_gpu": 1234.0})
+    # the bar shows real tokens (padding is no useful work), not the computed figure
+    p.logged({"loss": 3.25, "tokens_per_s_per_gpu": 1500.0, "real_tokens_per_s_per_gpu": 1234.0})
     logging.getLogger("dskit.train").warning("a log line")
     p.close()
     out = term.getvalue()
@@ -45,3 +46,12 @@ def test_a_terminal_gets_a_bar_with_loss_and_throughput_and_log_lines_above_it()
 
 def test_other_ranks_get_no_bar():
     assert Progress(0, 4, enabled=False, stream=Terminal()).bar is None
+
+
+def test_status_and_report_show_real_tokens_beside_the_padded_figure():
+    assert throughput_text({"tokens_per_s_per_gpu": 1500.0}) == "1,500"  # a record from before real tokens
+    full = {"tokens_per_s_per_gpu": 1500.0, "real_tokens_per_s_per_gpu": 1500.0, "packing_efficiency": 1.0}
+    assert throughput_text(full) == "1,500"
+    pad = {"tokens_per_s_per_gpu": 1500.0, "real_tokens_per_s_per_gpu": 150.0, "packing_efficiency": 0.1}
+    assert throughput_text(pad) == "150 real (1,500 with padding; rows 10% full)"
+    assert throughput_text({}) == "-"

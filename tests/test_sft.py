@@ -22,7 +22,7 @@ from dskit.plan.schema import load_plan
 from tests.chat_data import conversations, make_tokenizer, write_jsonl
 from tests.conftest import dskit, render_tiny
 from tests.hf_reference import first_step_loss
-from tests.test_train import losses, run
+from tests.test_train import losses, records, run
 
 pytestmark = pytest.mark.train
 STEPS, EVAL_EVERY = 24, 8
@@ -123,3 +123,45 @@ def test_chat_fine_tune_from_a_saved_model_with_masked_loss_and_a_falling_eval_l
     text = log.read_text()
     assert f"eval step {STEPS} loss" in text
     assert "eval: " in text and "/eval, every 8 steps" in text
+    pad_rows_report_their_true_rate(tmp_path, hf)
+
+
+def pad_rows_report_their_true_rate(tmp_path: Path, hf: Path) -> None:
+    """`packing: pad` (one sample a row): rows are cut to a bucket of the micro-batch's longest sample,
+    the first loss is still Hugging Face's on those batches, and the metrics count real tokens: the
+    packing efficiency is exactly the batches' real tokens over the rows' capacity, and the padding
+    warning comes once exactly when over a third of what was computed is padding."""
+    from dskit.data.sampler import Sampler, sample_index
+    from dskit.data.shards import TokenData
+
+    extra = [
+        f"model.path={hf}",
+        f"data.path={tmp_path / 'shards'}",
+        "data.packing=pad",
+        "checkpoint.final=false",
+    ]
+    rd = render_tiny(tmp_path / "pad", None, steps=2, extra=extra)
+    log = tmp_path / "pad.log"
+    assert run(rd, log) == 0, log.read_text()[-4000:]
+    assert losses(rd)[1] == pytest.approx(hf_first_step_loss(hf, rd), rel=1e-2)
+    plan = load_plan(rd / "run.yaml")
+    par, world = plan.parallel, plan.hardware.world_size
+    sampler = Sampler(TokenData.open(plan.run.data_path), par.seq_len, plan.run.seed, packing="pad")
+
+    def step_tokens(step: int) -> tuple[int, int]:  # (real, computed) over every rank's micro-batches
+        firsts = [
+            sample_index(step, m, r, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch)
+            for r in range(world)
+            for m in range(par.grad_accum)
+        ]
+        batches = [sampler.get(f, par.micro_batch) for f in firsts]
+        return sum(b.real_tokens for b in batches), sum(b.input_ids.size for b in batches)
+
+    capacity = world * par.grad_accum * par.micro_batch * par.seq_len
+    steps = [step_tokens(0), step_tokens(1)]
+    for (real, computed), rec in zip(steps, records(rd), strict=True):
+        assert real < computed <= capacity
+        assert rec["packing_efficiency"] == round(real / capacity, 4) < 1
+        assert rec["real_tokens_per_s_per_gpu"] < rec["tokens_per_s_per_gpu"]
+    padded = any((c - r) / c > 1 / 3 for r, c in steps)
+    assert log.read_text().count("were padding (rows") == (1 if padded else 0), steps

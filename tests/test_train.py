@@ -134,6 +134,8 @@ def test_metrics_records_carry_what_the_issue_lists(reference):
         "loss",
         "lr",
         "tokens_per_s_per_gpu",
+        "real_tokens_per_s_per_gpu",
+        "packing_efficiency",
         "mfu",
         "peak_alloc_gib",
         "peak_reserved_gib",
@@ -143,6 +145,10 @@ def test_metrics_records_carry_what_the_issue_lists(reference):
     ):
         assert key in rec
     assert rec["mfu"] is None  # the cpu profile has no peak FLOP/s: no made-up MFU
+    # text windows are all real tokens: the honest figure is the computed one
+    assert (
+        rec["packing_efficiency"] == 1.0 and rec["real_tokens_per_s_per_gpu"] == rec["tokens_per_s_per_gpu"]
+    )
     assert rec["aux_loss"] > 0 and len(rec["expert_load_per_layer"]) == 2  # tiny models: 2 MoE layers
     counts = rec["expert_counts"]  # [layer][expert] tokens routed in the log window, all ranks
     assert len(counts) == 2 and all(isinstance(c, int) and c >= 0 for row in counts for c in row)

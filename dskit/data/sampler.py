@@ -24,12 +24,27 @@ from dskit.errors import SpecError
 
 @dataclass
 class Batch:
-    """One micro-batch: [n, seq_len] int64 each; labels are IGNORE_INDEX where no loss is taken;
-    position_ids is None for text windows (positions 0..seq_len-1, attention across the window)."""
+    """One micro-batch: [n, width] int64 each, width seq_len (text, packed chat) or a length bucket
+    (`pad`); labels are IGNORE_INDEX where no loss is taken; position_ids is None for text windows
+    (positions 0..seq_len-1, attention across the window). `real_tokens`: the positions holding a
+    sample's token, padding not counted (what honest throughput counts)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray | None
+    real_tokens: int
+
+
+# `pad` rows are cut to the narrowest of these widths that holds the micro-batch's longest sample:
+# seq_len, halved up to six times, in multiples of 8. Few shapes, so regional torch.compile
+# (dynamic=False, 8 recompiles by default) compiles each once instead of once per length.
+PAD_BUCKETS = 7
+
+
+def pad_width(longest: int, seq_len: int) -> int:
+    """The row width of a `pad` micro-batch whose longest sample takes `longest` positions."""
+    widths = sorted({min(seq_len, -(-seq_len // (8 * 2**j)) * 8) for j in range(PAD_BUCKETS)})
+    return next(w for w in widths if w >= min(longest, seq_len))
 
 
 class Sampler:
@@ -42,7 +57,7 @@ class Sampler:
     """
 
     def __init__(self, data: TokenData, seq_len: int, seed: int, *, packing: str = "pack"):
-        self.data, self.seq_len, self.seed = data, seq_len, seed
+        self.data, self.seq_len, self.seed, self.packing = data, seq_len, seed, packing
         self.chat = data.kind == "chat"
         self.truncated = 0  # chat samples cut to seq_len+1 (text windows cut nothing)
         if self.chat:
@@ -117,12 +132,13 @@ class Sampler:
         """The micro-batch of global samples first_sample .. first_sample + n - 1."""
         if not self.chat:
             w = self.batch(first_sample, n)
-            return Batch(w[:, :-1], w[:, 1:], None)
+            return Batch(w[:, :-1], w[:, 1:], None, w[:, :-1].size)
         L = self.seq_len
         inputs = np.full((n, L), self.data.eos_id, dtype=np.int64)
         labels = np.full((n, L), IGNORE_INDEX, dtype=np.int64)
         # Padding gets its own run of positions 0.. so it reads as one more (label-less) sample.
         pos = np.tile(np.arange(L, dtype=np.int64), (n, 1))
+        filled = np.zeros(n, dtype=np.int64)
         for j in range(n):
             p = self._unit(first_sample + j)
             at = 0
@@ -139,7 +155,12 @@ class Sampler:
                 at += k
             if at < L:
                 pos[j, at:] = np.arange(L - at)
-        return Batch(inputs, labels, pos)
+            filled[j] = at
+        real = int(filled.sum())
+        if self.packing == "pad":  # one sample a row: no wider than the longest needs
+            w = pad_width(int(filled.max()), L)
+            return Batch(inputs[:, :w], labels[:, :w], pos[:, :w], real)
+        return Batch(inputs, labels, pos, real)
 
 
 class Mixture:
@@ -199,10 +220,32 @@ class Mixture:
         for g in range(first_sample, first_sample + n):
             i, k = self.source_of(g)
             rows.append(self.samplers[i].get(k, 1))
+        width = max(r.input_ids.shape[1] for r in rows)
+        rows = [_widen(r, width, self.data.eos_id) for r in rows]
         pos = None if rows[0].position_ids is None else np.concatenate([r.position_ids for r in rows])
         return Batch(
-            np.concatenate([r.input_ids for r in rows]), np.concatenate([r.labels for r in rows]), pos
+            np.concatenate([r.input_ids for r in rows]),
+            np.concatenate([r.labels for r in rows]),
+            pos,
+            sum(r.real_tokens for r in rows),
         )
+
+
+def _widen(b: Batch, width: int, eos_id: int) -> Batch:
+    """`pad` rows of different sources, padded to the widest (a run of positions of its own, no labels)."""
+    extra = width - b.input_ids.shape[1]
+    if not extra:
+        return b
+    n = b.input_ids.shape[0]
+    pos = b.position_ids
+    if pos is not None:
+        pos = np.concatenate([pos, np.tile(np.arange(extra, dtype=np.int64), (n, 1))], axis=1)
+    return Batch(
+        np.concatenate([b.input_ids, np.full((n, extra), eos_id, dtype=np.int64)], axis=1),
+        np.concatenate([b.labels, np.full((n, extra), IGNORE_INDEX, dtype=np.int64)], axis=1),
+        pos,
+        b.real_tokens,
+    )
 
 
 def sample_index(step: int, micro: int, rank: int, *, grad_accum: int, world: int, micro_batch: int) -> int:

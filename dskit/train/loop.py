@@ -238,14 +238,15 @@ def _micro_steps(
         first = sample_index(
             step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
         )
-        inputs, labels, extra = _to_device(sampler.get(first, par.micro_batch), device)
+        batch = sampler.get(first, par.micro_batch)
+        inputs, labels, extra = _to_device(batch, device)
         tap.start()
         ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
         tap.stop()
         aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
         engine.backward(ce + aux)
         engine.step()
-        window.add(ce, aux)
+        window.add(ce, aux, real_tokens=batch.real_tokens, row_tokens=inputs.numel())
 
 
 def _checkpoint_or_stop(done: int, every: int, stop: StopRequest, save: _Saver, window: LogWindow) -> bool:

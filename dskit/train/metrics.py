@@ -19,6 +19,7 @@ from dskit.train.tensorboard import TensorBoardLog
 log = logging.getLogger("dskit.train")
 
 GIB = 2**30
+PADDING_WARN = 1 / 3  # the share of a step's computed tokens that is padding, above which rank 0 warns once
 
 
 def mfu(tokens_per_s_per_gpu: float, flops_per_token: float, peak_tflops: float | None) -> float | None:
@@ -127,7 +128,8 @@ class LogWindow:
         # and `dskit report` could not otherwise tell where the run restarted.
         self.resumed_from = start or None
         par = plan.parallel
-        self.tokens_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
+        self.capacity_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
+        self.padding_warned = False
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
         self.tensorboard = TensorBoardLog(plan.run.output_dir, enabled=rank == 0)
         self.progress = Progress(start, plan.optim.steps, enabled=rank == 0)
@@ -144,12 +146,16 @@ class LogWindow:
         self.loss_sum.zero_()
         self.aux_sum.zero_()
         self.steps, self.t0 = 0, time.perf_counter()
+        self.real_tokens = self.row_tokens = 0
 
-    def add(self, ce: torch.Tensor, aux: torch.Tensor) -> None:
-        """One micro-batch's losses (detached here; the sums never hold the graph)."""
+    def add(self, ce: torch.Tensor, aux: torch.Tensor, *, real_tokens: int, row_tokens: int) -> None:
+        """One micro-batch: its losses (detached here; the sums never hold the graph), the tokens that
+        belong to a sample and the tokens its rows hold (padding included: what the GPU computed)."""
         accum = self.plan.parallel.grad_accum
         self.loss_sum += ce.detach() / accum
         self.aux_sum += aux.detach() / accum
+        self.real_tokens += real_tokens
+        self.row_tokens += row_tokens
 
     def step_done(self, done: int, lr: float, tap: RouterTap) -> None:
         """Close step `done`; at a log step, reduce over ranks and write the record (collective)."""
@@ -163,18 +169,27 @@ class LogWindow:
         load = tap.take_load()
         if load is not None:
             dist.all_reduce(load)
+        # float64: exact token counts far beyond what one window holds
+        counts = torch.tensor([self.real_tokens, self.row_tokens], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        real, rows = (counts / self.world).tolist()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.t0
-        tok_s = self.tokens_per_step_rank * self.steps / elapsed
+        real_s = real / elapsed
+        efficiency = real / (self.capacity_per_step_rank * self.steps)
         alloc, reserved = memory_gib(self.device)
         rec = {
             "step": done,
             "loss": stats[0].item(),
             "aux_loss": stats[1].item(),
             "lr": lr,
-            "tokens_per_s_per_gpu": round(tok_s, 1),
-            "mfu": _round(mfu(tok_s, self.plan.model.flops_per_token, self.plan.hardware.peak_tflops)),
+            # what the GPU computed, padding included (the figure benches have always compared) ...
+            "tokens_per_s_per_gpu": round(rows / elapsed, 1),
+            # ... and the tokens of real samples, which MFU counts: padding is no useful work
+            "real_tokens_per_s_per_gpu": round(real_s, 1),
+            "packing_efficiency": round(efficiency, 4),
+            "mfu": _round(mfu(real_s, self.plan.model.flops_per_token, self.plan.hardware.peak_tflops)),
             "peak_alloc_gib": round(alloc, 3),
             "peak_reserved_gib": round(reserved, 3),
             "step_time_s": round(elapsed / self.steps, 4),
@@ -187,19 +202,21 @@ class LogWindow:
         if self.resumed_from is not None:
             rec["resumed_from"] = self.resumed_from
             self.resumed_from = None
+        self._warn_padding(rows, real)
         self.metrics.write(rec)
         self.tensorboard.write(rec)
         self.progress.logged(rec)
         self.last = rec
         if self.rank == 0:
             log.info(
-                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu mfu %s mem %.2f/%.2f GiB load %s eta %s",
+                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu%s mfu %s mem %.2f/%.2f GiB load %s eta %s",
                 done,
                 self.plan.optim.steps,
                 rec["loss"],
                 rec["aux_loss"],
                 lr,
-                tok_s,
+                real_s,
+                "" if efficiency >= 1 else f" (real; rows {efficiency:.0%} full)",
                 rec["mfu"],
                 alloc,
                 reserved,
@@ -207,6 +224,19 @@ class LogWindow:
                 format_eta(self.progress.eta_s(done)),
             )
         self._reset()
+
+    def _warn_padding(self, rows: float, real: float) -> None:
+        """Once per process: more than a third of what the GPU computed was padding."""
+        if self.padding_warned or self.rank != 0 or rows <= 0 or (rows - real) / rows <= PADDING_WARN:
+            return
+        self.padding_warned = True
+        log.warning(
+            "%.0f%% of the tokens computed over the last %d step(s) were padding (rows %.0f%% full): "
+            "data.packing=pack fills rows with whole samples; a shorter training.seq_len suits short samples",
+            100 * (rows - real) / rows,
+            self.steps,
+            100 * real / (self.capacity_per_step_rank * self.steps),
+        )
 
     def _retries_since_last(self, rec: dict) -> int:
         """The most allocator retries any rank had since the last record (collective); warns once."""

@@ -20,6 +20,18 @@ def format_eta(seconds: float | None) -> str:
     return f"{s}s"
 
 
+def throughput_text(rec: dict[str, Any]) -> str:
+    """A metrics record's tokens/s per GPU as `dskit status` and `dskit report` show it: real tokens, and
+    the figure with padding beside it when rows were not full (chat: packed tails, `pad` rows)."""
+    real, rows = rec.get("real_tokens_per_s_per_gpu"), rec.get("tokens_per_s_per_gpu")
+    if real is None:  # written before real tokens were counted
+        return "-" if rows is None else f"{rows:,.0f}"
+    eff = rec.get("packing_efficiency")
+    if rows is None or eff is None or eff >= 1:
+        return f"{real:,.0f}"
+    return f"{real:,.0f} real ({rows:,.0f} with padding; rows {eff:.0%} full)"
+
+
 class Progress:
     def __init__(self, start: int, total: int, *, enabled: bool, stream: IO[str] | None = None):
         self.start, self.total = start, total
@@ -55,7 +67,9 @@ class Progress:
     def logged(self, rec: dict[str, Any]) -> None:
         """At log steps: loss and throughput on the bar."""
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s_gpu=f"{rec['tokens_per_s_per_gpu']:.0f}")
+            self.bar.set_postfix(
+                loss=f"{rec['loss']:.4f}", tok_s_gpu=f"{rec['real_tokens_per_s_per_gpu']:.0f}"
+            )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -22,6 +22,8 @@ SCALARS = {
     "aux_loss": "train/aux_loss",
     "lr": "train/lr",
     "tokens_per_s_per_gpu": "perf/tokens_per_s_per_gpu",
+    "real_tokens_per_s_per_gpu": "perf/real_tokens_per_s_per_gpu",
+    "packing_efficiency": "data/packing_efficiency",
     "mfu": "perf/mfu",
     "step_time_s": "perf/step_time_s",
     "peak_alloc_gib": "memory/peak_alloc_gib",
