@@ -33,9 +33,10 @@ test: setup
 	$(BIN)/python -m pytest
 
 # Unit + render + golden tests (under 2 minutes on 2 cores): no trainer, cluster, pod run or network.
+# Two pytest-xdist workers: these tests share no cluster or port, unlike the rest of `make test`.
 FAST := not train and not slurm and not ray and not network and not slow and not image
 test-fast: setup
-	DSKIT_PROPERTY_EXAMPLES=100 $(BIN)/python -m pytest -m "$(FAST)"
+	DSKIT_PROPERTY_EXAMPLES=50 $(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
 
 # Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests).
 examples: setup

@@ -345,6 +345,7 @@ def test_data_sources_with_data_path_is_one_line_and_exit_2(tmp_path):
     )
 
 
+@pytest.mark.slow  # spawns tokenizer processes, each importing transformers
 def test_shards_are_byte_identical_whatever_the_number_of_tokenizer_processes(tmp_path, tok_dir):
     write_jsonl(tmp_path / "chat.jsonl", conversations(700, seed=4))  # three batches of 256 records
     got = []
@@ -362,6 +363,7 @@ def test_shards_are_byte_identical_whatever_the_number_of_tokenizer_processes(tm
     assert "eval/index.json" in got[0]
 
 
+@pytest.mark.slow  # spawns tokenizer processes, each importing transformers
 def test_a_bad_record_in_a_tokenizer_process_is_the_same_one_line(tmp_path, tok_dir):
     # a tokenizer without a chat template: the error is raised where the template is applied, in a
     # tokenizer process, and reaches the user as the same one line (SpecError survives pickling)
@@ -451,6 +453,7 @@ def test_a_pipe_is_refused_since_inputs_are_read_twice(tmp_path):
     _refused(r, out, "/dev/stdin: is not a regular file (a pipe or a device?)")
 
 
+@pytest.mark.slow  # spawns tokenizer processes, each importing transformers
 def test_chat_template_errors_and_assistant_first_conversations_are_one_line(tmp_path, tok_dir):
     import shutil
 

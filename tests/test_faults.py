@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from dskit.checkpoint_layout import DONE, complete_tags, tag_for
+from dskit.checkpoint_layout import DONE, complete_tags, newest_verified_tag, tag_for, tag_problem
 from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan
-from dskit.train.checkpoint import newest_verified_tag, prune, tag_problem
+from dskit.train.checkpoint import prune
 from dskit.train.watchdog import REPORT_FILE
 from tests.conftest import render_tiny
 from tests.test_train import assert_same_run, losses, ranks_of, records, run, start, wait_for_step

@@ -16,10 +16,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dskit.checkpoint_layout import newest_verified_tag
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan
 from dskit.run_status import read_jobs
-from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE
 from tests.conftest import dskit, dskit_status, render_tiny
 

@@ -21,11 +21,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 TABLE = bench_module("scale_table")
-ROWS = TABLE.table()
 
 
-def test_the_docs_table_is_todays_planner():
-    assert TABLE.markdown(ROWS) in (REPO / "docs" / "planner.md").read_text()
+@pytest.fixture(scope="module")
+def rows() -> list[dict]:
+    """The table as the planner gives it now (a fixture, not collection time: it plans ~90 configs)."""
+    return TABLE.table()
+
+
+def test_the_docs_table_is_todays_planner(rows):
+    assert TABLE.markdown(rows) in (REPO / "docs" / "planner.md").read_text()
 
 
 def _shrunk(pick: dict) -> list[str]:
@@ -39,29 +44,31 @@ def _shrunk(pick: dict) -> list[str]:
     ]
 
 
-PICKS = sorted({tuple(_shrunk(r["now"])) for r in ROWS if "refused" not in r["now"]})
+def _picks(rows: list[dict]) -> list[tuple[str, ...]]:
+    return sorted({tuple(_shrunk(r["now"])) for r in rows if "refused" not in r["now"]})
 
 
-def test_the_table_covers_the_new_choices():
-    stages = {p[0] for p in PICKS}
-    assert {"overrides.zero_stage=2", "overrides.zero_stage=3"} <= stages, PICKS
+def test_the_table_covers_the_new_choices(rows):
+    stages = {p[0] for p in _picks(rows)}
+    assert {"overrides.zero_stage=2", "overrides.zero_stage=3"} <= stages, _picks(rows)
 
 
-@pytest.mark.parametrize("sets", PICKS, ids=lambda s: "-".join(x.split("=")[1] for x in s))
-def test_each_pick_shrunk_to_cpu_renders(sets, tmp_path):
-    rd = render_tiny(tmp_path, nodes=2, gpus_per_node=2, extra=list(sets))
+def test_each_pick_shrunk_to_cpu_renders(rows, tmp_path):
     import json
 
-    ds = json.loads((rd / "deepspeed.json").read_text())
-    par = load_plan(rd / "run.yaml").parallel
-    assert f"overrides.zero_stage={ds['zero_optimization']['stage']}" in sets
-    assert f"overrides.ep_size={ds['expert_parallel']['autoep_size']}" in sets
-    assert f"overrides.activation_checkpointing={par.activation_checkpointing}" in sets
-    assert ("offload_optimizer" in ds["zero_optimization"]) == ("overrides.offload_optimizer=cpu" in sets)
+    for i, sets in enumerate(_picks(rows)):
+        rd = render_tiny(tmp_path / str(i), nodes=2, gpus_per_node=2, extra=list(sets))
+        ds = json.loads((rd / "deepspeed.json").read_text())
+        par = load_plan(rd / "run.yaml").parallel
+        assert f"overrides.zero_stage={ds['zero_optimization']['stage']}" in sets
+        assert f"overrides.ep_size={ds['expert_parallel']['autoep_size']}" in sets
+        assert f"overrides.activation_checkpointing={par.activation_checkpointing}" in sets
+        offloaded = "offload_optimizer" in ds["zero_optimization"]
+        assert offloaded == ("overrides.offload_optimizer=cpu" in sets), sets
 
 
-def test_refusals_in_the_table_are_one_line():
-    for r in ROWS:
+def test_refusals_in_the_table_are_one_line(rows):
+    for r in rows:
         if "refused" in r["now"]:
             assert "\n" not in r["now"]["refused"] and "GiB" in r["now"]["refused"], r
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from dskit import catalog
+from dskit.checkpoint_layout import newest_verified_tag
 from dskit.contract import STOP_FILE
 from dskit.plan.build import build_plan
 from dskit.plan.schema import load_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
-from dskit.train.checkpoint import newest_verified_tag
 from dskit.train.entry import LAUNCH_ENV_FILE
 from tests.conftest import dskit, dskit_status, render_tiny
 from tests.slurm_cluster import SlurmCluster, missing_tools

@@ -11,7 +11,8 @@ dskit.json and renames the directory: a crash at any point leaves either the old
 Loading walks back from the newest tag; each rank re-checks its own files (so the check scales with
 the cluster), and a tag that fails anywhere (a truncated or missing file, a corrupt manifest or
 dskit.json) is skipped with one warning naming what was wrong. `dskit export` runs the same check,
-`tag_problem`, for every rank's files in one process (`newest_verified_tag`). Retention counts only
+`tag_problem`, for every rank's files in one process (`newest_verified_tag`; both in
+dskit/checkpoint_layout.py, which needs no torch). Retention counts only
 checkpoints that pass it, so it never deletes the last good one.
 
 A save that finds the disk full (ENOSPC, EDQUOT: before it starts, from the previous checkpoint's
@@ -28,8 +29,6 @@ import os
 import random
 import re
 import shutil
-import sys
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,131 +37,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dskit.checkpoint_layout import DONE, complete_tags, tag_for
+from dskit.checkpoint_layout import DONE, complete_tags, crc, intact, read_done, tag_for, tag_problem
 from dskit.contract import EXIT_DISK_FULL
 from dskit.errors import SpecError
 from dskit.text import escape
 
 log = logging.getLogger("dskit.train")
-
-
-def _crc(path: Path) -> int:
-    crc = 0
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def verify_rank_files(d: Path, rank: int) -> str | None:
-    """What is wrong with the files `rank` wrote into checkpoint `d` (its manifest: sizes and CRC-32s),
-    or None when they all check out."""
-    mf = d / f"dskit-manifest-rank{rank}.json"
-    if not mf.is_file():
-        return f"{mf.name} missing"
-    try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return f"{mf.name} unreadable"
-    if not isinstance(manifest, dict):
-        return f"{mf.name} is not a mapping of file names to [size, crc]"
-    for name, entry in manifest.items():
-        if not _plain_name(name):
-            return f"{mf.name} names {name!r}, which is not a file inside the checkpoint"
-        if not (isinstance(entry, list) and len(entry) == 2 and all(_is_int(x) for x in entry)):
-            return f"{mf.name} has no [size, crc] for {name!r}"
-        size, crc = entry
-        p = d / name
-        try:
-            if not p.is_file():
-                return f"{name} missing"
-            if p.stat().st_size != size:
-                return f"{name} truncated ({p.stat().st_size} of {size} bytes)"
-            if _crc(p) != crc:
-                return f"{name} corrupt (checksum mismatch)"
-        except OSError as e:  # EACCES, EIO, ESTALE: as untrustworthy as a corrupt file
-            return f"{name} unreadable ({e.strerror or e})"
-    return None
-
-
-MAX_WORLD = 1 << 20
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _plain_name(name: object) -> bool:
-    """A file name directly inside the checkpoint dir: no separators, not '.', '..' or empty."""
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
-
-
-def read_done(d: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(the checkpoint's dskit.json, None), or (None, what is wrong with it)."""
-    try:
-        done = json.loads((d / DONE).read_text())
-    except FileNotFoundError:
-        return None, f"{DONE} missing"
-    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return None, f"{DONE} unreadable (not JSON)"
-    if not isinstance(done, dict):
-        return None, f"{DONE} is not a mapping"
-    world, step = done.get("world_size"), done.get("step")
-    if not (_is_int(world) and 1 <= world <= MAX_WORLD):
-        return None, f"{DONE} has no world_size (an integer from 1 to {MAX_WORLD})"
-    if not (_is_int(step) and step >= 0):
-        return None, f"{DONE} has no step (an integer from 0)"
-    return done, None
-
-
-def tag_problem(d: Path, ranks: range | list[int] | None = None) -> str | None:
-    """What makes checkpoint `d` untrustworthy, or None: its dskit.json, then the files of `ranks`
-    (default: every rank of the world it was written by). Resume (each rank its own) and export (all)
-    share it."""
-    done, problem = read_done(d)
-    if problem:
-        return problem
-    for r in range(done["world_size"]) if ranks is None else ranks:
-        if problem := verify_rank_files(d, r):
-            return f"rank {r}: {problem}"
-    return None
-
-
-def newest_verified_tag(root: Path) -> Path:
-    """The newest complete checkpoint whose every rank's files check out, in one process (export).
-    A SpecError (exit 2) when there is none."""
-    if not root.is_dir():
-        raise SpecError("checkpoint", f"{root} does not exist: has the run saved a checkpoint?")
-    skipped: list[str] = []
-    for tag in complete_tags(root):
-        d = root / tag
-        problem = tag_problem(d)
-        if problem is None:
-            for line in skipped:  # the export goes ahead: say which newer ones it passed over
-                print(f"dskit: skipping {line}", file=sys.stderr)
-            return d
-        skipped.append(f"{d}: {problem}")
-    newest = f" (newest: {skipped[0]})" if skipped else ""
-    raise SpecError("checkpoint", f"no complete checkpoint under {root}{newest}")
-
-
-def _intact(d: Path) -> bool:
-    """Retention's quick check: dskit.json and every rank's manifest read, each file at its size (no
-    checksums: retention runs at every save and must not re-read old checkpoints)."""
-    done, problem = read_done(d)
-    if problem:
-        return False
-    for r in range(done["world_size"]):
-        try:
-            manifest = json.loads((d / f"dskit-manifest-rank{r}.json").read_text())
-            if not isinstance(manifest, dict):
-                return False
-            for name, (size, _) in manifest.items():
-                if not _plain_name(name) or (d / name).stat().st_size != size:
-                    return False
-        except (OSError, ValueError, TypeError, RecursionError):
-            return False
-    return True
 
 
 def prune(root: Path, keep: int, saved: str | None = None) -> None:
@@ -173,7 +53,7 @@ def prune(root: Path, keep: int, saved: str | None = None) -> None:
     for tag in complete_tags(root):
         if tag == saved:
             continue
-        if kept < keep and _intact(root / tag):
+        if kept < keep and intact(root / tag):
             kept += 1
         else:
             shutil.rmtree(root / tag, ignore_errors=True)
@@ -289,7 +169,7 @@ class Checkpointer:
                     torch.save(obj, tmp / name)
             dist.barrier()  # every rank's files are on disk
             manifest = {
-                p.name: [p.stat().st_size, _crc(p)]
+                p.name: [p.stat().st_size, crc(p)]
                 for p in sorted(tmp.iterdir())
                 if p.is_file() and _owned_by(p.name, self.rank) and not p.name.startswith("dskit-manifest")
             }

@@ -74,9 +74,9 @@ def export(
     run: str, output: str, *, force: bool = False, verify: bool = True, shard_bytes: int = SHARD_BYTES
 ) -> Path:
     """The run's newest verified checkpoint as a Hugging Face model directory at `output`."""
+    plan, src, out = _inputs(run, output, force=force)  # refusals first: they need no torch
     from dskit.train.model import torch_dtype
 
-    plan, src, out = _inputs(run, output, force=force)
     dtype = torch_dtype(plan.parallel.precision)
     with atomic_dir(out, kind="export", force=force) as work:
         udir = _to_universal(src, work / "universal")
@@ -96,8 +96,8 @@ def export(
 
 def _inputs(run: str, output: str, *, force: bool) -> tuple[Plan, Path, Path]:
     """(the run's plan, its newest verified checkpoint, the output path), or SpecError before any work."""
+    from dskit.checkpoint_layout import newest_verified_tag
     from dskit.plan.schema import load_plan
-    from dskit.train.checkpoint import newest_verified_tag
     from dskit.train.local import run_file_of
 
     plan = load_plan(run_file_of(run))
