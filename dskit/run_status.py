@@ -11,8 +11,8 @@ release named like the run). Step, loss, throughput, ETA and the last checkpoint
 own files: OUTPUT_DIR/metrics.jsonl, read with `dskit report`'s reader, and the checkpoint dir's
 complete tags.
 
-Only the standard library is imported here (plus ray's client for a Ray run, the kubernetes client for
-a Helm run): it runs on a login node without torch.
+No torch, and nothing beyond dskit's core dependencies (plus ray's client for a Ray run, the
+kubernetes client for a Helm run): it runs on a login node without the train extra.
 """
 
 from __future__ import annotations

@@ -121,6 +121,28 @@ def test_pad_rows_are_as_wide_as_a_bucket_of_the_longest_and_count_only_real_tok
     assert packed.input_ids.shape == (4, L) and packed.real_tokens == sum(_samples_tokens(packed)) < 4 * L
 
 
+def test_a_mixture_of_pad_rows_widens_each_to_the_widest(chat_shards):
+    """Sources cut their `pad` rows to their own buckets; a mixed micro-batch takes the widest, and
+    the added columns are padding (no label, not counted as real tokens)."""
+    from dskit.data.sampler import Mixture
+
+    data, L = TokenData.open(str(chat_shards)), 512
+    parts = [Sampler(data, L, seed=s, packing="pad") for s in (3, 4)]
+    mix = Mixture(parts, [1.0, 1.0], seed=5)
+    widths = set()
+    for g in range(0, 64, 8):
+        b = mix.get(g, 8)
+        rows = [mix.samplers[i].get(k, 1) for i, k in (mix.source_of(x) for x in range(g, g + 8))]
+        assert b.input_ids.shape == (8, max(r.input_ids.shape[1] for r in rows))
+        assert b.labels.shape == b.position_ids.shape == b.input_ids.shape
+        assert b.real_tokens == sum(r.real_tokens for r in rows) == sum(sum(_samples_tokens(r)) for r in rows)
+        for j, r in enumerate(rows):
+            w = r.input_ids.shape[1]
+            assert (b.input_ids[j, :w] == r.input_ids[0]).all() and (b.labels[j, w:] == IGNORE_INDEX).all()
+        widths.update(r.input_ids.shape[1] for r in rows)
+    assert len(widths) > 1  # rows of different widths did meet
+
+
 def test_sampling_is_a_pure_function_of_seed_and_sample_number(chat_shards):
     data = TokenData.open(str(chat_shards))
     a, b = Sampler(data, 96, seed=3), Sampler(data, 96, seed=3)

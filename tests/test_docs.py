@@ -63,6 +63,8 @@ def _cited_paths() -> list[tuple[str, str]]:
 
 
 def _exists(path: str) -> bool:
+    if "*" not in path and (REPO / path).exists():  # README.md is a name, not a placeholder
+        return True
     parts = path.split("/")
     for i, part in enumerate(parts):
         if PLACEHOLDER.match(part):

@@ -120,11 +120,11 @@ def test_loss_falls_on_real_text(reference, model):
     assert last < 0.8 * first, (first, last)
 
 
-@pytest.mark.parametrize("model", ["tiny-v2", "tiny-v3"])
-def test_zero3_hooks_see_into_the_model_output(reference, model):
+def test_zero3_hooks_see_into_the_model_output(reference):
     """ZeRO-3's module hooks find output tensors only in tuples, lists and dicts; DeepSpeed says so at
     start-up when a module returns anything else (as the chunked loss's output once did)."""
-    log = (reference[model].parent / "train.log").read_text()
+    assert load_plan(reference["tiny-v2"] / "run.yaml").parallel.loss_chunk_tokens > 0  # that output
+    log = (reference["tiny-v2"].parent / "train.log").read_text()
     assert "training steps 1.." in log and "cannot be detected" not in log, log[-3000:]
 
 

@@ -37,7 +37,8 @@ class Batch:
 
 # `pad` rows are cut to the narrowest of these widths that holds the micro-batch's longest sample:
 # seq_len, halved up to six times, in multiples of 8. Few shapes, so regional torch.compile
-# (dynamic=False, 8 recompiles by default) compiles each once instead of once per length.
+# (dynamic=False; dskit/train/compile.py sizes dynamo's recompile limit for them) compiles each
+# once instead of once per length.
 PAD_BUCKETS = 7
 
 

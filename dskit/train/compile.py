@@ -21,6 +21,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from dskit.data.sampler import PAD_BUCKETS
+
 log = logging.getLogger("dskit.train")
 
 
@@ -65,6 +67,12 @@ def compile_regions(model: torch.nn.Module) -> dict[str, int]:
     """Route the model's RMSNorms, SwiGLU MLPs (shared experts, dense layers) and DeepSeek-V2 rotary
     embedding through the compiled functions above; returns how many of each were routed."""
     done = {"rms_norm": 0, "swiglu_mlp": 0, "rotary": 0}
+    # Each function compiles once per input shape and grad mode: RMSNorm alone sees up to three widths
+    # (hidden, kv_lora_rank, q_lora_rank) in training and in eval, 6 of dynamo's default 8 entries for
+    # one row width. `pad` rows come in PAD_BUCKETS widths; without room for all of them the later
+    # ones would run eager, with more memory than the plan counts.
+    limit = 8 * PAD_BUCKETS
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     modules = set()
     for m in model.modules():
         name = type(m).__name__

@@ -230,12 +230,15 @@ class LogWindow:
         if self.padding_warned or self.rank != 0 or rows <= 0 or (rows - real) / rows <= PADDING_WARN:
             return
         self.padding_warned = True
+        hint = "a shorter training.seq_len suits short samples"
+        if self.plan.run.packing == "pad":
+            hint = "data.packing=pack fills rows with whole samples; " + hint
         log.warning(
-            "%.0f%% of the tokens computed over the last %d step(s) were padding (rows %.0f%% full): "
-            "data.packing=pack fills rows with whole samples; a shorter training.seq_len suits short samples",
+            "%.0f%% of the tokens computed over the last %d step(s) were padding (rows %.0f%% full): %s",
             100 * (rows - real) / rows,
             self.steps,
             100 * real / (self.capacity_per_step_rank * self.steps),
+            hint,
         )
 
     def _retries_since_last(self, rec: dict) -> int:
