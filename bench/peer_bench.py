@@ -61,6 +61,26 @@ def flops_per_token() -> float:
     return fpt(counts(cfg, SEQ))
 
 
+#: torchtitan's profiler: steps 8-10 of 12 (wait 5, warm-up 2, active 3), one Chrome trace
+TT_PROFILE = [
+    "--profiling.enable_profiling",
+    "--profiling.profile_freq",
+    "10",
+    "--profiling.profiler_warmup",
+    "2",
+    "--profiling.profiler_active",
+    "3",
+]
+
+
+def tt_profile(dump: Path) -> dict:
+    """torchtitan's trace cut by dskit's kernel categories (dskit/train/profile.py), and how busy the GPU was."""
+    from dskit.train.profile import gpu_busy, kernel_table, trace_kernels
+
+    trace = json.loads(next(dump.glob("profile_traces/iteration_*/rank0_trace.json")).read_text())
+    return {"profile": kernel_table(trace_kernels(trace), 3), "gpu_busy": gpu_busy(trace)}
+
+
 def run_torchtitan(tt: Path, flags: list[str], work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.environ.get("TT_PYTHONPATH", "")}
     cmd = [
@@ -89,7 +109,9 @@ def run_torchtitan(tt: Path, flags: list[str], work: Path) -> dict:
     tps = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", log)]
     mem = [float(x) for x in re.findall(r"memory: ([\d.]+)GiB", log)]
     steady = tps[TT_WARMUP:]
+    dump = next((Path(x) for x in re.findall(r"--job.dump_folder (\S+)", " ".join(flags))), None)
     return {
+        **(tt_profile(dump) if dump else {}),
         "tok_s_gpu": round(statistics.median(steady)),
         "peak_gib": max(mem) if mem else None,
         "steps_measured": len(steady),
@@ -102,6 +124,11 @@ def main() -> None:
     ap.add_argument("--torchtitan", type=Path, required=True, help="dir with tt_run.py, base.toml, assets")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="only the reference shape, both profiled: GPU time by kernel category and how busy the GPU was",
+    )
     a = ap.parse_args()
     a.torchtitan = a.torchtitan.resolve()  # torchtitan runs in the work dir
     from dskit import catalog
@@ -118,7 +145,19 @@ def main() -> None:
         a.out.write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error")}), flush=True)
 
-    for name, gb, sets, tt_flags in SHAPES:
+    shapes = SHAPES
+    if a.profile:
+        name, gb, sets, tt_flags = SHAPES[0]
+        dump = a.work / "tt-profile"
+        shapes = [
+            (
+                name,
+                gb,
+                [*sets, "training.profile_steps=3"],
+                [*tt_flags, *TT_PROFILE, "--job.dump_folder", str(dump)],
+            )
+        ]
+    for name, gb, sets, tt_flags in shapes:
         base = {"shape": name, "global_batch": gb, "layers": LAYERS, "seq_len": SEQ}
         d = train_bench.run_dskit(name, [f"training.global_batch={gb}", *sets], {}, a.work / "dskit", 1)
         record(
@@ -129,12 +168,20 @@ def main() -> None:
                 "tok_s_gpu": d.get("tok_s_gpu"),
                 "peak_gib": d.get("peak_reserved_gb"),
                 "plan": d.get("plan"),
-                **({"error": d["error"]} if "error" in d else {}),
+                **{k: d[k] for k in ("profile", "gpu_busy", "error") if k in d},
             }
         )
         t = run_torchtitan(a.torchtitan, tt_flags, a.work)
         record({"system": "torchtitan", **base, "micro_batch": int(tt_flags[1]), **t})
-    for name, _, _, _ in SHAPES:
+    for r in result["rows"]:
+        if "profile" in r:
+            busy = r.get("gpu_busy") or {}
+            print(
+                f"\n{r['system']}: {r['profile']['ms_per_step']} ms/step of GPU kernels; GPU busy {busy.get('busy')}"
+            )
+            for k, v in r["profile"]["categories"].items():
+                print(f"  {k:40s} {v['ms_per_step']:8.2f} ms  {100 * v['share']:5.1f}%")
+    for name, _, _, _ in shapes:
         rows = {r["system"]: r for r in result["rows"] if r["shape"] == name and r.get("tok_s_gpu")}
         if len(rows) == 2:
             print(

@@ -109,7 +109,13 @@ def candidates(
 
 
 def _forced(
-    ep: int, micro_batch: int, ckpt_every: int, offload: bool, compiled: bool, zero_stage: int = 3
+    ep: int,
+    micro_batch: int,
+    ckpt_every: int,
+    offload: bool,
+    compiled: bool | str,
+    zero_stage: int = 3,
+    optimizer_step: str = "overrides.optimizer_step=auto",
 ) -> list[str]:
     """A candidate as the overrides that force it, regional compile included (not searched: a plan-wide
     setting, on by default on GPUs since issue 13)."""
@@ -119,7 +125,8 @@ def _forced(
         f"overrides.micro_batch={micro_batch}",
         f"overrides.activation_checkpointing={ckpt_every}",
         f"overrides.offload_optimizer={'cpu' if offload else 'none'}",
-        f"overrides.compile={'on' if compiled else 'off'}",
+        f"overrides.compile={compiled if isinstance(compiled, str) else 'on' if compiled else 'off'}",
+        optimizer_step,
     ]
 
 
@@ -131,12 +138,17 @@ def forced_overrides(row: dict) -> list[str]:
         o.append("overrides.compile=off")
     if not any(x.startswith("overrides.zero_stage=") for x in o):
         o.insert(0, "overrides.zero_stage=3")
+    if not any(x.startswith("overrides.optimizer_step=") for x in o):
+        # before issue 25: DeepSpeed's optimizer step, and compile=on compiled the regions only
+        o = ["overrides.compile=regions" if x == "overrides.compile=on" else x for x in o]
+        o.append("overrides.optimizer_step=deepspeed")
     return o
 
 
 def config_key(row: dict) -> str:
     """Compiled and eager runs of a configuration are different searches: compared apart."""
-    return row["config"] + (" compiled" if "overrides.compile=on" in row["overrides"] else "")
+    compiled = any(x in row["overrides"] for x in ("overrides.compile=on", "overrides.compile=regions"))
+    return row["config"] + (" compiled" if compiled else "")
 
 
 def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[int], work: Path) -> dict:
@@ -296,7 +308,12 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     from dskit.spec import load_spec
 
     o = dict(x.split("=", 1) for x in forced_overrides(row))
-    sets = [*COMMON, *row["sets"], f"overrides.compile={o['overrides.compile']}"]
+    sets = [
+        *COMMON,
+        *row["sets"],
+        f"overrides.compile={o['overrides.compile']}",
+        f"overrides.optimizer_step={o['overrides.optimizer_step']}",
+    ]
     _, found = build_plan_searched(load_spec(sets=sets, flags=_flags(row["gpus"], "x", work)))
     want = Candidate(
         zero_stage=int(o["overrides.zero_stage"]),
@@ -316,11 +333,19 @@ def planner_pick(row: dict) -> list[str]:
     from dskit.plan.build import build_plan
     from dskit.spec import load_spec
 
-    compiled = "overrides.compile=on" in forced_overrides(row)
-    sets = [*COMMON, *row["sets"], f"overrides.compile={'on' if compiled else 'off'}"]
+    forced = forced_overrides(row)
+    compiled = next(x for x in forced if x.startswith("overrides.compile=")).split("=", 1)[1]
+    step = next(x for x in forced if x.startswith("overrides.optimizer_step="))
+    sets = [*COMMON, *row["sets"], f"overrides.compile={compiled}", step]
     p = build_plan(load_spec(sets=sets, flags=_flags(row["gpus"], "x", Path("/nonexistent")))).parallel
     return _forced(
-        p.ep_size, p.micro_batch, p.activation_checkpointing, p.offload_optimizer, compiled, p.zero_stage
+        p.ep_size,
+        p.micro_batch,
+        p.activation_checkpointing,
+        p.offload_optimizer,
+        compiled,
+        p.zero_stage,
+        step,
     )
 
 
@@ -427,7 +452,7 @@ def fit_constants(files: list[Path]) -> None:
         for r in load_rows(files)
         if r["gpus"] == 1
         and "offload_optimizer=none" in " ".join(r["overrides"])
-        and "compile=on" not in " ".join(r["overrides"])  # the constants are eager; compile scales them
+        and "compile=off" in " ".join(forced_overrides(r))  # the constants are eager; compile scales them
     ]
     F, P, M = (
         np.array([r["inputs"][k] for r in rows]) for k in ("flop_s_at_peak", "layer_passes", "micro_steps")

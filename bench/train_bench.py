@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,7 +92,7 @@ COMPILE: dict[str, tuple[list[str], dict]] = {
 # the plain path (eager, full logits), same seed and data, each twice: the two runs of one path are the
 # GPU's run-to-run noise (non-deterministic kernels), the yardstick for the difference between paths.
 S50 = ["training.steps=50"]
-PLAIN = [*S50, "overrides.compile=off", "overrides.loss=full"]
+PLAIN = [*S50, "overrides.compile=off", "overrides.loss=full", "overrides.optimizer_step=deepspeed"]
 NUMERICS: dict[str, tuple[list[str], dict]] = {
     "50 steps, default (compile, chunked loss)": (S50, {}),
     "50 steps, plain (eager, full logits)": (PLAIN, {}),
@@ -111,6 +112,21 @@ SCALING: dict[str, tuple[list[str], dict]] = {
     "+ AutoEP async_split_plan": ([], {"expert_parallel": {"async_split_plan": True}}),
     "plan default (repeat: run-to-run spread)": ([], {}),
     "profile: plan default": (["training.profile_steps=3"], {}),
+}
+# Issue 25 (--small-batch): the reference shape's step, host- and parameter-bound. The fused optimizer
+# step (dskit/train/fused_step.py: the gradient norm without DeepSpeed's fp64 copies, the clip inside
+# torch's fused AdamW) and compiling each whole attention block (ZeRO-1/2) won their first measurements
+# (results/h200-small-batch-2026-12-01.json and -fused-, run as environment probes at the time) and are
+# plan defaults; here each is taken away again, at micro-batch 2 and 16. Values: (spec sets, patch).
+DS_STEP = ["overrides.optimizer_step=deepspeed"]
+NO_ATTN = {"parallel": {"compile_attention": False}}
+SMALL_BATCH: dict[str, tuple[list[str], dict]] = {
+    "mb2, plan default (fused step, attention compiled)": ([], {}),
+    "mb2, no attention compile": ([], NO_ATTN),
+    "mb2, DeepSpeed's step, no attention compile": (DS_STEP, NO_ATTN),
+    "gb16, plan default": (GB16, {}),
+    "gb16, no attention compile": (GB16, NO_ATTN),
+    "gb16, DeepSpeed's step, no attention compile": ([*GB16, *DS_STEP], NO_ATTN),
 }
 # The defaults beside the reference baseline in one call (--side-by-side, with --baseline): issue 13's
 # reference shape and the plan's own choice for global batch 16 (its 40% MFU goal).
@@ -134,7 +150,9 @@ BASE = [
 WARMUP_STEPS = 3
 
 
-def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int) -> dict:
+def run_dskit(
+    name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int, env: dict | None = None
+) -> dict:
     from dskit.plan.schema import load_plan
     from dskit.render.run_dir import render_run
     from dskit.spec import load_spec
@@ -151,15 +169,15 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
     spec = load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags)
     run = render_run(spec, "slurm", work / flags["name"])
     plan, run_dir = run.plan, run.out
-    if ds_patch:  # a lever under measurement, not yet a plan decision
+    if ds_patch:  # a lever under measurement, not yet a plan decision (key "parallel": the plan's own)
         run_yaml = run_dir / "run.yaml"
         data = yaml.safe_load(run_yaml.read_text())
         for section, values in ds_patch.items():
-            data["deepspeed"][section].update(values)
+            (data["parallel"] if section == "parallel" else data["deepspeed"][section]).update(values)
         run_yaml.write_text(yaml.safe_dump(data, sort_keys=False))
     cmd = [sys.executable, "-m", "dskit", "train", "--local", str(run_dir)]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
     wall_s = round(time.monotonic() - t0, 1)
     log = proc.stdout + proc.stderr
     (work.parent / f"{flags['name']}.log").write_text(log)
@@ -188,7 +206,10 @@ def run_dskit(name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int)
     }
     profile = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "profile.json"
     if profile.is_file():
+        from dskit.train.profile import gpu_busy
+
         out["profile"] = json.loads(profile.read_text())
+        out["gpu_busy"] = gpu_busy(json.loads((profile.parent / "profile-trace.json").read_text()))
     return out
 
 
@@ -238,6 +259,7 @@ def main() -> None:
     ap.add_argument("--numerics", action="store_true", help="run only the NUMERICS variants (50-step curves)")
     ap.add_argument("--scaling", action="store_true", help="run only the SCALING variants (use with --gpus)")
     ap.add_argument("--side-by-side", action="store_true", help="run only SIDE_BY_SIDE (and the baseline)")
+    ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (issue 25's probes)")
     a = ap.parse_args()
     import torch
 
@@ -264,6 +286,7 @@ def main() -> None:
         "numerics": NUMERICS,
         "scaling": SCALING,
         "side_by_side": SIDE_BY_SIDE,
+        "small_batch": SMALL_BATCH,
     }
     chosen = [g for g in groups if getattr(a, g)]
     if len(chosen) > 1:
@@ -278,10 +301,10 @@ def main() -> None:
             if a.gpus == 1:
                 record(run_baseline(a.baseline, "z3leaf", "cudnn", a.gpus))
             record(run_baseline(a.baseline, "autoep", "default", a.gpus))
-        for name, (sets, ds_patch) in variants.items():
+        for name, (sets, ds_patch, *env) in variants.items():
             if a.only and a.only not in name:
                 continue
-            record(run_dskit(name, sets, ds_patch, Path(tmp), a.gpus))
+            record(run_dskit(name, sets, ds_patch, Path(tmp), a.gpus, *env))
     print(f"\n{result['hardware']} | {result['date']} | {result['versions']}")
     print(
         f"{'variant':52s} {'step s':>7s} {'tok/s/GPU':>10s} {'MFU':>7s} {'alloc GiB':>10s} {'resv GiB':>9s}"

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dskit import catalog
 from dskit.errors import SpecError
@@ -371,7 +372,12 @@ def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it():
     cpu profile; the plan's memory and step time are those of the compiled run, less than eager's."""
     shape = ("model.num_layers=4", "training.seq_len=4096", "training.global_batch=16")
     flags = {"hardware__gpu": "h200-141gb", "hardware__gpus_per_node": 1, "model__preset": "deepseek-v2-lite"}
-    auto, eager = plan_for(*shape, **flags), plan_for(*shape, "overrides.compile=off", **flags)
+    # the regions alone here; compiling whole attention blocks too (compile=on, auto's ZeRO-1/2 default)
+    # is issue 25's, pinned in test_zero12_plans_take_the_fused_step_and_compile_attention...
+    auto, eager = (
+        plan_for(*shape, "overrides.compile=regions", **flags),
+        plan_for(*shape, "overrides.compile=off", **flags),
+    )
     assert auto.parallel.compile_regions and not eager.parallel.compile_regions
     assert auto.parallel.micro_batch == eager.parallel.micro_batch == 16
     # 28.2 kB per token and layer (fp32 norm inputs, SiLU outputs) x 65536 tokens x 4 layers; measured
@@ -388,3 +394,44 @@ def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it():
     assert forced.parallel.compile_regions
     assert any("C++ compiler" in w for w in forced.warnings)  # inductor's CPU backend; not in the CPU image
     assert "torch.compile regions" in auto.summary() and "torch.compile" not in eager.summary()
+
+
+H200_MB2 = ("model.num_layers=4", "training.seq_len=4096", "training.global_batch=2")
+H200 = {"model__preset": "deepseek-v2-lite", "hardware__gpu": "h200-141gb", "hardware__gpus_per_node": 1}
+
+
+def test_zero12_plans_take_the_fused_step_and_compile_attention_zero3_keeps_deepspeeds():
+    """Issue 25's two levers apply where no ZeRO-3 hook or CPU optimizer is in their way."""
+    p = plan_for(*H200_MB2, **H200)
+    assert p.parallel.zero_stage == 2
+    assert p.parallel.optimizer_step == "fused" and p.parallel.compile_attention
+    assert "fused AdamW step" in p.summary()
+    z3 = plan_for(*H200_MB2, "overrides.zero_stage=3", **H200)
+    assert z3.parallel.optimizer_step == "deepspeed" and not z3.parallel.compile_attention
+    off = plan_for(*H200_MB2, "overrides.offload_optimizer=cpu", **H200)
+    assert off.parallel.optimizer_step == "deepspeed"
+    regions = plan_for(*H200_MB2, "overrides.compile=regions", **H200)
+    assert regions.parallel.compile_regions and not regions.parallel.compile_attention
+    cpu = plan_for("overrides.zero_stage=2", hardware__gpu="cpu")
+    assert cpu.parallel.optimizer_step == "fused" and not cpu.parallel.compile_attention
+    on = plan_for(*H200_MB2, "overrides.compile=on", **H200)
+    assert on.speed["compute_s"] < regions.speed["compute_s"] and on.speed["host_s"] < regions.speed["host_s"]
+
+
+def test_the_fused_step_is_counted_and_a_forced_one_that_cannot_apply_is_named():
+    fused, ds = (plan_for(*H200_MB2, f"overrides.optimizer_step={s}", **H200) for s in ("auto", "deepspeed"))
+    assert ds.parallel.optimizer_step == "deepspeed"
+    assert fused.speed["optimizer_s"] < ds.speed["optimizer_s"]
+    z3 = plan_for(*H200_MB2, "overrides.zero_stage=3", "overrides.optimizer_step=fused", **H200)
+    assert z3.parallel.optimizer_step == "deepspeed"
+    assert any("overrides.optimizer_step=fused applies to ZeRO-1/2" in w for w in z3.warnings)
+
+
+def test_run_yaml_from_before_the_fused_step_runs_deepspeeds(tmp_path):
+    p = plan_for(*H200_MB2, **H200)
+    data = p.model_dump(mode="json")
+    for key in ("optimizer_step", "compile_attention"):
+        del data["parallel"][key]
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
+    old = load_plan(tmp_path / "run.yaml")
+    assert old.parallel.optimizer_step == "deepspeed" and not old.parallel.compile_attention

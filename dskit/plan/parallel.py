@@ -48,11 +48,23 @@ def plan_parallel(
     compiled = _compiled(spec, gpu, warnings)
     shape = _shape(spec, model, model_counts, gpu, hardware, compiled)
     seq_len = spec.training.seq_len
+    fused = spec.overrides.optimizer_step != "deepspeed"
+    attention = attention_compile(spec.overrides.compile, gpu)
     speed_of = _speed_of(
-        model, model_counts, gpu, fabric, hardware, per_rank=per_rank, seq_len=seq_len, compiled=compiled
+        model,
+        model_counts,
+        gpu,
+        fabric,
+        hardware,
+        per_rank=per_rank,
+        seq_len=seq_len,
+        compiled=compiled,
+        fused_step=fused,
+        compiled_attention=attention,
     )
     found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings)
     c = found.chosen.candidate
+    step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
     parallel = ParallelPlan(
         zero_stage=c.zero_stage,
         ep_size=c.ep_size,
@@ -67,6 +79,8 @@ def plan_parallel(
         offload_optimizer=c.offload,
         loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
         compile_regions=compiled,
+        compile_attention=attention and c.zero_stage < 3,
+        optimizer_step=step,
     )
     return parallel, found
 
@@ -91,10 +105,29 @@ def global_batch(given: int | None, world: int) -> int:
     return -(-want // world) * world
 
 
+def optimizer_step(choice: str, zero_stage: int, offload: bool, warnings: list[str]) -> str:
+    """`overrides.optimizer_step` -> the trainer's step. torch's fused AdamW replaces DeepSpeed's
+    optimizer inside ZeRO-1/2 only: ZeRO-3's step and the CPU optimizer of offload are DeepSpeed's own."""
+    applies = zero_stage in (1, 2) and not offload
+    if choice == "fused" and not applies:
+        where = "optimizer offload" if offload else f"ZeRO-{zero_stage}"
+        warnings.append(
+            f"overrides.optimizer_step=fused applies to ZeRO-1/2 without offload; this plan's {where} keeps "
+            "DeepSpeed's step"
+        )
+    return "fused" if choice != "deepspeed" and applies else "deepspeed"
+
+
 def regional_compile(choice: str, gpu: catalog.GPU) -> bool:
     """`overrides.compile` -> whether the trainer compiles its regions. auto: on GPUs, where it measured
     faster and smaller (bench/README.md); off on the cpu profile, whose runs are tests and short: there
     inductor's C++ compile takes longer than it saves."""
+    return choice in ("on", "regions") or (choice == "auto" and not gpu.is_cpu)
+
+
+def attention_compile(choice: str, gpu: catalog.GPU) -> bool:
+    """`overrides.compile` -> whether whole attention blocks are compiled where the ZeRO stage allows it
+    (1 and 2: no module hooks inside them). `regions` leaves them eager."""
     return choice == "on" or (choice == "auto" and not gpu.is_cpu)
 
 
@@ -175,6 +208,8 @@ def _speed_of(
     per_rank: int,
     seq_len: int,
     compiled: bool,
+    fused_step: bool,
+    compiled_attention: bool,
 ) -> search.SpeedOf:
     """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
@@ -195,6 +230,8 @@ def _speed_of(
             offload=c.offload,
             compiled=compiled,
             zero_stage=c.zero_stage,
+            fused_step=fused_step,
+            compiled_attention=compiled_attention,
         )
 
     return speed_of

@@ -63,6 +63,11 @@ class ParallelPlan(_Frozen):
     offload_optimizer: bool
     loss_chunk_tokens: int  # 0: full logits; N: output projection + cross-entropy N tokens at a time
     compile_regions: bool = False  # RMSNorm, SwiGLU, rotary through torch.compile (dskit/train/compile.py)
+    # and each whole attention block: ZeRO-1/2 only, where no module hooks run inside it
+    compile_attention: bool = False
+    # ZeRO-1/2 without offload: torch's fused AdamW with the clip in its kernel (dskit/train/fused_step.py);
+    # run.yaml files from before ran DeepSpeed's step
+    optimizer_step: Literal["deepspeed", "fused"] = "deepspeed"
 
 
 class OptimPlan(_Frozen):
@@ -144,6 +149,7 @@ class Plan(_Frozen):
             f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
             f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
             f"{'torch.compile regions, ' if p.compile_regions else ''}"
+            f"{'fused AdamW step, ' if p.optimizer_step == 'fused' else ''}"
             f"~{self.memory['total_gib']} GiB/GPU"
             + (
                 f", predicted {'at most ' if self.speed.get('not_counted') else ''}"

@@ -61,6 +61,13 @@ HOST_MICRO_STEP_S = 0.055
 #: bytes FusedAdam reads and writes per parameter (bf16 weight and grad, fp32 master, m, v, and the
 #: ZeRO-3 flat-buffer copies): 18.5 ms for 2.26 B parameters at 4.8 TB/s in the H200 profile
 ADAM_BYTES_PER_PARAM = 39.0
+#: what `overrides.optimizer_step=fused` takes off a ZeRO-1/2 step, per parameter and step, as bytes at the
+#: GPU's bandwidth. In theory 24: DeepSpeed's norm copies each bf16 gradient to fp64 and reads that back
+#: (2 + 8 + 8 bytes; the fused step reads the 2 only), and its clip pass reads and writes the fp32
+#: gradient (8). Measured on one H200 (4-layer V2-Lite, micro-batch 2, 2.26 B parameters): 0.1387 and
+#: 0.1425 s per step -> 0.1313 s, 20 bytes at 4.8 TB/s (bench/results/h200-small-batch-2026-12-01.json);
+#: in a second call 0.147 -> 0.132 and 0.134 s, 30 bytes (h200-small-batch-fused-2026-12-01.json).
+FUSED_STEP_SAVED_BYTES_PER_PARAM = 24.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
 #: fitted on 2 x H200 (NVLink) runs of the same file, seconds
@@ -74,6 +81,10 @@ HOST_LAYER_PASS_UNHOOKED_S = 0.0105
 #: ZeRO-1/2's GPU time per layer pass: the same as ZeRO-3's within the fit (the four ZeRO-2 runs of
 #: that file are within -7%..+2% with GPU_LAYER_PASS_S, -13%..0% with none of ZeRO-3's copies removed)
 GPU_LAYER_PASS_UNHOOKED_S = GPU_LAYER_PASS_S
+#: ZeRO-1/2 with each attention block compiled (one graph instead of ~30 eager launches per block): the
+#: same kind of upper bound, from the 4-layer V2-Lite micro-batch-2 runs on one H200 that compiled them:
+#: 0.124-0.133 s per step (bench/results/h200-small-batch-fused-2026-12-01.json, h200-vs-torchtitan-2026-12-01b.json)
+HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0080
 
 # ---- first principles, cited ----
 #: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
@@ -98,6 +109,11 @@ A2A_EFFICIENCY = 0.4
 #: and GPUs are assumed to gain the same share (not measured; V3's larger GEMMs and eager rotary likely
 #: gain less).
 COMPILED_COMPUTE_SAVING = 0.10
+#: share of the (already compiled-regions) compute term that compiling each whole attention block takes
+#: off besides: measured where the step is GPU-bound, 4-layer V2-Lite at micro-batch 16 on one H200,
+#: 0.5698 -> 0.5537 s per step in one call, 16 ms of the 0.447 s compute term
+#: (bench/results/h200-small-batch-gb16-2026-12-01.json, h200-vs-torchtitan-2026-12-01b.json)
+COMPILED_ATTENTION_SAVING = 0.035
 #: 16-bit weights and gradients
 WIRE_BYTES = 2
 GB = 1e9
@@ -193,6 +209,8 @@ def predict(
     offload: bool,
     compiled: bool = False,
     zero_stage: int = 3,
+    fused_step: bool = False,
+    compiled_attention: bool = False,
 ) -> StepTime | None:
     """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
     `peak_tflops`: at the plan's precision."""
@@ -204,11 +222,18 @@ def predict(
     passes = L * (2 + frac)
     unknown: list[str] = []  # filled by the terms that need a bandwidth the catalog lacks
 
-    compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled)
+    attention = compiled_attention and zero_stage < 3  # the plan's compile_attention
+    compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled, attention)
     per_micro, per_step = _collectives_s(c, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
     a2a = _all_to_all_s(cfg, c, layout, gpu, fabric_gbs, T, frac, unknown)
     hooked = zero_stage == 3
-    host_pass = HOST_LAYER_PASS_S if hooked else HOST_LAYER_PASS_UNHOOKED_S
+    host_pass = (
+        HOST_LAYER_PASS_S
+        if hooked
+        else HOST_LAYER_PASS_COMPILED_ATTENTION_S
+        if attention
+        else HOST_LAYER_PASS_UNHOOKED_S
+    )
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
     return StepTime(
         compute_s=grad_accum * compute,
@@ -216,7 +241,7 @@ def predict(
         collectives_s=grad_accum * per_micro,
         all_to_all_s=grad_accum * a2a,
         host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
-        optimizer_s=_optimizer_s(c, layout, gpu, offload),
+        optimizer_s=_optimizer_s(c, layout, gpu, offload, fused_step and zero_stage < 3),
         tokens_per_step=grad_accum * T,
         flops_per_token=flops_per_token,
         peak_tflops=peak_tflops,
@@ -225,11 +250,15 @@ def predict(
     )
 
 
-def _compute_s(tokens: int, flops_per_token: float, frac: float, peak: float, compiled: bool) -> float:
+def _compute_s(
+    tokens: int, flops_per_token: float, frac: float, peak: float, compiled: bool, attention: bool = False
+) -> float:
     """One micro-step's FLOPs (the recomputed forwards included) at GEMM_EFFICIENCY of `peak` FLOP/s."""
     compute = tokens * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
     if compiled:
         compute *= 1 - COMPILED_COMPUTE_SAVING
+    if attention:
+        compute *= 1 - COMPILED_ATTENTION_SAVING
     return compute
 
 
@@ -298,9 +327,9 @@ def _all_to_all_s(
     return moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
 
-def _optimizer_s(c: ModelCounts, layout: Layout, gpu: GPU, offload: bool) -> float:
+def _optimizer_s(c: ModelCounts, layout: Layout, gpu: GPU, offload: bool, fused: bool = False) -> float:
     """Adam over this rank's shard of every parameter: GPU memory bandwidth, or with offload the host's
-    CPU Adam plus the PCIe round trip."""
+    CPU Adam plus the PCIe round trip. `fused` (ZeRO-1/2): without DeepSpeed's clip and fp64-norm passes."""
     local_params = c.total / layout.world  # every stage shards the optimizer states
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
@@ -308,4 +337,5 @@ def _optimizer_s(c: ModelCounts, layout: Layout, gpu: GPU, offload: bool) -> flo
             local_params * layout.per_node / 1e9 * CPU_ADAM_S_PER_BPARAM_NODE
             + local_params * OFFLOAD_BYTES_PER_PARAM / (pcie * GB)
         )
-    return local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
+    saved = FUSED_STEP_SAVED_BYTES_PER_PARAM if fused else 0.0
+    return local_params * (ADAM_BYTES_PER_PARAM - saved) / (gpu.memory_bw_gbs * GB)

@@ -120,7 +120,7 @@ class Checkpointer:
         world: int,
         device: torch.device,
         beat: Callable[[int, str], None] | None = None,
-        layout: dict[str, int] | None = None,
+        layout: dict[str, int | str] | None = None,
     ):
         """`layout`: what a checkpoint's files depend on besides the world size (the ZeRO stage, the EP
         size); recorded in dskit.json, and a resume with other values is refused."""
@@ -136,12 +136,19 @@ class Checkpointer:
         dist.barrier()
 
     def _refuse_other_layout(self, d: Path, done: dict[str, Any]) -> None:
-        """DeepSpeed cannot load a checkpoint written under another ZeRO stage or EP size (the files
+        """DeepSpeed cannot load a checkpoint written under another ZeRO stage, EP size or optimizer (the files
         differ in kind): one line naming the setting, exit 2, nothing retried. Checkpoints from before the
         layout was recorded were all ZeRO-3."""
         written = done.get("layout")
         written = {"zero_stage": 3} if not isinstance(written, dict) else written
-        for key, field in (("zero_stage", "overrides.zero_stage"), ("ep_size", "overrides.ep_size")):
+        # the optimizers' states differ in kind too (DeepSpeed's FusedAdam counts steps per group, torch's
+        # AdamW per parameter); checkpoints from before the setting all ran DeepSpeed's
+        written = {"optimizer_step": "deepspeed", **written}
+        for key, field in (
+            ("zero_stage", "overrides.zero_stage"),
+            ("ep_size", "overrides.ep_size"),
+            ("optimizer_step", "overrides.optimizer_step"),
+        ):
             was, now = written.get(key), self.layout.get(key)
             if was is not None and now is not None and was != now:
                 raise SpecError(

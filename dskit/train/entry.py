@@ -219,11 +219,24 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     stage = ds_config["zero_optimization"]["stage"]  # what build_model read (a benchmark may pass its own)
     how = "under ZeRO-3 partitioning" if stage == 3 else f"whole on {device} (ZeRO-{stage})"
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if plan.parallel.optimizer_step == "fused" and deepspeed_config is None:
+        from dskit.train import fused_step
+
+        opt = ds_config["optimizer"]
+        ds_config = {k: v for k, v in ds_config.items() if k != "optimizer"}
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            optimizer=lambda params: fused_step.adamw(params, opt),  # called after AutoEP's replacement
+            config=ds_config,
+        )
+        fused_step.install(engine.optimizer)
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 
-        compile_regions(engine.module)
+        compile_regions(engine.module, attention=plan.parallel.compile_attention)
     _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir, built)
     return engine
 

@@ -100,7 +100,11 @@ def train(
         world=world,
         device=device,
         beat=watchdog.beat,
-        layout={"zero_stage": plan.parallel.zero_stage, "ep_size": plan.parallel.ep_size},
+        layout={
+            "zero_stage": plan.parallel.zero_stage,
+            "ep_size": plan.parallel.ep_size,
+            "optimizer_step": plan.parallel.optimizer_step,
+        },
     )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()

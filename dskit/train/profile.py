@@ -69,6 +69,12 @@ def breakdown(events, steps: int, *, on_gpu: bool) -> dict:
             us = e.self_cpu_time_total
         if us and us > 0:
             per_kernel[e.name] = per_kernel.get(e.name, 0.0) + us
+    return kernel_table(per_kernel, steps)
+
+
+def kernel_table(per_kernel: dict[str, float], steps: int) -> dict:
+    """Microseconds per kernel name over `steps` steps -> the table profile.json holds. Also reads
+    other trainers' Chrome traces (bench/peer_bench.py --profile), so both sides are cut the same way."""
     per_cat: dict[str, float] = {}
     for name, us in per_kernel.items():
         per_cat[category(name)] = per_cat.get(category(name), 0.0) + us
@@ -85,6 +91,37 @@ def breakdown(events, steps: int, *, on_gpu: bool) -> dict:
             for k, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
         ],
     }
+
+
+def gpu_busy(trace: dict) -> dict:
+    """How much of a Chrome trace's kernel span the GPU was running anything (kernel intervals merged
+    over all streams): below 1, the host or a synchronisation kept it waiting."""
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    busy, end = 0.0, None
+    for a, b in spans:
+        if end is None or a > end:
+            busy, end = busy + (b - a), b
+        elif b > end:
+            busy, end = busy + (b - end), b
+    span = (max(b for _, b in spans) - spans[0][0]) if spans else 0.0
+    return {
+        "span_ms": round(span / 1000, 3),
+        "busy_ms": round(busy / 1000, 3),
+        "busy": round(busy / span, 4) if span else None,
+    }
+
+
+def trace_kernels(trace: dict) -> dict[str, float]:
+    """Microseconds per GPU kernel name in a torch.profiler Chrome trace (kernels, memcpys, memsets)."""
+    per_kernel: dict[str, float] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            per_kernel[e["name"]] = per_kernel.get(e["name"], 0.0) + float(e.get("dur", 0))
+    return per_kernel
 
 
 class StepProfiler:
