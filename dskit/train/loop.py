@@ -21,7 +21,7 @@ from dskit.data.sampler import Mixture, Sampler, sample_index
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
-from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, current_gib
+from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
 from dskit.train.tensorboard import TensorBoardLog
@@ -131,7 +131,7 @@ def train(
 
         # ------------------------------------------------------------ log
         window.step_done(done, lr, tap)
-        warning = watch.observe(done, current_gib(device))
+        warning = watch.observe(done, held_gib(device)) if done in watch.marks else None
         if warning and rank == 0:
             log.warning(warning)
 
