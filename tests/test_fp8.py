@@ -339,3 +339,38 @@ def test_swapping_in_fp8_linears_reads_them_from_the_checkpoint(twins):
     name = "model.layers.1.self_attn.q_b_proj.weight"
     with safe_open(fp8 / "model-00001-of-00002.safetensors", framework="pt") as f:
         assert torch.equal(layer.weight.view(torch.uint8), f.get_tensor(name).view(torch.uint8))
+
+
+def test_under_zero3_rank_0_dequantises_one_decoder_layer_at_a_time(twins, monkeypatch):
+    """What transformers' ZeRO-3 loader is handed, call by call: one layer's tensors, its FP8 weights
+    dequantised (bf16 tensors) except the per-expert ones, which stay deferred for its converters."""
+    import transformers.modeling_utils as mu
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dskit.train.fp8_weights import Fp8Weight, fp8_state_dict, zero3_loads_layer_by_layer
+
+    calls = []
+
+    def loader(
+        model, group, load_config=None
+    ):  # stands where transformers' loader is, records, loads nothing
+        calls.append(
+            {k: type(v).__name__ if isinstance(v, Fp8Weight) else str(v.dtype) for k, v in group.items()}
+        )
+        return [], set()
+
+    fp8 = twins[0]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(fp8))
+    monkeypatch.setattr(mu, "_load_state_dict_into_zero3_model", loader)
+    with fp8_state_dict(str(fp8), fp8_format(str(fp8)), dtype=torch.bfloat16, values="tensor") as sd:
+        with zero3_loads_layer_by_layer():
+            mu._load_state_dict_into_zero3_model(model, sd)
+    assert len(calls) == 1 + 3  # embeddings, final norm and lm_head; then the three decoder layers
+    assert set(calls[0]) == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i, got in enumerate(calls[1:]):
+        assert all(f".layers.{i}." in k for k in got)
+        assert got[f"model.layers.{i}.self_attn.o_proj.weight"] == "torch.bfloat16"
+        experts = [v for k, v in got.items() if ".mlp.experts." in k]
+        assert experts == ([] if i == 0 else ["Fp8Weight"] * 8 * 3)  # layer 0 is dense
+    assert sum(len(c) for c in calls) == len(sd)
