@@ -197,6 +197,7 @@ class Fp8Format:
     weights: frozenset[str]
 
     def scale_of(self, weight: str) -> str:
+        """The name of the scale tensor of FP8 weight `weight`."""
         return weight + SCALE_SUFFIX
 
 

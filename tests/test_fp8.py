@@ -200,6 +200,21 @@ def test_a_valid_small_fp8_dir_plans(tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+def test_detection_reads_headers_without_importing_torch(tmp_path):
+    """The plan and the CLI call it, and they stay torch-free (tests/test_layers.py's boundaries)."""
+    import subprocess
+    import sys
+
+    d = _small_fp8_dir(tmp_path / "ok")
+    code = (
+        "import sys\nfrom dskit.hf_checkpoint import fp8_format\n"
+        f"assert sorted(fp8_format({str(d)!r}).weights) == [{W!r}]\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_broken_fp8_checkpoint_is_one_line_exit_2_and_nothing_written(tmp_path, case):
     kwargs, want = BROKEN[case]

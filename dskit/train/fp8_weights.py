@@ -28,13 +28,17 @@ from dskit.errors import SpecError
 from dskit.hf_checkpoint import INDEX, SINGLE, Fp8Format, fp8_format, read_index
 from dskit.train.fp8 import Fp8Linear, dequantize_blocks
 
+Device = torch.device | str | None
+
 
 class Fp8Weight:
     """One FP8 weight of the checkpoint, dequantised to `dtype` on `device` when the loader takes it:
     by `[...]` (how transformers reads a safetensors slice) or by a call (how its weight converters
     materialise a deferred tensor). `weight` and `scale` are safetensors slices or mmap'd tensors."""
 
-    def __init__(self, weight: Any, scale: Any, block: tuple[int, int], dtype: torch.dtype, device=None):
+    def __init__(
+        self, weight: Any, scale: Any, block: tuple[int, int], dtype: torch.dtype, device: Device = None
+    ) -> None:
         self.weight, self.scale, self.block, self.dtype, self.device = weight, scale, block, dtype, device
 
     def __call__(self) -> torch.Tensor:
@@ -73,7 +77,7 @@ def open_shards(path: str) -> Iterator[dict[str, Any]]:
 
 @contextmanager
 def fp8_state_dict(
-    path: str, fmt: Fp8Format, *, dtype: torch.dtype, device=None, values: str = "slice"
+    path: str, fmt: Fp8Format, *, dtype: torch.dtype, device: Device = None, values: str = "slice"
 ) -> Iterator[dict[str, Any]]:
     """The checkpoint as transformers' loader takes it, FP8 weights deferred as `Fp8Weight`s.
 
@@ -137,7 +141,7 @@ def zero3_loads_layer_by_layer() -> Iterator[None]:
         mu._load_state_dict_into_zero3_model = original
 
 
-def swap_in_fp8_linears(model: nn.Module, path: str, *, device=None) -> list[str]:
+def swap_in_fp8_linears(model: nn.Module, path: str, *, device: Device = None) -> list[str]:
     """Replace every nn.Linear of `model` whose `<name>.weight` the checkpoint at `path` holds in FP8 by
     a frozen `Fp8Linear` read straight from the checkpoint (e4m3 weight, float32 scales, bias if any:
     never dequantised, 1 byte per weight on `device`). The model may be on the meta device: nothing of

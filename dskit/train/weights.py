@@ -19,7 +19,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from dskit.errors import SpecError
-from dskit.hf_checkpoint import check_checkpoint, fp8_format
+from dskit.hf_checkpoint import Fp8Format, check_checkpoint, fp8_format
 
 # Buffers transformers recomputes or that no published checkpoint carries: their absence is fine.
 UNSAVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")
@@ -67,7 +67,7 @@ def load_pretrained(path: str, *, config, dtype, device=None):
     return model
 
 
-def _fp8_source(stack: ExitStack, path: str, fmt, dtype, device) -> dict:
+def _fp8_source(stack: ExitStack, path: str, fmt: Fp8Format, dtype, device) -> dict:
     """The FP8 checkpoint as a state dict that dequantises each weight as the loader reads it
     (dskit/train/fp8_weights.py); under ZeRO-3 (no `device`) transformers is fed one layer at a time."""
     import torch.distributed as dist
