@@ -266,7 +266,10 @@ def check_fp8(root: Path, tensors: dict[str, tuple[str, list[int]]]) -> Fp8Forma
                 "model.path", f"{root}: {name} is {dtype}; FP8 weights must be {FP8_WEIGHT_DTYPE}"
             )
         if not name.endswith(".weight") or len(shape) < 2:
-            raise SpecError("model.path", f"{root}: {name} is FP8 but not a matrix weight ({shape})")
+            raise SpecError(
+                "model.path",
+                f"{root}: {name} is FP8 but no <module>.weight matrix ({shape}): not V3's layout",
+            )
         if scale not in tensors:
             raise SpecError("model.path", f"{root}: {name} is FP8 but {scale} is missing")
         s_dtype, s_shape = tensors[scale]
