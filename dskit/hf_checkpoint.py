@@ -1,14 +1,16 @@
 """What a local Hugging Face checkpoint holds, read from its safetensors headers alone (no torch).
 
 The plan checks `model.path` with this before any job is queued, and the trainer again before loading
-(files can change between render and start): a missing, truncated, misindexed or FP8 shard is one line
-and exit 2, never a traceback or a hang halfway through loading.
+(files can change between render and start): a missing, truncated or misindexed shard, or FP8 weights
+that break DeepSeek-V3's format (`check_fp8`), is one line and exit 2, never a traceback or a hang
+halfway through loading.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +109,7 @@ def _shard(root: Path, name: str, index: Path) -> Path:
     return root / p
 
 
-def _read_index(index: Path) -> dict[str, str]:
+def read_index(index: Path) -> dict[str, str]:
     try:
         if index.stat().st_size > MAX_INDEX:
             raise ValueError(f"larger than {MAX_INDEX >> 20} MiB")
@@ -138,7 +140,7 @@ def check_checkpoint(path: str) -> dict[str, tuple[str, list[int]]]:
     except OSError as e:
         raise SpecError("model.path", f"cannot read {root}: {e.strerror or e}") from None
     if has_index:
-        weight_map = _read_index(index)
+        weight_map = read_index(index)
         files = sorted(set(weight_map.values()))
         for f in files:
             _shard(root, f, index)  # every name is checked before any shard is opened
@@ -168,20 +170,136 @@ def check_checkpoint(path: str) -> dict[str, tuple[str, list[int]]]:
                 "model.path",
                 f"{root / weight_map[absent[0]]} lacks {absent[0]} ({len(absent)} tensors of {INDEX} absent)",
             )
-    fp8 = [n for n, (dt, _) in tensors.items() if dt in FP8_DTYPES]
-    if fp8:
-        raise SpecError("model.path", f"{root} holds FP8 tensors (e.g. {fp8[0]}); {FP8_HOWTO}")
+    check_fp8(root, tensors)
     return tensors
-
-
-FP8_HOWTO = (
-    "dskit trains from bf16 weights: convert them first with DeepSeek-V3's inference/fp8_cast_bf16.py "
-    "(--input-fp8-hf-path IN --output-bf16-hf-path OUT), copy config.json without quantization_config, "
-    "and set model.path to OUT"
-)
 
 
 def has_weights(path: str) -> bool:
     """Whether `path` is meant to provide weights (an index or any .safetensors), checked or not."""
     p = Path(path)
     return p.is_dir() and ((p / INDEX).is_file() or any(p.glob("*.safetensors")))
+
+
+# DeepSeek-V3's FP8 format, as published (config.json and inference/fp8_cast_bf16.py): e4m3 weights,
+# one float32 `<name>_scale_inv` per 128 x 128 block of `<name>`, blocks at the edges partial.
+FP8_BLOCK = (128, 128)
+FP8_WEIGHT_DTYPE = "F8_E4M3"
+FP8_SCALE_DTYPE = "F32"
+SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    """A checkpoint in DeepSeek-V3's FP8 format: `weights` are the e4m3 tensors, each with a float32
+    `<name>_scale_inv` of shape [..., ceil(rows / block[0]), ceil(cols / block[1])]."""
+
+    block: tuple[int, int]
+    weights: frozenset[str]
+
+    def scale_of(self, weight: str) -> str:
+        """The name of the scale tensor of FP8 weight `weight`."""
+        return weight + SCALE_SUFFIX
+
+
+def check_quantization_config(qc: Any, where: str, field_name: str = "model.path") -> tuple[int, int]:
+    """The block size of a config.json `quantization_config` dskit can load (DeepSeek-V3's FP8); one
+    SpecError line naming the field otherwise."""
+    if not isinstance(qc, dict):
+        raise SpecError(field_name, f"quantization_config in {where} must be an object")
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise SpecError(
+            field_name,
+            f"quantization_config.quant_method in {where} is {method!r}; dskit loads bf16 weights or "
+            "DeepSeek-V3's fp8 (e4m3, 128 x 128 block scales)",
+        )
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise SpecError(
+            field_name, f"quantization_config.fmt in {where} is {fmt!r}; only 'e4m3' is supported"
+        )
+    block = qc.get("weight_block_size")
+    if block != list(FP8_BLOCK):
+        raise SpecError(
+            field_name,
+            f"quantization_config.weight_block_size in {where} is {block!r}; "
+            f"DeepSeek-V3's FP8 format has {list(FP8_BLOCK)}",
+        )
+    return FP8_BLOCK
+
+
+def _config_quantization(root: Path) -> Any:
+    """config.json's quantization_config beside the weights (None without one or without config.json;
+    an unreadable config.json is the catalog's to report, model_from_path reads it first)."""
+    try:
+        cfg = _load_json((root / "config.json").read_bytes(), "config.json")
+    except (OSError, ValueError):
+        return None
+    return cfg.get("quantization_config") if isinstance(cfg, dict) else None
+
+
+def _blocks(shape: list[int], block: tuple[int, int]) -> list[int]:
+    """The scale grid of a weight: its leading dims, then ceil division of the last two by the block."""
+    return [*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1])]
+
+
+def check_fp8(root: Path, tensors: dict[str, tuple[str, list[int]]]) -> Fp8Format | None:
+    """The checkpoint's FP8 format checked against its tensor table: None for a checkpoint without
+    FP8 tensors or quantization_config; SpecError naming the first tensor or field that breaks it."""
+    qc = _config_quantization(root)
+    fp8 = sorted(n for n, (dt, _) in tensors.items() if dt in FP8_DTYPES)
+    scales = sorted(n for n in tensors if n.endswith(SCALE_SUFFIX))
+    if qc is None and not fp8 and not scales:
+        return None
+    if qc is None:
+        raise SpecError(
+            "model.path",
+            f"{root} holds FP8 tensors (e.g. {(fp8 or scales)[0]}) but its config.json has no "
+            "quantization_config (DeepSeek-V3's: quant_method fp8, fmt e4m3, weight_block_size [128, 128])",
+        )
+    block = check_quantization_config(qc, str(root / "config.json"))
+    for name in fp8:
+        dtype, shape = tensors[name]
+        scale = name + SCALE_SUFFIX
+        if dtype != FP8_WEIGHT_DTYPE:
+            raise SpecError(
+                "model.path", f"{root}: {name} is {dtype}; FP8 weights must be {FP8_WEIGHT_DTYPE}"
+            )
+        if not name.endswith(".weight") or len(shape) < 2:
+            raise SpecError(
+                "model.path",
+                f"{root}: {name} is FP8 but no <module>.weight matrix ({shape}): not V3's layout",
+            )
+        if scale not in tensors:
+            raise SpecError("model.path", f"{root}: {name} is FP8 but {scale} is missing")
+        s_dtype, s_shape = tensors[scale]
+        if s_dtype != FP8_SCALE_DTYPE or s_shape != _blocks(shape, block):
+            raise SpecError(
+                "model.path",
+                f"{root}: {scale} is {s_dtype} {s_shape}; {name} {shape} needs {FP8_SCALE_DTYPE} "
+                f"{_blocks(shape, block)} (one scale per {block[0]} x {block[1]} block)",
+            )
+    for scale in scales:
+        weight = scale.removesuffix(SCALE_SUFFIX)
+        if weight not in tensors or tensors[weight][0] != FP8_WEIGHT_DTYPE:
+            what = tensors[weight][0] if weight in tensors else "missing"
+            raise SpecError(
+                "model.path", f"{root}: {scale} scales {weight}, which is {what}, not {FP8_WEIGHT_DTYPE}"
+            )
+    if not fp8:
+        raise SpecError("model.path", f"{root}: config.json says fp8 but no tensor is {FP8_WEIGHT_DTYPE}")
+    return Fp8Format(block=block, weights=frozenset(fp8))
+
+
+def fp8_format(path: str) -> Fp8Format | None:
+    """Whether the model directory at `path` holds DeepSeek-V3's FP8 format, validated from config.json
+    and the safetensors headers alone (no torch): the format, or None for bf16/fp16 weights. A
+    directory with only a config.json is judged by its quantization_config (`weights` then empty), so
+    a plan can count FP8 before the weights are at hand. Anything broken is one SpecError line (exit 2)."""
+    root = Path(path)
+    if has_weights(path):
+        return check_fp8(root, check_checkpoint(path))
+    qc = _config_quantization(root)
+    if qc is None:
+        return None
+    return Fp8Format(block=check_quantization_config(qc, str(root / "config.json")), weights=frozenset())

@@ -141,23 +141,3 @@ def test_a_shard_from_another_model_stops_every_rank_with_exit_2(tmp_path):
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-2000:]
     errors = [x for x in r.stderr.splitlines() if x.startswith("dskit: error: model.path:")]
     assert len(errors) == 2, r.stderr[-3000:]  # one line from each rank
-
-
-def test_fp8_checkpoints_are_refused_with_how_to_convert(tmp_path):
-    d = tmp_path / "v3-fp8"
-    d.mkdir()
-    cfg = dict(catalog.model("tiny-v3").config)
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (d / "config.json").write_text(json.dumps(cfg))
-    r = dskit("plan", "--gpu", "cpu", "--set", f"model.path={d}")
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0
-    assert "fp8_cast_bf16.py" in r.stderr
-
-    # FP8 tensors without the config entry are caught from the shard headers
-    from safetensors.torch import save_file
-
-    del cfg["quantization_config"]
-    (d / "config.json").write_text(json.dumps(cfg))
-    save_file({"lm_head.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, d / "model.safetensors")
-    r = dskit("plan", "--gpu", "cpu", "--set", f"model.path={d}")
-    assert r.returncode == 2 and "holds FP8 tensors (e.g. lm_head.weight)" in r.stderr

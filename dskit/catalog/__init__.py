@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from dskit.errors import SpecError, one_of
-from dskit.hf_checkpoint import json_depth
+from dskit.hf_checkpoint import check_quantization_config, json_depth
 
 _HERE = Path(__file__).parent
 
@@ -229,18 +229,24 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
             field_name,
             f"model_type {mt!r} in {cfg_file} is not a DeepSeek MoE; {one_of(SUPPORTED_MODEL_TYPES)}",
         )
-    if cfg.get("quantization_config"):
-        from dskit.hf_checkpoint import FP8_HOWTO
-
-        qc = cfg["quantization_config"]
-        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
-        raise SpecError(field_name, f"{cfg_file} describes {method}-quantized weights; {FP8_HOWTO}")
+    if cfg.get("quantization_config") is not None:
+        # DeepSeek-V3's FP8 weights load dequantised (dskit/train/fp8_weights.py); anything else is refused.
+        # The model is built and trained in bf16, so the config the plan keeps has no quantization_config.
+        check_quantization_config(cfg["quantization_config"], str(cfg_file), field_name)
     check_config(cfg, str(cfg_file), field_name)
     keep = {
         k: v
         for k, v in cfg.items()
         if not k.startswith("_")
-        and k not in ("architectures", "auto_map", "transformers_version", "torch_dtype", "dtype")
+        and k
+        not in (
+            "architectures",
+            "auto_map",
+            "transformers_version",
+            "torch_dtype",
+            "dtype",
+            "quantization_config",
+        )
     }
     balance = {k: cfg[k] for k in ("aux_loss_alpha", "seq_aux") if k in cfg}
     aux = balance.get("aux_loss_alpha", 0.0)
