@@ -16,6 +16,7 @@ from typing import Any
 from dskit import catalog
 from dskit.errors import SpecError, one_of
 from dskit.plan import fit, host, memory, search, speed
+from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
 from dskit.spec import PlanOverrides, Spec
@@ -38,18 +39,27 @@ def plan_parallel(
     hardware: HardwarePlan,
     precision: str,
     warnings: list[str],
+    tuning: Tuning | None = None,
 ) -> tuple[ParallelPlan, search.Search]:
     """EP size and batch split, checkpointing and offload: the fastest candidate that fits
-    (`dskit/plan/search.py`), and the attention backend."""
+    (`dskit/plan/search.py`), and the attention backend. `tuning`: a LoRA run's (same search)."""
     cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
     if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
         _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
     gb, per_rank = _batch_split(spec, world)
     compiled = _compiled(spec, gpu, warnings)
-    shape = _shape(spec, model, model_counts, gpu, hardware, compiled)
+    shape = dataclasses.replace(_shape(spec, model, model_counts, gpu, hardware, compiled), tuning=tuning)
     seq_len = spec.training.seq_len
     speed_of = _speed_of(
-        model, model_counts, gpu, fabric, hardware, per_rank=per_rank, seq_len=seq_len, compiled=compiled
+        model,
+        model_counts,
+        gpu,
+        fabric,
+        hardware,
+        per_rank=per_rank,
+        seq_len=seq_len,
+        compiled=compiled,
+        tuning=tuning,
     )
     found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings)
     c = found.chosen.candidate
@@ -175,6 +185,7 @@ def _speed_of(
     per_rank: int,
     seq_len: int,
     compiled: bool,
+    tuning: Tuning | None = None,
 ) -> search.SpeedOf:
     """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
@@ -195,6 +206,7 @@ def _speed_of(
             offload=c.offload,
             compiled=compiled,
             zero_stage=c.zero_stage,
+            tuning=tuning,
         )
 
     return speed_of
