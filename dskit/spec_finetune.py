@@ -32,7 +32,10 @@ UNSUPPORTED_TARGETS = {
 class LoraSpec(_Section):
     r: int = Field(16, ge=1, le=4096, description="LoRA rank (peft `r`).")
     alpha: float = Field(
-        32.0, gt=0, le=1e6, description="LoRA scaling numerator (peft `lora_alpha`): updates scale by alpha / r."
+        32.0,
+        gt=0,
+        le=1e6,
+        description="LoRA scaling numerator (peft `lora_alpha`): updates scale by alpha / r.",
     )
     dropout: float = Field(
         0.0, ge=0, lt=1, description="Dropout on the adapters' input (peft `lora_dropout`); 0 keeps no copy."

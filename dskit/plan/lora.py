@@ -184,7 +184,7 @@ def plan_finetune(
         dropout=lo.dropout,
         targets=list(lo.targets),
         target_modules=target_modules(lo.targets) if t.adapters else None,
-        train_router="router" in lo.targets,
+        whole_params=ROUTER_PARAM if "router" in lo.targets else None,
         adapter_params=t.adapters,
         trainable_params=t.trainable,
         frozen_params=t.frozen,

@@ -281,7 +281,9 @@ def estimate(
         for i in range(L)
     ]
     if tuning is not None:  # what the adapters keep, scaled like the eager layers' own activations
-        per_layer = [a + ACTIVATION_SLACK * x for a, x in zip(per_layer, tuning.activation_bytes, strict=True)]
+        per_layer = [
+            a + ACTIVATION_SLACK * x for a, x in zip(per_layer, tuning.activation_bytes, strict=True)
+        ]
     # The trainer checkpoints layers 0, N, 2N, ... (model.py): those keep only their bf16 input (plus the
     # final hidden state) and are recomputed one at a time in backward, when the layers after them have
     # freed theirs; every other layer keeps all its activations until its own backward. The peak is the

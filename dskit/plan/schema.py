@@ -49,7 +49,7 @@ class FinetunePlan(_Frozen):
     dropout: float
     targets: list[str]
     target_modules: str | None  # the regex peft fullmatches module names against (None: no linear)
-    train_router: bool  # the router's weight trains whole
+    whole_params: str | None  # regex of base parameter names trained whole (the router), None: none
     adapter_params: int  # LoRA A + B parameters, as peft injects them
     trainable_params: int  # adapters + router
     frozen_params: int

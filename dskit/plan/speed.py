@@ -212,7 +212,9 @@ def predict(
     if tuning is None:
         per_micro, per_step = _collectives_s(c, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
     else:
-        per_micro, per_step = _lora_collectives_s(c, tuning, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
+        per_micro, per_step = _lora_collectives_s(
+            c, tuning, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown
+        )
     a2a = _all_to_all_s(cfg, c, layout, gpu, fabric_gbs, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = HOST_LAYER_PASS_S if hooked else HOST_LAYER_PASS_UNHOOKED_S

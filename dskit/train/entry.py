@@ -45,6 +45,11 @@ def read_contract(*, launcher_env: bool = True):
             Env.RUN_FILE.value, "not set; launch through a rendered job or `dskit train --local RUN_DIR`"
         )
     plan = load_plan(run_file)
+    if plan.finetune is not None and plan.finetune.base_precision == "fp8":
+        raise SpecError(
+            "finetune.base_precision",
+            "fp8 is planned but not yet supported by the trainer (no FP8 base loader yet); use bf16",
+        )
     profile = os.environ.get(Env.GPU_PROFILE.value)
     if profile != plan.hardware.gpu:
         raise SpecError(
@@ -212,6 +217,13 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         loss_chunk_tokens=plan.parallel.loss_chunk_tokens,
         device=device,
     )
+    params = model.parameters()
+    if plan.finetune is not None:
+        from dskit.train.lora import attach
+
+        attach(model, plan.finetune, seed=plan.run.seed, dtype=torch_dtype(plan.parallel.precision))
+        # lazy: the engine reads it after AutoEP's replacements; frozen weights get no optimizer state
+        params = (p for p in model.parameters() if p.requires_grad)
     built = {
         "build_s": round(time.perf_counter() - t0, 2),
         "build_peak_alloc_gib": round(memory_gib(device)[0], 3),
@@ -219,12 +231,13 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     stage = ds_config["zero_optimization"]["stage"]  # what build_model read (a benchmark may pass its own)
     how = "under ZeRO-3 partitioning" if stage == 3 else f"whole on {device} (ZeRO-{stage})"
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 
         compile_regions(engine.module)
-    _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir, built)
+    adapters = plan.finetune.adapter_params if plan.finetune else 0
+    _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)
     return engine
 
 
