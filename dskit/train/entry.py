@@ -6,6 +6,7 @@ whose workers arrive with a process group Ray already set up).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -231,7 +232,12 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     stage = ds_config["zero_optimization"]["stage"]  # what build_model read (a benchmark may pass its own)
     how = "under ZeRO-3 partitioning" if stage == 3 else f"whole on {device} (ZeRO-{stage})"
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
+    with contextlib.ExitStack() as stack:
+        if plan.finetune is not None and stage != 3:
+            from dskit.train.lora import frozen_experts_allowed
+
+            stack.enter_context(frozen_experts_allowed())
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config)
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 

@@ -95,6 +95,30 @@ def _no_v4_rename() -> Iterator[None]:
         conversion.convert_peft_config_for_transformers = original
 
 
+@contextmanager
+def frozen_experts_allowed() -> Iterator[None]:
+    """ZeRO-1/2 (DeepSpeed 0.19.8 stage_1_and_2.py `_configure_moe_settings`) assert that a model with
+    MoE layers hands the optimizer a parameter group marked MoE: with every routed expert frozen there
+    is none to mark (and an empty group fails on its first element). The check is skipped while the
+    engine is built only when no group is MoE; the rest of its MoE handling (expert gradient-norm
+    averaging) reads `is_moe_param_group`, all False then."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    original = DeepSpeedZeroOptimizer._configure_moe_settings
+
+    def configure(self) -> None:
+        if any(self.is_moe_group(g) for g in self.optimizer.param_groups):
+            original(self)
+        else:  # what the original records for groups that are not MoE, read by the norm averaging
+            self.is_moe_param_group = [False] * len(self.optimizer.param_groups)
+
+    DeepSpeedZeroOptimizer._configure_moe_settings = configure
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer._configure_moe_settings = original
+
+
 def hf_name(name: str) -> str:
     """A trainable parameter's transformers name (AutoEP renames the router)."""
     return _AUTOEP_ROUTER.sub(".mlp.gate.", name)
