@@ -46,7 +46,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = {}
     for model in CASES:
         tmp = tmp_path_factory.mktemp(model)
-        ckpt = save_checkpoint(model, tmp / "hf", train_steps=10)
+        # a base trained 2 steps: far from converged, so 8 LoRA steps move the loss well past batch noise
+        ckpt = save_checkpoint(model, tmp / "hf", train_steps=2)
         rd = _render(tmp, model, ckpt)
         assert run(rd, tmp / "train.log") == 0, (tmp / "train.log").read_text()[-4000:]
         out[model] = (rd, ckpt)
@@ -71,7 +72,7 @@ def _err(model, probe: dict) -> float:
 
 
 @pytest.mark.parametrize("model", sorted(CASES))
-def test_first_loss_is_transformers_plus_peft_and_the_loss_falls(runs, model):
+def test_first_loss_is_transformers_plus_peft(runs, model):
     """Step 1 before any update: the base with peft's adapters injected the trainer's way (B = 0)."""
     from dskit.train.lora import attach
 
@@ -82,7 +83,6 @@ def test_first_loss_is_transformers_plus_peft_and_the_loss_falls(runs, model):
     ls = losses(rd)
     assert sorted(ls) == list(range(1, STEPS + 1))
     assert ls[1] == pytest.approx(first_step_loss(m, rd), rel=LOSS_RTOL)
-    assert ls[STEPS] < ls[1]
 
 
 @pytest.mark.parametrize("model", sorted(CASES))
@@ -96,8 +96,9 @@ def test_a_checkpoint_holds_only_what_trains(runs, model):
     T = plan.finetune.trainable_params
     states = sum((tag / n).stat().st_size for n in ("adapter.safetensors", "zero-rank0.pt", "zero-rank1.pt"))
     # bf16 weights (2 B) + fp32 master, momentum, variance (12 B) per trainable parameter, plus pickling
+    # and none of the frozen base: the tiny models' adapters are 13-16% of them, so 256 KiB is less
+    # than any frozen layer
     assert 14 * T <= states < 14 * T + 256 * 2**10, (states, T)
-    assert plan.finetune.frozen_params * 2 > 2 * states  # none of the frozen base is in it
 
 
 @pytest.mark.parametrize("model", sorted(CASES))
@@ -117,13 +118,16 @@ def test_peft_loads_the_exported_adapter_with_the_trained_logits(runs, model, tm
 
 
 @pytest.mark.parametrize("model", sorted(CASES))
-def test_the_merged_export_loads_in_transformers_with_the_trained_logits(runs, model, tmp_path):
-    rd, _ = runs[model]
-    out = tmp_path / "hf"
-    r = dskit("export", str(rd), "-o", str(out), "--shard-mib", "1", check=True)
-    assert "verified: exported logits match the trained model" in r.stdout, r.stdout
-    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # streamed shard by shard
+def test_the_merged_export_loads_in_transformers_with_the_trained_logits(runs, model, tmp_path, capsys):
+    from dskit.train.export import export
+
+    rd, ckpt = runs[model]
+    out = export(str(rd), str(tmp_path / "hf"), shard_bytes=100_000)  # several shards: streamed
+    assert "verified: exported logits match the trained model" in capsys.readouterr().out
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
     assert _err(_base(out), _probe(rd)) < LOGITS_RTOL
+    # it learned: on the batches of step 1 the merged model does better than the base
+    assert first_step_loss(_base(out), rd) < first_step_loss(_base(ckpt), rd) - 0.05
 
 
 @pytest.mark.parametrize("model", sorted(CASES))

@@ -163,3 +163,10 @@ def test_the_trainer_refuses_an_fp8_base_with_one_line(tmp_path):
     r = rank0_alone(Path(rd) / "run.yaml")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "finetune.base_precision: fp8 is planned but not yet supported by the trainer" in r.stderr
+
+
+def test_adapter_only_export_of_a_full_run_is_one_line_and_exit_2(tmp_path):
+    rd = render_tiny(tmp_path, "tiny-v2")
+    r = dskit("export", str(rd), "-o", str(tmp_path / "out"), "--adapter-only")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--adapter-only: run is a full fine-tune" in r.stderr and not (tmp_path / "out").exists()

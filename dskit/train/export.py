@@ -84,11 +84,7 @@ def export(
 ) -> Path:
     """The run's newest verified checkpoint as a Hugging Face model directory at `output`; a LoRA run's
     merged into its base, or with `adapter_only` its adapter in peft's format (export_adapter.py)."""
-    plan, src, out = _inputs(run, output, force=force)  # refusals first: they need no torch
-    if adapter_only and plan.finetune is None:
-        raise SpecError(
-            "--adapter-only", f"{plan.name} is a full fine-tune (finetune.method full): no adapter"
-        )
+    plan, src, out = _inputs(run, output, force=force, adapter_only=adapter_only)  # refusals need no torch
     from dskit.train import export_adapter
     from dskit.train.model import torch_dtype
 
@@ -119,7 +115,7 @@ def export(
     return out
 
 
-def _inputs(run: str, output: str, *, force: bool) -> tuple[Plan, Path, Path]:
+def _inputs(run: str, output: str, *, force: bool, adapter_only: bool = False) -> tuple[Plan, Path, Path]:
     """(the run's plan, its newest verified checkpoint, the output path), or SpecError before any work."""
     from dskit.checkpoint_layout import newest_verified_tag
     from dskit.plan.schema import load_plan
@@ -129,6 +125,10 @@ def _inputs(run: str, output: str, *, force: bool) -> tuple[Plan, Path, Path]:
     out = Path(output).resolve()
     if out.exists() and not force:  # before the expensive part; atomic_dir checks again
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    if adapter_only and plan.finetune is None:
+        raise SpecError(
+            "--adapter-only", f"{plan.name} is a full fine-tune (finetune.method full): no adapter"
+        )
     return plan, newest_verified_tag(Path(plan.run.checkpoint_dir)), out
 
 

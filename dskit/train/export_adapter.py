@@ -137,13 +137,13 @@ def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
         check_checkpoint(plan.model.path)  # the plan checked it; the directory may have changed since
         files = _files_of(Path(plan.model.path))
 
-        def from_disk(name: str) -> torch.Tensor:
+        def read(name: str) -> torch.Tensor:
             if name not in files:
                 raise RuntimeError(f"{plan.model.path} has no tensor {name}")
             with safe_open(str(files[name]), framework="pt") as fh:
                 return fh.get_tensor(name)
 
-        return from_disk
+        return lambda name: _fused(name, read, plan.model.config["n_routed_experts"])
     if plan.model.params_total > REBUILD_MAX_PARAMS:
         raise SpecError(
             "model.path",
@@ -151,6 +151,28 @@ def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
             "too large to rebuild here for a merge; export --adapter-only, or train from model.path",
         )
     return _rebuilt_init(plan).__getitem__
+
+
+#: transformers' fused routed experts; published checkpoints (and save_pretrained) keep one tensor per
+#: expert and projection, which transformers fuses as it loads (gate before up, experts stacked)
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _fused(name: str, read: Callable[[str], torch.Tensor], n_experts: int) -> torch.Tensor:
+    """`name` in transformers' layout from per-expert tensors where the checkpoint has those."""
+    import torch
+
+    m = _FUSED.match(name)
+    if m is None:
+        return read(name)
+    experts, proj = m.groups()
+    try:
+        return read(name)  # already fused on disk
+    except RuntimeError:
+        parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        return torch.stack(
+            [torch.cat([read(f"{experts}.{e}.{p}.weight") for p in parts]) for e in range(n_experts)]
+        )
 
 
 def _files_of(root: Path) -> dict[str, Path]:
