@@ -113,6 +113,9 @@ def test_peft_loads_the_exported_adapter_with_the_trained_logits(runs, model, tm
     probe = _probe(rd)
     base_err = _err(_base(ckpt), probe)
     peft_model = PeftModel.from_pretrained(_base(ckpt), out).eval()
+    # every adapter the trainer trained is where peft put it (none dropped, none added on the experts)
+    lora_params = sum(q.numel() for n, q in peft_model.named_parameters() if ".lora_" in n)
+    assert lora_params == load_plan(rd / "run.yaml").finetune.adapter_params
     err = _err(peft_model, probe)
     assert err < LOGITS_RTOL and base_err > 5 * err, (err, base_err)  # the adapters are what moved it
 
