@@ -170,3 +170,23 @@ def test_adapter_only_export_of_a_full_run_is_one_line_and_exit_2(tmp_path):
     r = dskit("export", str(rd), "-o", str(tmp_path / "out"), "--adapter-only")
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "--adapter-only: run is a full fine-tune" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_refuses_a_full_runs_checkpoint_and_back():
+    """The files differ in kind (DeepSpeed's vs dskit's adapter states): one line naming the method.
+    Checkpoints from before the method was recorded are full runs'."""
+    from types import SimpleNamespace
+
+    from dskit.errors import SpecError
+    from dskit.train.checkpoint import Checkpointer
+
+    lora_run = SimpleNamespace(layout={"zero_stage": 3, "ep_size": 2, "finetune": "lora"})
+    full_run = SimpleNamespace(layout={"zero_stage": 3, "ep_size": 2})
+    full_ckpt = {"layout": {"zero_stage": 3, "ep_size": 2}}
+    lora_ckpt = {"layout": {"zero_stage": 3, "ep_size": 2, "finetune": "lora"}}
+    with pytest.raises(SpecError, match="written with finetune full, this run has lora"):
+        Checkpointer._refuse_other_layout(lora_run, Path("c"), full_ckpt)
+    with pytest.raises(SpecError, match="finetune.method=lora"):
+        Checkpointer._refuse_other_layout(full_run, Path("c"), lora_ckpt)
+    Checkpointer._refuse_other_layout(lora_run, Path("c"), lora_ckpt)
+    Checkpointer._refuse_other_layout(full_run, Path("c"), full_ckpt)
