@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dskit.plan.lora import Tuning
 from dskit.plan.schema import Plan
 from dskit.plan.search import Row, Search
 
@@ -86,6 +87,7 @@ def table(plan: Plan, found: Search) -> str:
         + (f"{shape.host_limit:.0f} GiB/node" if shape.host_limit else "unknown"),
         "memory in GiB per GPU (states, gathered working set, activations, loss, total; build = construction "
         "peak); host = RAM per node; step time predicted by dskit/plan/speed.py",
+        *lora_terms(plan, shape.tuning),
         "",
     ]
     widths = [w for _, w in COLUMNS]
@@ -178,3 +180,22 @@ def step_breakdown(s) -> str:
     ]
     gpu = ", ".join(f"{n} {v:.3f} s" for n, v in terms if v)
     return f"{gpu}; host {s.host_s:.3f} s beside the GPU's {s.gpu_s:.3f} s ({s.bound}-bound); step {s.step_s:.3f} s"
+
+
+def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:
+    """What a LoRA plan counts (dskit/plan/lora.py, docs/planner.md "LoRA"); nothing for full training."""
+    f = plan.finetune
+    if f is None or t is None:
+        return []
+    b = 1e9
+    return [
+        f"LoRA r {f.r}, alpha {f.alpha:g}, dropout {f.dropout:g} on {', '.join(f.targets)}: trainable T = "
+        f"{t.trainable / b:.3f} B ({t.adapters / b:.3f} B adapters + {t.router / b:.3f} B router), frozen F = "
+        f"{t.frozen / b:.2f} B ({f.base_precision}: {t.other_bytes:.3f} B/weight non-expert, {t.expert_bytes:.3f} "
+        "B/weight experts)",
+        "  states: ZeRO-3 (bytes(F) + 16 T) / world; ZeRO-1/2 bytes(local F) + 2 T + grads(T) + 12 T / world; "
+        "gradient buckets and the optimizer's pass over T only; compute "
+        f"{plan.model.flops_per_token / 1e9:.2f} GFLOP/token (4 x active base: no weight-gradient GEMMs for "
+        "frozen weights; 6 x trainable; attention)"
+        + (f"; fp8 dequantised weight {t.dequant_bytes / 2**30:.2f} GiB" if t.dequant_bytes else ""),
+    ]

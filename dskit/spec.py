@@ -20,6 +20,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from dskit import yamlsafe
 from dskit.data import MIXTURE_BLOCK
 from dskit.errors import SpecError
+from dskit.spec_finetune import FinetuneSpec
 from dskit.spec_targets import KubernetesSpec, RaySpec, SlurmSpec
 from dskit.spec_values import NAME_RE, _Section
 
@@ -298,6 +299,7 @@ class Spec(_Section):
     ray: RaySpec = Field(default_factory=RaySpec)
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
     overrides: PlanOverrides = Field(default_factory=PlanOverrides)
+    finetune: FinetuneSpec = Field(default_factory=FinetuneSpec)
 
     @field_validator("name")
     @classmethod
@@ -428,6 +430,13 @@ def _valid_keys_hint(loc: tuple) -> str:
             return ""
         model = ann
     return "; valid keys: " + ", ".join(model.model_fields)
+
+
+def spec_record(spec: Spec) -> dict[str, Any]:
+    """The spec as run.yaml records it. A full fine-tune (the default) leaves the finetune section out,
+    so a spec that does not mention it renders exactly what it rendered before the section existed."""
+    default = spec.finetune == FinetuneSpec()
+    return spec.model_dump(mode="json", exclude={"finetune"} if default else None)
 
 
 def json_schema() -> dict:

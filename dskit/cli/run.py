@@ -49,7 +49,14 @@ def cmd_export(a: argparse.Namespace) -> int:
     try:
         from dskit.train.export import export
 
-        export(a.run, a.output, force=a.force, verify=not a.no_verify, shard_bytes=a.shard_mib * 2**20)
+        export(
+            a.run,
+            a.output,
+            force=a.force,
+            verify=not a.no_verify,
+            shard_bytes=a.shard_mib * 2**20,
+            adapter_only=a.adapter_only,
+        )
     except ModuleNotFoundError as e:
         raise needs_extra("export", "train", e) from None
     return 0
@@ -63,6 +70,12 @@ def add_export(sub: Subparsers) -> None:
     s.add_argument("-o", "--output", required=True, help="directory for the Hugging Face model")
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.add_argument("--no-verify", action="store_true", help="skip the logits check against the trained model")
+    s.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="LoRA runs: write the adapter in peft's format (adapter_config.json + adapter_model.safetensors) "
+        "instead of the merged model",
+    )
     s.add_argument(
         "--shard-mib",
         type=count,

@@ -15,6 +15,7 @@ from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import host, search
 from dskit.plan.deepspeed import deepspeed_config
+from dskit.plan.lora import plan_finetune
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
 from dskit.plan.parallel import plan_parallel, speed_section
 from dskit.plan.schema import (
@@ -28,7 +29,7 @@ from dskit.plan.schema import (
     RunPlan,
 )
 from dskit.plan.watchdog import watchdog_timeout_s
-from dskit.spec import Spec
+from dskit.spec import Spec, spec_record
 from dskit.text import describe, first_unsafe
 
 DEFAULT_MODEL = "deepseek-v2-lite"
@@ -54,9 +55,14 @@ def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     gpu = catalog.gpu(spec.hardware.gpu)
     fabric = resolve_fabric(spec, gpu)
     model, model_counts = plan_model(spec)
+    finetune, tuning = plan_finetune(spec.finetune, model.config, model_counts)
+    if tuning is not None:  # a LoRA step's FLOPs: no weight-gradient GEMMs for the frozen base (MFU, speed)
+        model = model.model_copy(update={"flops_per_token": tuning.flops_per_token(model_counts)})
     precision = _precision(spec, gpu)
     hardware = plan_hardware(spec, gpu, precision)
-    parallel, found = plan_parallel(spec, model, model_counts, gpu, fabric, hardware, precision, warnings)
+    parallel, found = plan_parallel(
+        spec, model, model_counts, gpu, fabric, hardware, precision, warnings, tuning=tuning
+    )
     optim = plan_optim(spec)
     run, storage_root = plan_storage(spec)
     step_s = found.chosen.speed.step_s if found.chosen.speed else None
@@ -86,7 +92,8 @@ def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
         env=launch_env(spec, gpu, fabric, run, launch),
         deepspeed=deepspeed_config(model, hardware, parallel, optim),
         warnings=warnings,
-        spec=spec.model_dump(mode="json"),
+        spec=spec_record(spec),
+        finetune=finetune,
     )
     return plan, found
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from dskit.catalog import GPU
 from dskit.plan import host, memory
+from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
 
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
@@ -75,6 +76,7 @@ class Shape:
     loads_weights: bool
     loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
     compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
+    tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/lora.py)
 
     @property
     def world(self) -> int:
@@ -149,6 +151,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         loss=s.loss,
         compiled=s.compiled,
         zero_stage=c.zero_stage,
+        tuning=s.tuning,
     )
     build = memory.construction(
         s.counts,
@@ -156,6 +159,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         ep_size=c.ep_size,
         on_gpu=on_gpu,
         zero_stage=c.zero_stage,
+        tuning=s.tuning,
     )
     h = host.estimate(
         s.counts,
@@ -165,6 +169,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         loads_weights=s.loads_weights,
         device_gib_per_rank=0.0 if on_gpu else steady.total_gib,
         device_construction_gib_per_rank=0.0 if on_gpu else build.total_gib,
+        trainable=None if s.tuning is None else s.tuning.trainable,
     )
     return Fit(c, steady, build, h, s)
 

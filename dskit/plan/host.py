@@ -70,9 +70,11 @@ def estimate(
     loads_weights: bool,
     device_gib_per_rank: float = 0.0,
     device_construction_gib_per_rank: float = 0.0,
+    trainable: int | None = None,
 ) -> HostEstimate:
-    """The device_* arguments: on the cpu profile, the per-rank "GPU" estimates, which are host RAM."""
-    shard = c.total / world
+    """The device_* arguments: on the cpu profile, the per-rank "GPU" estimates, which are host RAM.
+    `trainable`: a LoRA run's trainable parameters, the only ones with (offloaded) optimizer states."""
+    shard = (c.total if trainable is None else trainable) / world
     offload = 0.0
     if offload_optimizer:
         per_rank = (OFFLOAD_STATE_BYTES + OFFLOAD_PINNED_BYTES) * shard

@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dskit.plan.lora import BF16_BYTES, Tuning
 from dskit.plan.model_math import ModelCounts, head_dims
 
 GIB = 2**30
@@ -141,10 +142,29 @@ def local_params(c: ModelCounts, ep_size: int) -> float:
 
 
 def construction(
-    c: ModelCounts, *, world: int, ep_size: int, on_gpu: bool, zero_stage: int = 3
+    c: ModelCounts,
+    *,
+    world: int,
+    ep_size: int,
+    on_gpu: bool,
+    zero_stage: int = 3,
+    tuning: Tuning | None = None,
 ) -> ConstructionEstimate:
     """ZeRO-1/2 build the whole 16-bit model on each GPU (dskit/train/model.py), then AutoEP copies one
-    layer's local experts out of it at a time: the whole model is the "shard"."""
+    layer's local experts out of it at a time: the whole model is the "shard". A LoRA run (`tuning`)
+    builds the base in its precision and the adapters in bf16."""
+    if tuning is not None:
+        t = tuning
+        other = c.largest_module if c.largest_module > c.experts_per_layer else 0
+        gathered = max(t.expert_bytes * c.experts_per_layer, BF16_BYTES * other)
+        whole = t.expert_bytes * t.frozen_experts + t.other_bytes * t.frozen_other + BF16_BYTES * t.trainable
+        return ConstructionEstimate(
+            shard_gib=whole / (1 if zero_stage != 3 else world) / GIB,
+            # the largest module: one MoE layer's experts (in the base's precision), or a bf16 one larger
+            gathered_gib=0.0 if zero_stage != 3 else gathered / GIB,
+            autoep_copy_gib=t.expert_bytes * c.experts_per_layer / ep_size / GIB,
+            overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
+        )
     if zero_stage != 3:
         return ConstructionEstimate(
             shard_gib=WEIGHT_BYTES * c.total / GIB,
@@ -158,6 +178,33 @@ def construction(
         autoep_copy_gib=WEIGHT_BYTES * c.experts_per_layer / ep_size / GIB,
         overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
     )
+
+
+def lora_states(
+    c: ModelCounts, t: Tuning, world: int, ep_size: int, offload: bool, zero_stage: int
+) -> tuple[float, float]:
+    """(model-state bytes, working-set bytes) per GPU of a LoRA run: frozen weights keep only their
+    weights (no gradient, no optimizer state: DeepSpeed leaves requires_grad=False parameters out of
+    the optimizer, stage3.py and stage_1_and_2.py), the trainable ones the 16 bytes of mixed-precision
+    Adam. ZeRO-3 shards both over the ranks (experts over the expert-data-parallel group: P/world either
+    way); ZeRO-1/2 keep the frozen weights a rank uses whole and shard the trainable states."""
+    T = t.trainable
+    if zero_stage == 3:
+        frozen = (t.expert_bytes * t.frozen_experts + t.other_bytes * t.frozen_other) / world
+        states = frozen + (4 if offload else 16) * T / world
+        layer_bytes = t.other_bytes * c.largest_layer
+        if world // ep_size > 1:  # local experts gathered with their layer, as in full training
+            layer_bytes = max(
+                layer_bytes,
+                t.other_bytes * c.moe_layer_non_expert + t.expert_bytes * c.experts_per_layer / ep_size,
+            )
+        # two gathered layers; gradient buckets of the trainable parameters only
+        working = 2 * layer_bytes + 2 * BF16_BYTES * t.largest_layer_trainable
+    else:
+        grads = BF16_BYTES * (T if zero_stage == 1 else T / world)
+        states = t.frozen_weight_bytes(ep_size) + BF16_BYTES * T + grads + 12 * T / world
+        working = 2 * BF16_BYTES * min(REDUCE_BUCKET_ELEMENTS, T)
+    return states, working + t.dequant_bytes
 
 
 def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
@@ -205,8 +252,12 @@ def estimate(
     loss: str,
     compiled: bool = False,
     zero_stage: int = 3,
+    tuning: Tuning | None = None,
 ) -> MemoryEstimate:
-    if zero_stage == 3:
+    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/lora.py`); None: full fine-tuning."""
+    if tuning is not None:
+        states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)
+    elif zero_stage == 3:
         state_bytes = 4 if offload_optimizer else 16
         states = state_bytes * c.total / world
         layer = c.largest_layer
@@ -229,6 +280,10 @@ def estimate(
         - (compiled_saving_per_token_layer(cfg, dense=i < dense_layers) if compiled else 0)
         for i in range(L)
     ]
+    if tuning is not None:  # what the adapters keep, scaled like the eager layers' own activations
+        per_layer = [
+            a + ACTIVATION_SLACK * x for a, x in zip(per_layer, tuning.activation_bytes, strict=True)
+        ]
     # The trainer checkpoints layers 0, N, 2N, ... (model.py): those keep only their bf16 input (plus the
     # final hidden state) and are recomputed one at a time in backward, when the layers after them have
     # freed theirs; every other layer keeps all its activations until its own backward. The peak is the

@@ -16,6 +16,7 @@ from typing import Any
 from dskit import catalog
 from dskit.errors import SpecError, one_of
 from dskit.plan import fit, host, memory, search, speed
+from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
 from dskit.spec import PlanOverrides, Spec
@@ -38,15 +39,16 @@ def plan_parallel(
     hardware: HardwarePlan,
     precision: str,
     warnings: list[str],
+    tuning: Tuning | None = None,
 ) -> tuple[ParallelPlan, search.Search]:
     """EP size and batch split, checkpointing and offload: the fastest candidate that fits
-    (`dskit/plan/search.py`), and the attention backend."""
+    (`dskit/plan/search.py`), and the attention backend. `tuning`: a LoRA run's (same search)."""
     cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
     if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
         _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
     gb, per_rank = _batch_split(spec, world)
     compiled = _compiled(spec, gpu, warnings)
-    shape = _shape(spec, model, model_counts, gpu, hardware, compiled)
+    shape = dataclasses.replace(_shape(spec, model, model_counts, gpu, hardware, compiled), tuning=tuning)
     seq_len = spec.training.seq_len
     fused = spec.overrides.optimizer_step != "deepspeed"
     attention = attention_compile(spec.overrides.compile, gpu)
@@ -61,6 +63,7 @@ def plan_parallel(
         compiled=compiled,
         fused_step=fused,
         compiled_attention=attention,
+        tuning=tuning,
     )
     found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings)
     c = found.chosen.candidate
@@ -210,6 +213,7 @@ def _speed_of(
     compiled: bool,
     fused_step: bool,
     compiled_attention: bool,
+    tuning: Tuning | None = None,
 ) -> search.SpeedOf:
     """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
@@ -232,6 +236,7 @@ def _speed_of(
             zero_stage=c.zero_stage,
             fused_step=fused_step,
             compiled_attention=compiled_attention,
+            tuning=tuning,
         )
 
     return speed_of

@@ -38,6 +38,23 @@ class ModelPlan(_Frozen):
     flops_per_token: float
 
 
+class FinetunePlan(_Frozen):
+    """A LoRA run (`finetune.method: lora`; a full fine-tune has no such section): what the trainer
+    injects and trains, decided by dskit/plan/lora.py."""
+
+    method: Literal["lora"]
+    base_precision: Literal["bf16", "fp8"]
+    r: int
+    alpha: float
+    dropout: float
+    targets: list[str]
+    target_modules: str | None  # the regex peft fullmatches module names against (None: no linear)
+    whole_params: str | None  # regex of base parameter names trained whole (the router), None: none
+    adapter_params: int  # LoRA A + B parameters, as peft injects them
+    trainable_params: int  # adapters + router
+    frozen_params: int
+
+
 class HardwarePlan(_Frozen):
     gpu: str
     on_gpu: bool
@@ -139,6 +156,8 @@ class Plan(_Frozen):
     deepspeed: dict[str, Any]
     warnings: list[str]
     spec: dict[str, Any]  # the validated spec, for the record only: nothing outside dskit/plan reads it
+    # last, and left out of run.yaml when None: a full fine-tune's run.yaml is what it was before LoRA
+    finetune: FinetunePlan | None = None
 
     def summary(self) -> str:
         p, h = self.parallel, self.hardware
@@ -167,7 +186,8 @@ class Plan(_Frozen):
 
 
 def dump_plan(plan: Plan) -> str:
-    return yaml.safe_dump(plan.model_dump(mode="json"), sort_keys=False, width=120)
+    data = plan.model_dump(mode="json", exclude={"finetune"} if plan.finetune is None else None)
+    return yaml.safe_dump(data, sort_keys=False, width=120)
 
 
 def load_plan(path: str | Path) -> Plan:

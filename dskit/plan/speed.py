@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.catalog import GPU
+from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
 
 # ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
@@ -211,9 +212,11 @@ def predict(
     zero_stage: int = 3,
     fused_step: bool = False,
     compiled_attention: bool = False,
+    tuning: Tuning | None = None,
 ) -> StepTime | None:
     """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
-    `peak_tflops`: at the plan's precision."""
+    `peak_tflops`: at the plan's precision. `tuning`: a LoRA run (`flops_per_token` is then its own,
+    `Tuning.flops_per_token`); None: full fine-tuning."""
     if peak_tflops is None or gpu.memory_bw_gbs is None:
         return None
     L = cfg["num_hidden_layers"]
@@ -223,8 +226,14 @@ def predict(
     unknown: list[str] = []  # filled by the terms that need a bandwidth the catalog lacks
 
     attention = compiled_attention and zero_stage < 3  # the plan's compile_attention
-    compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled, attention)
-    per_micro, per_step = _collectives_s(c, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
+    fwd = None if tuning is None else tuning.forward_share(c)
+    compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled, fwd, attention)
+    if tuning is None:
+        per_micro, per_step = _collectives_s(c, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
+    else:
+        per_micro, per_step = _lora_collectives_s(
+            c, tuning, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown
+        )
     a2a = _all_to_all_s(cfg, c, layout, gpu, fabric_gbs, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = (
@@ -241,7 +250,13 @@ def predict(
         collectives_s=grad_accum * per_micro,
         all_to_all_s=grad_accum * a2a,
         host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
-        optimizer_s=_optimizer_s(c, layout, gpu, offload, fused_step and zero_stage < 3),
+        optimizer_s=_optimizer_s(
+            c.total if tuning is None else tuning.trainable,
+            layout,
+            gpu,
+            offload,
+            fused_step and zero_stage < 3,
+        ),
         tokens_per_step=grad_accum * T,
         flops_per_token=flops_per_token,
         peak_tflops=peak_tflops,
@@ -251,10 +266,18 @@ def predict(
 
 
 def _compute_s(
-    tokens: int, flops_per_token: float, frac: float, peak: float, compiled: bool, attention: bool = False
+    tokens: int,
+    flops_per_token: float,
+    frac: float,
+    peak: float,
+    compiled: bool,
+    forward_share: float | None = None,
+    attention: bool = False,
 ) -> float:
-    """One micro-step's FLOPs (the recomputed forwards included) at GEMM_EFFICIENCY of `peak` FLOP/s."""
-    compute = tokens * flops_per_token * (1 + frac / 3) / (peak * GEMM_EFFICIENCY)
+    """One micro-step's FLOPs at GEMM_EFFICIENCY of `peak` FLOP/s, the recomputed forwards included:
+    `forward_share` of the FLOPs each (None: a third, full training's forward of fwd 2 + bwd 4)."""
+    recompute = 1 + frac / 3 if forward_share is None else 1 + frac * forward_share
+    compute = tokens * flops_per_token * recompute / (peak * GEMM_EFFICIENCY)
     if compiled:
         compute *= 1 - COMPILED_COMPUTE_SAVING
     if attention:
@@ -304,6 +327,49 @@ def _collectives_s(
     return per_micro, per_step
 
 
+def _lora_collectives_s(
+    c: ModelCounts,
+    t: Tuning,
+    layout: Layout,
+    gpu: GPU,
+    fabric_gbs: float | None,
+    zero_stage: int,
+    frac: float,
+    passes: float,
+    unknown: list[str],
+) -> tuple[float, float]:
+    """`_collectives_s` for a LoRA run: ZeRO-3 still gathers every frozen weight per layer pass (in the
+    base's precision), but gradients are reduced, and ZeRO-1/2's updated weights gathered, for the
+    trainable parameters only (all non-expert: the dense group)."""
+    multi_node = layout.world > layout.per_node
+    frozen_experts = t.frozen_experts / layout.ep_size
+    groups = (  # (bytes gathered per layer pass, bytes reduced per micro-step, group)
+        (t.other_bytes * t.frozen_other + WIRE_BYTES * t.trainable, WIRE_BYTES * t.trainable, layout.world),
+        (t.expert_bytes * frozen_experts, 0.0, layout.expert_dp),
+    )
+    per_micro = per_step = 0.0
+    for gathered, reduced, group in groups:
+        if group == 1:
+            continue
+        bw = _bandwidth(group, multi_node, gpu, fabric_gbs)
+        if bw is None:
+            unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
+            continue
+        share = (group - 1) / group / (bw * GB)
+        if zero_stage == 3:
+            per_micro += (gathered * (2 + frac) + reduced) * share * (1 - ZERO3_OVERLAP)
+        else:
+            per_step += reduced * share  # the updated trainable weights, all-gathered once, exposed
+            if zero_stage == 2:
+                per_micro += reduced * share * (1 - ZERO3_OVERLAP)
+            else:
+                per_step += reduced * share
+    syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1
+    if syncs:
+        per_micro += SYNC_LAYER_PASS_S * passes
+    return per_micro, per_step
+
+
 def _all_to_all_s(
     cfg: dict[str, Any],
     c: ModelCounts,
@@ -327,10 +393,11 @@ def _all_to_all_s(
     return moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
 
-def _optimizer_s(c: ModelCounts, layout: Layout, gpu: GPU, offload: bool, fused: bool = False) -> float:
-    """Adam over this rank's shard of every parameter: GPU memory bandwidth, or with offload the host's
-    CPU Adam plus the PCIe round trip. `fused` (ZeRO-1/2): without DeepSpeed's clip and fp64-norm passes."""
-    local_params = c.total / layout.world  # every stage shards the optimizer states
+def _optimizer_s(optimized: int, layout: Layout, gpu: GPU, offload: bool, fused: bool = False) -> float:
+    """Adam over this rank's shard of every trained parameter (`optimized`: all of them, or a LoRA
+    run's trainable ones): GPU memory bandwidth, or with offload the host's CPU Adam plus the PCIe
+    round trip. `fused` (ZeRO-1/2): without DeepSpeed's clip and fp64-norm passes."""
+    local_params = optimized / layout.world  # every stage shards the optimizer states
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
         return (

@@ -110,6 +110,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class DeepSpeedStates:
+    """Model and optimizer files written and read by DeepSpeed itself (full fine-tuning)."""
+
+    def save(self, engine, root: Path, tag: str) -> None:
+        engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+
+    def load(self, engine, root: Path, tag: str) -> None:
+        path, _ = engine.load_checkpoint(str(root), tag=tag, load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load {root / tag} although it verified")
+
+
 class Checkpointer:
     def __init__(
         self,
@@ -121,12 +133,16 @@ class Checkpointer:
         device: torch.device,
         beat: Callable[[int, str], None] | None = None,
         layout: dict[str, int | str] | None = None,
+        states=None,
     ):
         """`layout`: what a checkpoint's files depend on besides the world size (the ZeRO stage, the EP
-        size); recorded in dskit.json, and a resume with other values is refused."""
+        size, the finetune method); recorded in dskit.json, and a resume with other values is refused.
+        `states`: who writes and reads the model and optimizer files: DeepSpeed (the default), or
+        AdapterStates for a LoRA run (dskit/train/adapter_state.py)."""
         self.root = Path(root)
         self.keep, self.rank, self.world, self.device = keep, rank, world, device
         self.layout = layout or {}
+        self.states = states or DeepSpeedStates()
         # the watchdog's: verifying and loading checkpoints (a fallback reads several) takes a while
         self.beat = beat or (lambda step, phase: None)
         if rank == 0:
@@ -144,12 +160,16 @@ class Checkpointer:
         # the optimizers' states differ in kind too (DeepSpeed's FusedAdam counts steps per group, torch's
         # AdamW per parameter); checkpoints from before the setting all ran DeepSpeed's
         written = {"optimizer_step": "deepspeed", **written}
-        for key, field in (
+        keys = (
             ("zero_stage", "overrides.zero_stage"),
             ("ep_size", "overrides.ep_size"),
+            ("finetune", "finetune.method"),
             ("optimizer_step", "overrides.optimizer_step"),
-        ):
+        )
+        for key, field in keys:
             was, now = written.get(key), self.layout.get(key)
+            if key == "finetune":  # checkpoints and runs from before the method was recorded: full
+                was, now = was or "full", now or "full"
             if was is not None and now is not None and was != now:
                 raise SpecError(
                     field,
@@ -169,7 +189,7 @@ class Checkpointer:
             # made here, so that its disappearance later means a peer removed it (below)
             tmp.mkdir(parents=True, exist_ok=True)
             made = True
-            engine.save_checkpoint(str(self.root), tag=tmp_tag, save_latest=False)
+            self.states.save(engine, self.root, tmp_tag)
             torch.save(_rng_state(), tmp / f"dskit-rng-rank{self.rank}.pt")
             if self.rank == 0:
                 for name, obj in (extra or {}).items():
@@ -284,9 +304,7 @@ class Checkpointer:
                         n, aside = n + 1, self.root / f"untrusted-{name}.{n}"
                     os.rename(self.root / name, aside)
                 log.warning("moved %d untrusted checkpoint(s) aside as untrusted-stepN", len(untrusted))
-            path, _ = engine.load_checkpoint(str(self.root), tag=tag, load_lr_scheduler_states=False)
-            if path is None:
-                raise RuntimeError(f"DeepSpeed could not load {d} although it verified")
+            self.states.load(engine, self.root, tag)
             _set_rng_state(torch.load(d / f"dskit-rng-rank{self.rank}.pt", weights_only=False))
             log.info("resumed from %s (step %d)", d, done["step"])
             return done["meta"]

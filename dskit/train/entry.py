@@ -6,6 +6,7 @@ whose workers arrive with a process group Ray already set up).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -45,6 +46,11 @@ def read_contract(*, launcher_env: bool = True):
             Env.RUN_FILE.value, "not set; launch through a rendered job or `dskit train --local RUN_DIR`"
         )
     plan = load_plan(run_file)
+    if plan.finetune is not None and plan.finetune.base_precision == "fp8":
+        raise SpecError(
+            "finetune.base_precision",
+            "fp8 is planned but not yet supported by the trainer (no FP8 base loader yet); use bf16",
+        )
     profile = os.environ.get(Env.GPU_PROFILE.value)
     if profile != plan.hardware.gpu:
         raise SpecError(
@@ -191,7 +197,6 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     """The DeepSpeed engine for the plan (ZeRO-3: its model partitioned from the first parameter on). Records
     what each rank holds and its memory peaks (`construction-rankN.json`). `deepspeed_config` replaces
     the plan's only for benchmarks that measure construction without an optimizer."""
-    import deepspeed
 
     from dskit.train.metrics import memory_gib
     from dskit.train.model import apply_sdpa_policy, build_model, resolve_attention, torch_dtype
@@ -212,6 +217,13 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         loss_chunk_tokens=plan.parallel.loss_chunk_tokens,
         device=device,
     )
+    params = model.parameters()
+    if plan.finetune is not None:
+        from dskit.train.lora import attach
+
+        attach(model, plan.finetune, seed=plan.run.seed, dtype=torch_dtype(plan.parallel.precision))
+        # lazy: the engine reads it after AutoEP's replacements; frozen weights get no optimizer state
+        params = (p for p in model.parameters() if p.requires_grad)
     built = {
         "build_s": round(time.perf_counter() - t0, 2),
         "build_peak_alloc_gib": round(memory_gib(device)[0], 3),
@@ -219,26 +231,39 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     stage = ds_config["zero_optimization"]["stage"]  # what build_model read (a benchmark may pass its own)
     how = "under ZeRO-3 partitioning" if stage == 3 else f"whole on {device} (ZeRO-{stage})"
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
-    if plan.parallel.optimizer_step == "fused" and deepspeed_config is None:
-        from dskit.train import fused_step
-
-        opt = ds_config["optimizer"]
-        ds_config = {k: v for k, v in ds_config.items() if k != "optimizer"}
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            optimizer=lambda params: fused_step.adamw(params, opt),  # called after AutoEP's replacement
-            config=ds_config,
-        )
-        fused_step.install(engine.optimizer)
-    else:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    engine = _initialize(plan, model, params, ds_config, stage, fused=deepspeed_config is None)
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 
         compile_regions(engine.module, attention=plan.parallel.compile_attention)
-    _record_construction(engine, plan.model.params_total, rank, device, plan.run.output_dir, built)
+    adapters = plan.finetune.adapter_params if plan.finetune else 0
+    _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)
     return engine
+
+
+def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool):
+    """deepspeed.initialize, with the plan's optimizer step (torch's fused AdamW inside ZeRO-1/2:
+    dskit/train/fused_step.py) and, for LoRA under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
+    import deepspeed
+
+    with contextlib.ExitStack() as stack:
+        if plan.finetune is not None and stage != 3:
+            from dskit.train.lora import frozen_experts_allowed
+
+            stack.enter_context(frozen_experts_allowed())
+        if not (fused and plan.parallel.optimizer_step == "fused"):
+            return deepspeed.initialize(model=model, model_parameters=params, config=ds_config)[0]
+        from dskit.train import fused_step
+
+        opt = ds_config["optimizer"]
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=params,
+            optimizer=lambda ps: fused_step.adamw(ps, opt),  # called after AutoEP's replacement
+            config={k: v for k, v in ds_config.items() if k != "optimizer"},
+        )
+        fused_step.install(engine.optimizer)
+        return engine
 
 
 CONSTRUCTION_FILE = "construction-rank{rank}.json"  # what each rank held once the model was built

@@ -1,5 +1,8 @@
 """`dskit export`: AutoEP + ZeRO (stage 1, 2 or 3) checkpoint -> Hugging Face model directory (config.json + safetensors).
 
+(A LoRA run's checkpoint holds no base: it is merged from model.path or the seeded init, or exported as a
+peft adapter, by dskit/train/export_adapter.py; steps 2-3's streaming and the check are shared.)
+
 DeepSpeed's `save_16bit_model` refuses this case (expert shards live in expert-replica groups), so:
 1. `deepspeed.checkpoint.ds_to_universal` consolidates the newest complete checkpoint into one fp32
    tensor per parameter, under AutoEP's module names;
@@ -71,20 +74,38 @@ def _load_universal(udir: Path, name: str) -> torch.Tensor | None:
 
 
 def export(
-    run: str, output: str, *, force: bool = False, verify: bool = True, shard_bytes: int = SHARD_BYTES
+    run: str,
+    output: str,
+    *,
+    force: bool = False,
+    verify: bool = True,
+    shard_bytes: int = SHARD_BYTES,
+    adapter_only: bool = False,
 ) -> Path:
-    """The run's newest verified checkpoint as a Hugging Face model directory at `output`."""
-    plan, src, out = _inputs(run, output, force=force)  # refusals first: they need no torch
+    """The run's newest verified checkpoint as a Hugging Face model directory at `output`; a LoRA run's
+    merged into its base, or with `adapter_only` its adapter in peft's format (export_adapter.py)."""
+    plan, src, out = _inputs(run, output, force=force, adapter_only=adapter_only)  # refusals need no torch
+    from dskit.train import export_adapter
     from dskit.train.model import torch_dtype
 
     dtype = torch_dtype(plan.parallel.precision)
     with atomic_dir(out, kind="export", force=force) as work:
-        udir = _to_universal(src, work / "universal")
+        if adapter_only:
+            export_adapter.write_adapter(work, plan, src)
+            meta = _write_meta(work, src, plan)
+            print(f"wrote {out} (adapter of step {meta['step']} of {plan.name}, peft format)")
+            return out
         config, shapes = _hf_shapes(plan, dtype)
         shards = plan_shards(shapes, shard_bytes)
-        _write_shards(work, udir, src, shapes, shards)
-        shutil.rmtree(udir)
-        (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
+        if plan.finetune is not None:
+            _write_shards(work, shapes, shards, export_adapter.merged_source(plan, src))
+        else:
+            udir = _to_universal(src, work / "universal")
+            _write_shards(
+                work, shapes, shards, lambda name, shape, dt: _consolidated(udir, src, name, shape, dt)
+            )
+            shutil.rmtree(udir)
+            (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
         _write_index(work, shapes, shards)
         config.save_pretrained(work)
         meta = _write_meta(work, src, plan)
@@ -94,7 +115,7 @@ def export(
     return out
 
 
-def _inputs(run: str, output: str, *, force: bool) -> tuple[Plan, Path, Path]:
+def _inputs(run: str, output: str, *, force: bool, adapter_only: bool = False) -> tuple[Plan, Path, Path]:
     """(the run's plan, its newest verified checkpoint, the output path), or SpecError before any work."""
     from dskit.checkpoint_layout import newest_verified_tag
     from dskit.plan.schema import load_plan
@@ -104,6 +125,10 @@ def _inputs(run: str, output: str, *, force: bool) -> tuple[Plan, Path, Path]:
     out = Path(output).resolve()
     if out.exists() and not force:  # before the expensive part; atomic_dir checks again
         raise SpecError("--output", f"{out} already exists; pass --force to replace it")
+    if adapter_only and plan.finetune is None:
+        raise SpecError(
+            "--adapter-only", f"{plan.name} is a full fine-tune (finetune.method full): no adapter"
+        )
     return plan, newest_verified_tag(Path(plan.run.checkpoint_dir)), out
 
 
@@ -157,14 +182,9 @@ def _hf_shapes(plan: Plan, dtype: torch.dtype) -> tuple[PretrainedConfig, Shapes
     return config, shapes
 
 
-def _write_shards(
-    work: Path,
-    udir: Path,
-    src: Path,
-    shapes: Shapes,
-    shards: dict[str, list[str]],
-) -> None:
-    """Each shard's tensors consolidated from the universal checkpoint, in the export's dtype."""
+def _write_shards(work: Path, shapes: Shapes, shards: dict[str, list[str]], tensor_of) -> None:
+    """Each shard's tensors, `tensor_of(name, shape, dtype)` in the export's dtype (consolidated from the
+    universal checkpoint, or a LoRA run's base with its adapters merged)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -174,7 +194,7 @@ def _write_shards(
             # one tensor in fp32, whatever the model's size
             tensors = {}
             for name in names:
-                tensors[name] = _consolidated(udir, src, name, *shapes[name])
+                tensors[name] = tensor_of(name, *shapes[name])
                 bar.update()
             save_file(tensors, str(work / fname), metadata={"format": "pt"})
             del tensors

@@ -19,6 +19,7 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.data import IGNORE_INDEX
 from dskit.data.sampler import Mixture, Sampler, sample_index
 from dskit.plan.schema import Plan
+from dskit.train.adapter_state import AdapterStates
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
@@ -100,11 +101,8 @@ def train(
         world=world,
         device=device,
         beat=watchdog.beat,
-        layout={
-            "zero_stage": plan.parallel.zero_stage,
-            "ep_size": plan.parallel.ep_size,
-            "optimizer_step": plan.parallel.optimizer_step,
-        },
+        layout=_layout(plan),
+        states=AdapterStates(rank, world) if plan.finetune else None,
     )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
@@ -153,6 +151,19 @@ def train(
     stop.clear_file()
     window.close()
     return 0
+
+
+def _layout(plan: Plan) -> dict[str, int | str]:
+    """What the checkpoint's files depend on besides the world size; a LoRA run's files are not
+    DeepSpeed's (its layout names the method; a full run's stays as before, with no method)."""
+    layout: dict[str, int | str] = {
+        "zero_stage": plan.parallel.zero_stage,
+        "ep_size": plan.parallel.ep_size,
+        "optimizer_step": plan.parallel.optimizer_step,
+    }
+    if plan.finetune is not None:
+        layout["finetune"] = plan.finetune.method
+    return layout
 
 
 def _resume(ckpt: Checkpointer, engine, watchdog: Watchdog) -> int:

@@ -1,0 +1,192 @@
+"""LoRA on a frozen base: which modules get adapters, and what trains (T) against what is frozen (F).
+
+The memory and step-time models (memory.py, speed.py, host.py) read a `Tuning`; the trainer reads the
+regexes this module decides (`FinetunePlan.target_modules`, handed to peft's `LoraConfig`) and checks
+that peft's injected parameters add up to `FinetunePlan.adapter_params`, so the plan's count and the
+trainer's cannot drift apart.
+
+Counts (per decoder layer; h hidden, r rank): every adapted nn.Linear(in, out) adds A [r, in] and
+B [out, r], r * (in + out) parameters (Hu et al. 2021, LoRA). The router (`targets: router`) is trained
+whole, E x h per MoE layer: it is not an nn.Linear in transformers and it is tiny. Routed experts stay
+frozen (spec_finetune.UNSUPPORTED_TARGETS).
+
+FP8 (`base_precision: fp8`, DeepSeek-V3's format): every frozen linear weight is e4m3 (1 byte) plus one
+fp32 scale per 128 x 128 block (4 / 128^2 bytes per weight); the embedding, lm_head, norms and router
+stay bf16, as in DeepSeek's published checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dskit.errors import SpecError
+from dskit.plan.model_math import ModelCounts, head_dims
+from dskit.plan.schema import FinetunePlan
+from dskit.spec_finetune import FinetuneSpec
+
+#: DeepSeek-V3's FP8 block (config.json quantization_config weight_block_size [128, 128])
+FP8_BLOCK = 128
+FP8_BYTES = 1 + 4 / FP8_BLOCK**2  # e4m3 weight + its share of the block's fp32 scale_inv
+BF16_BYTES = 2
+
+# peft's target_modules as one regex (fullmatch on module names, before AutoEP replaces the MoE blocks:
+# the names are transformers'). A MoE layer's `mlp` has no gate_proj of its own (its `gate` is the
+# router), so `mlp.(gate|up|down)_proj` matches the dense layers' MLP only.
+_ATTENTION = r"self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|k_proj|v_proj|o_proj)"
+TARGET_REGEX = {
+    "attention": _ATTENTION,
+    "shared_experts": r"mlp\.shared_experts\.(gate_proj|up_proj|down_proj)",
+    "dense_mlp": r"mlp\.(gate_proj|up_proj|down_proj)",
+}
+#: the router's trained parameter (transformers' name; AutoEP moves it to mlp.router.gate.weight)
+ROUTER_PARAM = r"model\.layers\.\d+\.mlp\.gate\.weight"
+
+
+def target_modules(targets: list[str]) -> str | None:
+    """The regex peft matches module names against (None: no linear is adapted, e.g. router only)."""
+    parts = [TARGET_REGEX[t] for t in targets if t in TARGET_REGEX]
+    return rf"model\.layers\.\d+\.({'|'.join(parts)})" if parts else None
+
+
+def _attention_linears(cfg: dict[str, Any]) -> list[tuple[int, int]]:
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    if not cfg.get("kv_lora_rank"):
+        return [(h, h)] * 4
+    dqk, dv = head_dims(cfg)
+    kvl, ql, rope = cfg["kv_lora_rank"], cfg.get("q_lora_rank"), cfg["qk_rope_head_dim"]
+    q = [(h, ql), (ql, nh * dqk)] if ql else [(h, nh * dqk)]
+    return q + [(h, kvl + rope), (kvl, nh * (cfg["qk_nope_head_dim"] + dv)), (nh * dv, h)]
+
+
+def _mlp_linears(h: int, inter: int) -> list[tuple[int, int]]:
+    return [(h, inter), (h, inter), (inter, h)]
+
+
+def adapted_linears(cfg: dict[str, Any], targets: list[str], layer: int) -> list[tuple[int, int]]:
+    """(in, out) of every linear of decoder layer `layer` that gets an adapter."""
+    h = cfg["hidden_size"]
+    dense = layer < min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])
+    out = list(_attention_linears(cfg)) if "attention" in targets else []
+    if dense and "dense_mlp" in targets:
+        out += _mlp_linears(h, cfg["intermediate_size"])
+    shared = cfg.get("n_shared_experts") or 0
+    if not dense and shared and "shared_experts" in targets:
+        out += _mlp_linears(h, shared * cfg["moe_intermediate_size"])
+    return out
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What a LoRA run trains and holds: the memory and step-time models' inputs besides ModelCounts."""
+
+    adapters: int  # LoRA A and B parameters (all of them touched by every token)
+    router: int  # router weights trained whole (0 unless targeted)
+    frozen_experts: int  # routed-expert parameters (frozen; AutoEP gives each rank 1/ep of them)
+    frozen_other: int  # every other frozen parameter
+    expert_bytes: float  # bytes per frozen routed-expert weight on the GPU
+    other_bytes: float  # bytes per other frozen parameter (averaged: fp8 linears, bf16 embedding/norms)
+    largest_layer_trainable: int  # a decoder layer's trainable parameters (ZeRO-3 gradient buckets)
+    activation_bytes: tuple[int, ...]  # per token, per decoder layer: what the adapters keep for backward
+    dequant_bytes: int  # fp8: one dequantised bf16 weight alive at a time (largest linear); 0 for bf16
+
+    @property
+    def trainable(self) -> int:
+        return self.adapters + self.router
+
+    @property
+    def frozen(self) -> int:
+        return self.frozen_experts + self.frozen_other
+
+    def frozen_weight_bytes(self, ep_size: int) -> float:
+        """Frozen bytes a rank holds whole (ZeRO-1/2): the non-expert base and 1/ep of the experts."""
+        return self.other_bytes * self.frozen_other + self.expert_bytes * self.frozen_experts / ep_size
+
+    def flops_per_token(self, c: ModelCounts) -> float:
+        """Training FLOPs per token: forward 2 and input-gradient 2 per active base weight, no weight-
+        gradient GEMM for the frozen ones (the 2/3 of a full backward that remains); 6 per trainable one
+        (adapters and router); attention's score/value FLOPs as in full training."""
+        return 4 * c.active + 6 * self.trainable_active(c) + c.attn_flops_per_token
+
+    def trainable_active(self, c: ModelCounts) -> int:
+        """Trainable parameters touched per token: every adapter, and every router weight (scoring
+        reads all E rows)."""
+        return self.adapters + self.router
+
+    def forward_share(self, c: ModelCounts) -> float:
+        """Share of a step's FLOPs that a recomputed forward repeats (a third in full training)."""
+        fwd = 2 * (c.active + self.trainable_active(c)) + c.attn_flops_per_token / 3
+        return fwd / self.flops_per_token(c)
+
+
+def _fp8_linear_params(cfg: dict[str, Any], c: ModelCounts) -> int:
+    """Non-expert parameters stored in FP8 by DeepSeek-V3's format: every linear but the router,
+    embedding and lm_head (those, and the norms, stay bf16)."""
+    h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
+    attn = sum(i * o for i, o in _attention_linears(cfg))
+    dense = 3 * h * cfg["intermediate_size"] * c.dense_layers
+    shared = 3 * h * (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"] * c.moe_layers
+    return L * attn + dense + shared
+
+
+def tuning(
+    cfg: dict[str, Any], c: ModelCounts, *, targets: list[str], r: int, dropout: float, base_precision: str
+) -> Tuning:
+    L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    per_layer = [adapted_linears(cfg, targets, i) for i in range(L)]
+    adapters = [r * sum(i + o for i, o in lin) for lin in per_layer]
+    router_per_layer = cfg["n_routed_experts"] * h if "router" in targets else 0
+    routers = [router_per_layer * (i >= c.dense_layers) for i in range(L)]
+    experts = c.experts_per_layer * c.moe_layers
+    fp8 = base_precision == "fp8"
+    frozen_other = c.total - experts - sum(routers)
+    fp8_params = _fp8_linear_params(cfg, c) if fp8 else 0
+    other_bytes = (FP8_BYTES * fp8_params + BF16_BYTES * (frozen_other - fp8_params)) / frozen_other
+    # per token: B's input (the r-wide output of A) for every adapted linear; with dropout, A's input
+    # is the dropped copy of x (bf16) and its mask (1 byte) rather than the x the base linear keeps anyway
+    act = tuple(sum(2 * r + (3 * i if dropout else 0) for i, _ in lin) for lin in per_layer)
+    shared = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+    dense = cfg["intermediate_size"] if c.dense_layers else 0
+    largest_linear = max([i * o for i, o in _attention_linears(cfg)] + [h * dense, h * shared])
+    return Tuning(
+        adapters=sum(adapters),
+        router=sum(routers),
+        frozen_experts=experts,
+        frozen_other=frozen_other,
+        expert_bytes=FP8_BYTES if fp8 else BF16_BYTES,
+        other_bytes=other_bytes,
+        largest_layer_trainable=max(a + b for a, b in zip(adapters, routers, strict=True)),
+        activation_bytes=act,
+        dequant_bytes=BF16_BYTES * largest_linear if fp8 else 0,
+    )
+
+
+def plan_finetune(
+    f: FinetuneSpec, cfg: dict[str, Any], c: ModelCounts
+) -> tuple[FinetunePlan | None, Tuning | None]:
+    """The plan's finetune section and the models' view of it; (None, None) for full fine-tuning."""
+    if f.method == "full":
+        return None, None
+    lo = f.lora
+    t = tuning(cfg, c, targets=lo.targets, r=lo.r, dropout=lo.dropout, base_precision=f.base_precision)
+    if t.trainable == 0:  # e.g. dense_mlp alone on a model whose layers are all MoE
+        raise SpecError(
+            "finetune.lora.targets",
+            f"{', '.join(lo.targets)} match no module of this model (no dense layer: first_k_dense_replace "
+            f"{cfg.get('first_k_dense_replace') or 0}; no shared experts: n_shared_experts "
+            f"{cfg.get('n_shared_experts') or 0}); add attention or shared_experts",
+        )
+    plan = FinetunePlan(
+        method="lora",
+        base_precision=f.base_precision,
+        r=lo.r,
+        alpha=lo.alpha,
+        dropout=lo.dropout,
+        targets=list(lo.targets),
+        target_modules=target_modules(lo.targets) if t.adapters else None,
+        whole_params=ROUTER_PARAM if "router" in lo.targets else None,
+        adapter_params=t.adapters,
+        trainable_params=t.trainable,
+        frozen_params=t.frozen,
+    )
+    return plan, t

@@ -1,0 +1,205 @@
+"""`dskit export` of a LoRA run: the adapter in peft's format, or the base merged with it.
+
+The checkpoint's adapter.safetensors (dskit/train/adapter_state.py) holds every trained tensor by the
+trained model's parameter name: `<module>.lora_A.default.weight` for the adapters, `mlp.gate.weight`
+for a router trained whole.
+
+- `--adapter-only`: adapter_config.json + adapter_model.safetensors, peft's keys
+  (`base_model.model.<module>.lora_A.weight`). peft 0.21 rewrites DeepSeek targets ending in
+  gate_proj/up_proj/down_proj onto the routed experts when it loads a config (the v4 -> v5 MoE rename,
+  peft/utils/transformers_weight_conversion.py), so the shared experts' and dense MLPs' linears are named
+  as `target_parameters` (their 2-D weights, the same update W + alpha/r B A under the same keys), which
+  that rewrite leaves alone; the attention projections stay `target_modules`. peft refuses dropout on
+  parameter targets: such a config says lora_dropout 0 (dropout only acts in training). The router
+  is a `modules_to_save` entry.
+- merged: every tensor of the base, with alpha/r B A added to each adapted weight (in fp32, then the
+  plan's precision) and the trained router in place, streamed shard by shard like a full export. The
+  base comes from model.path's safetensors, read one tensor at a time; a run without model.path started
+  from the seeded random init, which is rebuilt here (dskit/train/model.py draws it from (seed, name)).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dskit.errors import SpecError
+
+if TYPE_CHECKING:
+    import torch
+
+    from dskit.plan.schema import FinetunePlan, Plan
+
+#: adapter.safetensors' name of a module's A or B -> (module, "A" | "B")
+_ADAPTER = re.compile(r"^(.*)\.lora_([AB])\.default\.weight$")
+#: linears peft's loader would misread as fused experts (see the module docstring)
+_MLP_LINEAR = re.compile(r"\.(gate_proj|up_proj|down_proj)$")
+#: random-init bases are rebuilt whole in this process: beyond this, train from model.path instead
+REBUILD_MAX_PARAMS = 3 * 10**9
+
+TensorOf = Callable[[str, tuple[int, ...], "torch.dtype"], "torch.Tensor"]
+
+
+def trained(src: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from dskit.train.adapter_state import ADAPTER_FILE
+
+    return load_file(str(src / ADAPTER_FILE))
+
+
+def adapter_config(f: FinetunePlan, adapted: list[str]) -> dict:
+    """peft's LoraConfig for the adapted module names, as adapter_config.json holds it."""
+    from peft import LoraConfig
+
+    attention = sorted({m.rsplit(".", 1)[-1] for m in adapted if not _MLP_LINEAR.search(m)})
+    params = sorted({".".join(m.split(".")[-2:]) + ".weight" for m in adapted if _MLP_LINEAR.search(m)})
+    config = LoraConfig(
+        r=f.r,
+        lora_alpha=f.alpha,
+        lora_dropout=0.0 if params else f.dropout,
+        target_modules=attention or None,
+        target_parameters=params or None,
+        modules_to_save=["mlp.gate"] if f.whole_params else None,
+        bias="none",
+    )
+    d = config.to_dict()
+    for key, value in d.items():  # sets are not JSON
+        if isinstance(value, set):
+            d[key] = sorted(value)
+    return d
+
+
+def write_adapter(work: Path, plan: Plan, src: Path) -> None:
+    """adapter_config.json + adapter_model.safetensors (peft's format) into `work`."""
+    from safetensors.torch import save_file
+
+    f = plan.finetune
+    assert f is not None
+    tensors = trained(src)
+    out, adapted = {}, []
+    for name, t in tensors.items():
+        m = _ADAPTER.match(name)
+        key = f"{m.group(1)}.lora_{m.group(2)}.weight" if m else name
+        if m and m.group(2) == "A":
+            adapted.append(m.group(1))
+        out[f"base_model.model.{key}"] = t.contiguous()
+    if f.whole_params and plan.model.config["model_type"] == "deepseek_v3":
+        # peft saves a modules_to_save copy of the whole router, so its loader expects V3's routing-bias
+        # buffer too: the base's value (AutoEP does not train it)
+        base = _base_source(plan)
+        for name in [n for n in out if n.endswith(".mlp.gate.weight")]:
+            bias = name.removeprefix("base_model.model.").replace(".weight", ".e_score_correction_bias")
+            out[name.replace(".weight", ".e_score_correction_bias")] = base(bias).float().contiguous()
+    config = adapter_config(f, adapted)
+    config["base_model_name_or_path"] = plan.model.path or plan.model.name
+    (work / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(out, str(work / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def merged_source(plan: Plan, src: Path) -> TensorOf:
+    """name, shape, dtype -> the merged model's tensor (see the module docstring)."""
+    import torch
+
+    f = plan.finetune
+    assert f is not None
+    tensors = trained(src)
+    scale = f.alpha / f.r
+    base = _base_source(plan)
+
+    def tensor_of(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if name in tensors:  # trained whole (the router)
+            return tensors[name].to(dtype).reshape(shape).contiguous()
+        t = base(name)
+        module = name.removesuffix(".weight")
+        a = tensors.get(f"{module}.lora_A.default.weight")
+        if a is not None:
+            b = tensors[f"{module}.lora_B.default.weight"]
+            t = t.float() + scale * (b.float() @ a.float())
+        if tuple(t.shape) != shape:
+            raise RuntimeError(f"{name}: the base has {tuple(t.shape)}, the model expects {shape}")
+        keep = torch.float32 if name.endswith("e_score_correction_bias") else dtype
+        return t.to(keep).contiguous()
+
+    return tensor_of
+
+
+def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
+    """name -> the base model's tensor: from model.path one tensor at a time, or the random init rebuilt."""
+    if plan.model.path:
+        from safetensors import safe_open
+
+        from dskit.hf_checkpoint import check_checkpoint
+
+        check_checkpoint(plan.model.path)  # the plan checked it; the directory may have changed since
+        files = _files_of(Path(plan.model.path))
+
+        def read(name: str) -> torch.Tensor:
+            if name not in files:
+                raise RuntimeError(f"{plan.model.path} has no tensor {name}")
+            with safe_open(str(files[name]), framework="pt") as fh:
+                return fh.get_tensor(name)
+
+        return lambda name: _fused(name, read, plan.model.config["n_routed_experts"])
+    if plan.model.params_total > REBUILD_MAX_PARAMS:
+        raise SpecError(
+            "model.path",
+            f"this LoRA run trained on a random-init base of {plan.model.params_total / 1e9:.1f}B parameters, "
+            "too large to rebuild here for a merge; export --adapter-only, or train from model.path",
+        )
+    return _rebuilt_init(plan).__getitem__
+
+
+#: transformers' fused routed experts; published checkpoints (and save_pretrained) keep one tensor per
+#: expert and projection, which transformers fuses as it loads (gate before up, experts stacked)
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def _fused(name: str, read: Callable[[str], torch.Tensor], n_experts: int) -> torch.Tensor:
+    """`name` in transformers' layout from per-expert tensors where the checkpoint has those."""
+    import torch
+
+    m = _FUSED.match(name)
+    if m is None:
+        return read(name)
+    experts, proj = m.groups()
+    try:
+        return read(name)  # already fused on disk
+    except RuntimeError:
+        parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        return torch.stack(
+            [torch.cat([read(f"{experts}.{e}.{p}.weight") for p in parts]) for e in range(n_experts)]
+        )
+
+
+def _files_of(root: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (an index's map, or the single file)."""
+    from dskit.hf_checkpoint import INDEX, SINGLE
+
+    if (root / INDEX).is_file():
+        return {n: root / f for n, f in json.loads((root / INDEX).read_text())["weight_map"].items()}
+    from safetensors import safe_open
+
+    with safe_open(str(root / SINGLE), framework="pt") as fh:
+        return {n: root / SINGLE for n in fh.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def _rebuilt_init(plan: Plan) -> dict[str, torch.Tensor]:
+    """The random init the run started from, built whole on the CPU the way the trainer builds it."""
+    import torch
+
+    from dskit.train.model import build_model, torch_dtype
+
+    model = build_model(
+        plan.model,
+        attention="sdpa",
+        dtype=torch_dtype(plan.parallel.precision),
+        seed=plan.run.seed,
+        ckpt_every=0,
+        deepspeed_config={"zero_optimization": {"stage": 0}},  # whole, no zero.Init
+        device=torch.device("cpu"),
+    )
+    return {n: t.detach() for n, t in model.state_dict().items()}

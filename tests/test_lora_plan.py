@@ -1,0 +1,192 @@
+"""LoRA in the spec and the plan (issue 28): what trains, what is frozen, what fits; bad values refused.
+
+The trainer's side (real DeepSpeed + AutoEP runs on gloo) is tests/test_lora.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dskit import catalog
+from dskit.plan import lora
+from dskit.plan.build import build_plan
+from dskit.plan.model_math import counts
+from dskit.spec import load_spec
+from tests.conftest import dskit, render_tiny
+
+
+def _plan(model: str, gpu: str, per_node: int, *sets: str):
+    return build_plan(
+        load_spec(
+            sets=list(sets),
+            flags={"model.preset": model, "hardware.gpu": gpu, "hardware.gpus_per_node": per_node},
+        )
+    )
+
+
+def test_full_depth_v2_lite_with_lora_fits_one_h200_where_full_training_does_not():
+    with pytest.raises(Exception, match="host"):
+        _plan("deepseek-v2-lite", "h200-141gb", 1)
+    p = _plan("deepseek-v2-lite", "h200-141gb", 1, "finetune.method=lora")
+    assert p.model.config["num_hidden_layers"] == 27
+    assert p.memory["total_gib"] <= p.memory["limit_gib"]
+    f = p.finetune
+    assert f is not None and f.targets == ["attention", "shared_experts"] and f.whole_params is None
+    # a few tenths of a percent of the model trains: what the checkpoints and optimizer hold
+    assert f.trainable_params == f.adapter_params and f.trainable_params < 0.002 * p.model.params_total
+
+
+def test_v3_lora_on_an_fp8_base_fits_one_node_of_8_h200_and_bf16_does_not():
+    sets = ("finetune.method=lora", "finetune.base_precision=fp8")
+    p = _plan("deepseek-v3", "h200-141gb", 8, *sets)
+    assert p.hardware.nodes == 1 and p.memory["total_gib"] <= p.memory["limit_gib"]
+    assert p.memory["construction_gib"] <= p.memory["limit_gib"]
+    assert p.speed and p.speed["tokens_per_s_per_gpu"] > 0
+    with pytest.raises(Exception, match="hardware.nodes|cannot be built"):
+        _plan("deepseek-v3", "h200-141gb", 8, "finetune.method=lora")  # 2 B/weight: 1.3 TB on 1.1 TB
+
+
+def test_frozen_weights_carry_no_gradients_or_optimizer_states():
+    """ZeRO-3 states per GPU: 2 B per frozen weight and 16 B per trainable one, over the world."""
+    p = _plan("deepseek-v2-lite", "h200-141gb", 8, "finetune.method=lora", "overrides.zero_stage=3")
+    full = _plan("deepseek-v2-lite", "h200-141gb", 8, "overrides.zero_stage=3")
+    f, world = p.finetune, 8
+    want = (2 * f.frozen_params + 16 * f.trainable_params) / world / 2**30
+    assert p.memory["states_gib"] == pytest.approx(want, abs=0.01)
+    assert full.memory["states_gib"] == pytest.approx(16 * full.model.params_total / world / 2**30, abs=0.01)
+    # the step: no weight-gradient GEMMs for the frozen base (4 of full training's 6 FLOPs per weight)
+    assert p.model.flops_per_token < 0.75 * full.model.flops_per_token
+
+
+def test_fp8_counts_one_byte_and_its_block_scales_per_frozen_linear_weight():
+    cfg = catalog.model("deepseek-v3").config
+    c = counts(cfg, 4096)
+    kw = {"targets": ["attention"], "r": 16, "dropout": 0.0}
+    bf16 = lora.tuning(cfg, c, base_precision="bf16", **kw)
+    fp8 = lora.tuning(cfg, c, base_precision="fp8", **kw)
+    assert bf16.expert_bytes == 2 and fp8.expert_bytes == 1 + 4 / 128**2
+    # the embedding, lm_head and norms stay bf16, so the non-expert average sits between 1 and 2
+    assert 1 < fp8.other_bytes < 1.25 and bf16.other_bytes == 2
+    assert fp8.dequant_bytes > 0 == bf16.dequant_bytes
+
+
+@pytest.mark.parametrize("model", ["tiny-v2", "tiny-v3"])
+def test_the_plans_adapter_count_is_what_peft_injects(model):
+    """The same regex the trainer hands peft, on the real transformers model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dskit.train.lora import attach
+    from dskit.train.model import hf_config
+
+    sets = [
+        "training.seq_len=128",
+        "finetune.method=lora",
+        "finetune.lora.targets=[attention, shared_experts, dense_mlp, router]",
+    ]
+    p = build_plan(load_spec(sets=sets, flags={"model.preset": model, "hardware.gpu": "cpu"}))
+    m = AutoModelForCausalLM.from_config(hf_config(p.model.config, "sdpa"))
+    attach(m, p.finetune, seed=1, dtype=torch.bfloat16)  # raises if the counts differ
+    trained = {n for n, q in m.named_parameters() if q.requires_grad}
+    assert any(".mlp.shared_experts.gate_proj.lora_A" in n for n in trained)
+    assert any(".layers.0.mlp.gate_proj.lora_A" in n for n in trained)  # the dense layer
+    assert not any(".experts." in n and "shared" not in n for n in trained)  # routed: frozen
+    router = sum(q.numel() for n, q in m.named_parameters() if n.endswith("mlp.gate.weight"))
+    assert sum(q.numel() for n, q in m.named_parameters() if q.requires_grad) == p.finetune.trainable_params
+    assert p.finetune.trainable_params == p.finetune.adapter_params + router
+
+
+def test_explain_shows_the_lora_terms():
+    r = dskit(
+        "plan", "--model", "deepseek-v2-lite", "--gpu", "h200-141gb", "--gpus-per-node", "1",
+        "--set", "finetune.method=lora", "--explain",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "LoRA r 16, alpha 32" in r.stdout and "frozen F = " in r.stdout
+    assert "no weight-gradient GEMMs for frozen weights" in r.stdout
+
+
+def test_a_full_run_records_no_finetune_section(tmp_path):
+    """Existing specs render what they rendered before LoRA (the goldens check every byte)."""
+    rd = render_tiny(tmp_path, "tiny-v2")
+    data = yaml.safe_load((rd / "run.yaml").read_text())
+    assert "finetune" not in data and "finetune" not in data["spec"]
+    rd2 = render_tiny(tmp_path, "tiny-v2", name="lora", extra=["finetune.method=lora"])
+    data = yaml.safe_load((rd2 / "run.yaml").read_text())
+    assert data["finetune"]["method"] == "lora" and data["spec"]["finetune"]["lora"]["r"] == 16
+
+
+BAD = {
+    "finetune.method=qlora": "finetune.method: Input should be 'full' or 'lora'",
+    "finetune.lora.r=0": "finetune.lora.r: Input should be greater than or equal to 1",
+    "finetune.lora.targets=[attention, mlp]": "finetune.lora.targets: 'mlp' is not a target; one of: attention, "
+    "shared_experts, dense_mlp, router, routed_experts",
+    "finetune.lora.targets=[routed_experts]": "finetune.lora.targets: routed_experts is not supported yet",
+    "finetune.lora.dropout=1": "finetune.lora.dropout: Input should be less than 1",
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_lora_values_are_one_line_and_exit_2(tmp_path, bad):
+    r = dskit("render", "slurm", "-o", str(tmp_path / "out"), "--set", "finetune.method=lora", "--set", bad)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith(f"dskit: error: {BAD[bad]}"), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_fp8_base_needs_lora(tmp_path):
+    r = dskit("plan", "--set", "finetune.base_precision=fp8")
+    assert r.returncode == 2 and "needs finetune.method lora" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_targets_that_match_nothing_are_refused(tmp_path):
+    """dense_mlp alone on a model whose every layer is MoE adapts nothing: refused at plan time."""
+    cfg = dict(catalog.model("tiny-v2").config, first_k_dense_replace=0)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = dskit(
+        "render", "slurm", "-o", str(tmp_path / "out"), "--set", f"model.path={tmp_path}",
+        "--set", "training.seq_len=128", "--set", "finetune.method=lora", "--set", "finetune.lora.targets=[dense_mlp]",
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("dskit: error: finetune.lora.targets: dense_mlp match no module"), r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_trainer_refuses_an_fp8_base_with_one_line(tmp_path):
+    from tests.test_train import rank0_alone
+
+    rd = render_tiny(tmp_path, "tiny-v2", extra=["finetune.method=lora", "finetune.base_precision=fp8"])
+    r = rank0_alone(Path(rd) / "run.yaml")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "finetune.base_precision: fp8 is planned but not yet supported by the trainer" in r.stderr
+
+
+def test_adapter_only_export_of_a_full_run_is_one_line_and_exit_2(tmp_path):
+    rd = render_tiny(tmp_path, "tiny-v2")
+    r = dskit("export", str(rd), "-o", str(tmp_path / "out"), "--adapter-only")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "--adapter-only: run is a full fine-tune" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_lora_run_refuses_a_full_runs_checkpoint_and_back():
+    """The files differ in kind (DeepSpeed's vs dskit's adapter states): one line naming the method.
+    Checkpoints from before the method was recorded are full runs'."""
+    from types import SimpleNamespace
+
+    from dskit.errors import SpecError
+    from dskit.train.checkpoint import Checkpointer
+
+    lora_run = SimpleNamespace(layout={"zero_stage": 3, "ep_size": 2, "finetune": "lora"})
+    full_run = SimpleNamespace(layout={"zero_stage": 3, "ep_size": 2})
+    full_ckpt = {"layout": {"zero_stage": 3, "ep_size": 2}}
+    lora_ckpt = {"layout": {"zero_stage": 3, "ep_size": 2, "finetune": "lora"}}
+    with pytest.raises(SpecError, match="written with finetune full, this run has lora"):
+        Checkpointer._refuse_other_layout(lora_run, Path("c"), full_ckpt)
+    with pytest.raises(SpecError, match="finetune.method=lora"):
+        Checkpointer._refuse_other_layout(full_run, Path("c"), lora_ckpt)
+    Checkpointer._refuse_other_layout(lora_run, Path("c"), lora_ckpt)
+    Checkpointer._refuse_other_layout(full_run, Path("c"), full_ckpt)
