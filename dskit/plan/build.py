@@ -58,6 +58,11 @@ def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     finetune, tuning = plan_finetune(spec.finetune, model.config, model_counts)
     if tuning is not None:  # a LoRA step's FLOPs: no weight-gradient GEMMs for the frozen base (MFU, speed)
         model = model.model_copy(update={"flops_per_token": tuning.flops_per_token(model_counts)})
+    if finetune is not None and finetune.base_precision == "fp8":
+        warnings.append(
+            "finetune.base_precision=fp8 plans for sizing only: the trainer does not keep an FP8 base yet "
+            "(it refuses at start); this plan counts the frozen FP8 weights sharded like a BF16 base's"
+        )
     precision = _precision(spec, gpu)
     hardware = plan_hardware(spec, gpu, precision)
     parallel, found = plan_parallel(
