@@ -100,12 +100,17 @@ def candidates(
                     c.micro_batch,
                     c.ckpt_every,
                     c.offload,
-                    plan.parallel.compile_regions,
+                    _compile_value(plan.parallel.compile_regions, compile_choice),
                     c.zero_stage,
                 ),
             }
         )
     return out
+
+
+def _compile_value(compiled: bool, choice: str) -> str:
+    """The overrides.compile a run is recorded with: what auto resolved to, regions kept apart."""
+    return "off" if not compiled else "regions" if choice == "regions" else "on"
 
 
 def _forced(
@@ -483,9 +488,10 @@ def main() -> None:
     ap.add_argument("--picks-only", action="store_true", help="measure only the planner's pick of each")
     ap.add_argument(
         "--compile",
-        choices=["auto", "on", "off"],
+        choices=["auto", "on", "regions", "off"],
         default="auto",
-        help="overrides.compile of every run (auto: on, as on GPUs; off: eager runs, which --fit refits)",
+        help="overrides.compile of every run (auto: on, as on GPUs; regions: attention eager; off: eager "
+        "runs, which --fit refits)",
     )
     ap.add_argument("--zero-stage", type=int, choices=[1, 2, 3], help="search only this ZeRO stage")
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")

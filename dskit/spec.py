@@ -264,14 +264,14 @@ class PlanOverrides(_Section):
         "auto",
         description="torch.compile. regions: the decoder's RMSNorm, SwiGLU and rotary code (measured on H200: "
         "8% faster and 7.6 GiB less where the step is GPU-bound); on: those and, under ZeRO-1/2, each whole "
-        "attention block (3-7% more at micro-batch 2, 3% at 16). auto: on for GPUs; off on the cpu profile, "
+        "attention block (3.7-7.5% more at micro-batch 2, 3% at 16). auto: on for GPUs; off on the cpu profile, "
         "where inductor's C++ compile costs more than a test run saves.",
     )
     optimizer_step: Literal["auto", "deepspeed", "fused"] = Field(
         "auto",
         description="ZeRO-1/2's optimizer step. fused: torch's fused AdamW, with the gradient clip applied "
         "inside its kernel and the gradient norm taken in fp32 without copies (measured on one H200 at "
-        "micro-batch 2: 6-8% more tokens/s); deepspeed: DeepSpeed's FusedAdam step, as before. auto: fused "
+        "micro-batch 2: 6-11% more tokens/s in two calls); deepspeed: DeepSpeed's FusedAdam step, as before. auto: fused "
         "wherever it applies (ZeRO-1/2 without optimizer offload; ZeRO-3 and offload keep DeepSpeed's).",
     )
     loss: Literal["auto", "chunked", "full"] = Field(

@@ -167,7 +167,8 @@ class Plan(_Frozen):
             f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
             f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
             f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
-            f"{'torch.compile regions, ' if p.compile_regions else ''}"
+            f"{'torch.compile regions' if p.compile_regions else ''}"
+            f"{' + attention' if p.compile_attention else ''}{', ' if p.compile_regions else ''}"
             f"{'fused AdamW step, ' if p.optimizer_step == 'fused' else ''}"
             f"~{self.memory['total_gib']} GiB/GPU"
             + (

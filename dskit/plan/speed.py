@@ -68,6 +68,9 @@ ADAM_BYTES_PER_PARAM = 39.0
 #: gradient (8). Measured on one H200 (4-layer V2-Lite, micro-batch 2, 2.26 B parameters): 0.1387 and
 #: 0.1425 s per step -> 0.1313 s, 20 bytes at 4.8 TB/s (bench/results/h200-small-batch-2026-12-01.json);
 #: in a second call 0.147 -> 0.132 and 0.134 s, 30 bytes (h200-small-batch-fused-2026-12-01.json).
+#: A fitted difference against ADAM_BYTES_PER_PARAM, which was fitted on ZeRO-3's whole step, not the
+#: bytes the fused kernel moves (at least 32). With `training.grad_clip: 0` DeepSpeed skips its clip pass
+#: too, and the saving is the norm's 16 bytes; the model keeps 24 there (over by ~2% of such a step).
 FUSED_STEP_SAVED_BYTES_PER_PARAM = 24.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;

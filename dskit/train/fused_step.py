@@ -4,8 +4,9 @@ DeepSpeed 0.19.8 takes the gradient norm by copying each bf16 gradient to fp64 (
 and divides every fp32 gradient by the clip coefficient in a separate pass, even when that coefficient
 is 1. At micro-batch 2 on one H200 those passes are work proportional to the parameters, not the tokens
 (bench/README.md). Here:
-- the norm is accumulated in fp32 straight from the bf16 gradients (`vector_norm(dtype=float32)`: no
-  copy), as torch's own clip_grad_norm_ does for fp32 gradients;
+- each gradient's norm is accumulated in fp32 straight from its bf16 values (`vector_norm(dtype=float32)`:
+  no copy), as torch's own clip_grad_norm_ does for fp32 gradients, and the per-tensor norms are summed
+  in fp64;
 - the clip coefficient is handed to torch's fused AdamW as its `grad_scale`, which divides inside the
   Adam kernel, so no pass is spent on it.
 Only ZeRO-1/2 without offload: ZeRO-3's and the CPU optimizer's steps are left as DeepSpeed has them.
@@ -56,10 +57,14 @@ def install(zero_optimizer) -> None:
             if not getattr(p, "ds_pipe_replicated", False)
             and (is_model_parallel_parameter(p) or z.model_parallel_rank == 0)
         ]
-        total = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=z.device)
+        # the squares of a few hundred per-tensor norms in fp64: in fp32 a finite norm past ~1.8e19 would
+        # square to inf and skip a step that DeepSpeed's fp64 norm clips
+        total = (
+            torch.stack(norms).double().pow(2).sum() if norms else torch.zeros((), device=z.device).double()
+        )
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=z.dp_process_group)
         z._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-        total = total.sqrt()
+        total = total.sqrt().float()
         mask_nan_or_inf_with_val_inplace(total, device=z.device)
         return total
 
