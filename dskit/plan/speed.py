@@ -231,12 +231,8 @@ def predict(
     attention = compiled_attention and zero_stage < 3  # the plan's compile_attention
     fwd = None if tuning is None else tuning.forward_share(c)
     compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled, fwd, attention)
-    if tuning is None:
-        per_micro, per_step = _collectives_s(c, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
-    else:
-        per_micro, per_step = _lora_collectives_s(
-            c, tuning, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown
-        )
+    groups = _zero_groups(c, layout, tuning)
+    per_micro, per_step = _collectives_s(groups, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
     a2a = _all_to_all_s(cfg, c, layout, gpu, fabric_gbs, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = (
@@ -288,68 +284,39 @@ def _compute_s(
     return compute
 
 
-def _collectives_s(
-    c: ModelCounts,
-    layout: Layout,
-    gpu: GPU,
-    fabric_gbs: float | None,
-    zero_stage: int,
-    frac: float,
-    passes: float,
-    unknown: list[str],
-) -> tuple[float, float]:
-    """ZeRO's collective seconds (every micro-step, once per optimizer step), their synchronisation
-    included; a group whose bandwidth is unknown is named in `unknown` and not counted."""
-    # Experts are sharded over the expert-data-parallel group, the rest over all ranks; a group of one
-    # rank moves nothing. AutoEP's groups: EP = consecutive ranks (inside a node when ep <= per_node);
-    # the expert-data-parallel group strides by ep over all ranks, so it spans every node, as the
-    # dense group does.
-    dense_params = c.total - c.experts_per_layer * c.moe_layers
-    expert_params = c.experts_per_layer * c.moe_layers / layout.ep_size
-    multi_node = layout.world > layout.per_node
-    per_micro = per_step = 0.0
-    for params, group in ((dense_params, layout.world), (expert_params, layout.expert_dp)):
-        if group == 1:
-            continue
-        bw = _bandwidth(group, multi_node, gpu, fabric_gbs)
-        if bw is None:
-            unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
-            continue
-        one_pass = WIRE_BYTES * params * (group - 1) / group / (bw * GB)
-        if zero_stage == 3:  # gathers per layer pass and one gradient reduce-scatter, per micro-step
-            per_micro += one_pass * ((2 + frac) + 1) * (1 - ZERO3_OVERLAP)
-        else:  # the updated weights all-gathered once per step, exposed
-            per_step += one_pass
-            if zero_stage == 2:
-                per_micro += one_pass * (1 - ZERO3_OVERLAP)
-            else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
-                per_step += one_pass
-    syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1  # AutoEP's count exchange
-    if syncs:
-        per_micro += SYNC_LAYER_PASS_S * passes
-    return per_micro, per_step
-
-
-def _lora_collectives_s(
-    c: ModelCounts,
-    t: Tuning,
-    layout: Layout,
-    gpu: GPU,
-    fabric_gbs: float | None,
-    zero_stage: int,
-    frac: float,
-    passes: float,
-    unknown: list[str],
-) -> tuple[float, float]:
-    """`_collectives_s` for a LoRA run: ZeRO-3 still gathers every frozen weight per layer pass (in the
-    base's precision), but gradients are reduced, and ZeRO-1/2's updated weights gathered, for the
-    trainable parameters only (all non-expert: the dense group)."""
-    multi_node = layout.world > layout.per_node
-    frozen_experts = t.frozen_experts / layout.ep_size
-    groups = (  # (bytes gathered per layer pass, bytes reduced per micro-step, group)
-        (t.other_bytes * t.frozen_other + WIRE_BYTES * t.trainable, WIRE_BYTES * t.trainable, layout.world),
-        (t.expert_bytes * frozen_experts, 0.0, layout.expert_dp),
+def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tuple[float, float, int], ...]:
+    """ZeRO's traffic per group: (bytes gathered per layer pass under ZeRO-3, bytes reduced per
+    micro-step and, under ZeRO-1/2, all-gathered once per step, the group's ranks). Experts are sharded
+    over the expert-data-parallel group, the rest over all ranks. AutoEP's groups: EP = consecutive
+    ranks (inside a node when ep <= per_node); the expert-data-parallel group strides by ep over all
+    ranks, so it spans every node, as the dense group does. A LoRA run (`t`) still gathers every frozen
+    weight per pass under ZeRO-3 (in the base's precision), but reduces only the trainable parameters
+    (all non-expert: the dense group)."""
+    if t is None:
+        dense = WIRE_BYTES * (c.total - c.experts_per_layer * c.moe_layers)
+        experts = WIRE_BYTES * c.experts_per_layer * c.moe_layers / layout.ep_size
+        return (dense, dense, layout.world), (experts, experts, layout.expert_dp)
+    trained = WIRE_BYTES * t.trainable
+    return (
+        (t.other_bytes * t.frozen_other + trained, trained, layout.world),
+        (t.expert_bytes * t.frozen_experts / layout.ep_size, 0.0, layout.expert_dp),
     )
+
+
+def _collectives_s(
+    groups: tuple[tuple[float, float, int], ...],
+    layout: Layout,
+    gpu: GPU,
+    fabric_gbs: float | None,
+    zero_stage: int,
+    frac: float,
+    passes: float,
+    unknown: list[str],
+) -> tuple[float, float]:
+    """ZeRO's collective seconds (every micro-step, once per optimizer step) for `_zero_groups`' traffic,
+    their synchronisation included; a group whose bandwidth is unknown is named in `unknown` and not
+    counted. A group of one rank moves nothing."""
+    multi_node = layout.world > layout.per_node
     per_micro = per_step = 0.0
     for gathered, reduced, group in groups:
         if group == 1:
@@ -359,15 +326,15 @@ def _lora_collectives_s(
             unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
             continue
         share = (group - 1) / group / (bw * GB)
-        if zero_stage == 3:
+        if zero_stage == 3:  # gathers per layer pass and one gradient reduce-scatter, per micro-step
             per_micro += (gathered * (2 + frac) + reduced) * share * (1 - ZERO3_OVERLAP)
-        else:
-            per_step += reduced * share  # the updated trainable weights, all-gathered once, exposed
+        else:  # the updated weights all-gathered once per step, exposed
+            per_step += reduced * share
             if zero_stage == 2:
                 per_micro += reduced * share * (1 - ZERO3_OVERLAP)
-            else:
+            else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
                 per_step += reduced * share
-    syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1
+    syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1  # AutoEP's count exchange
     if syncs:
         per_micro += SYNC_LAYER_PASS_S * passes
     return per_micro, per_step
