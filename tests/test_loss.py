@@ -1,4 +1,5 @@
-"""The chunked linear + cross-entropy computes the same loss and gradients as the plain path."""
+"""The chunked linear + cross-entropy computes the same loss and gradients as the plain path, and
+returns it where ZeRO-3's hooks see it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dskit.train.loss import IGNORE_INDEX, linear_cross_entropy
+from dskit.train.loss import IGNORE_INDEX, LMOutput, linear_cross_entropy
 
 
 def plain(hidden, weight, labels):
@@ -44,3 +45,23 @@ def test_all_ignored_rows_give_zero_loss_and_gradients():
     loss = linear_cross_entropy(hidden, weight, torch.full((4,), IGNORE_INDEX), 2)
     loss.backward()
     assert loss.item() == 0 and hidden.grad.abs().sum() == 0 and weight.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("field", ["loss", "logits"])
+def test_zero3_hooks_find_the_tensor_in_the_model_output(field):
+    """ZeRO-3 runs a module's pre-backward hook (gather its parameters for backward) from an autograd
+    function it wraps around each tensor of the module's output; `apply_to_tensors_only` finds them in
+    tuples, lists and dicts only. The output was once a plain dataclass: the hook never saw the loss and
+    DeepSpeed warned at every start (issue 31)."""
+    from deepspeed.runtime.zero.utils import apply_to_tensors_only
+
+    t = torch.ones(3, requires_grad=True)
+    seen: list[torch.Tensor] = []
+
+    def wrap(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x)
+        return x * 2
+
+    out = apply_to_tensors_only(wrap, LMOutput(**{"loss": None, "logits": None, field: t}))
+    assert len(seen) == 1 and seen[0] is t
+    assert isinstance(out, LMOutput) and torch.equal(getattr(out, field), t * 2)

@@ -120,6 +120,16 @@ def test_loss_falls_on_real_text(reference, model):
     assert last < 0.8 * first, (first, last)
 
 
+@pytest.mark.parametrize("model", ["tiny-v2", "tiny-v3"])
+def test_zero3_hooks_see_every_module_output(reference, model):
+    """DeepSpeed warns when a module's output hides its tensors from ZeRO-3's backward hooks (the
+    chunked loss's LMOutput did, at every start: issue 31); the reference runs train with the chunked
+    loss, so they would show it."""
+    assert load_plan(reference[model] / "run.yaml").parallel.loss_chunk_tokens
+    log = (reference[model].parent / "train.log").read_text()
+    assert "unknown inputs or outputs type" not in log, log[-3000:]
+
+
 def test_metrics_records_carry_what_the_issue_lists(reference):
     rec = records(reference["tiny-v2"])[-1]
     for key in (
