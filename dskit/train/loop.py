@@ -20,6 +20,7 @@ from dskit.data import IGNORE_INDEX
 from dskit.data.sampler import Mixture, Sampler, sample_index
 from dskit.plan.schema import Plan
 from dskit.train.adapter_state import AdapterStates
+from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoint import Checkpointer
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
@@ -255,11 +256,13 @@ def _micro_steps(
         )
         batch = sampler.get(first, par.micro_batch)
         inputs, labels, extra = _to_device(batch, device)
-        tap.start()
-        ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
-        tap.stop()
-        aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
-        engine.backward(ce + aux)
+        # the backward too: activation checkpointing re-runs attention inside it
+        with rows_of(packed_rows(batch.position_ids, device)):
+            tap.start()
+            ce = _loss(engine, inputs, labels, extra, chunked=bool(par.loss_chunk_tokens))
+            tap.stop()
+            aux = tap.aux_loss(par.micro_batch, plan.model.aux_loss_coeff, plan.model.seq_aux)
+            engine.backward(ce + aux)
         engine.step()
         window.add(ce, aux, real_tokens=batch.real_tokens, row_tokens=inputs.numel())
 
@@ -313,9 +316,11 @@ class Evaluator:
             for b in range(self.batches):
                 self.beat(step, f"eval batch {b + 1}/{self.batches}")
                 first = (b * self.world + self.rank) * self.micro
-                inputs, labels, extra = _to_device(self.sampler.get(first, self.micro), self.device)
+                batch = self.sampler.get(first, self.micro)
+                inputs, labels, extra = _to_device(batch, self.device)
                 n = (labels != IGNORE_INDEX).sum()
-                ce = _loss(engine, inputs, labels, extra, chunked=self.chunked)
+                with rows_of(packed_rows(batch.position_ids, self.device)):
+                    ce = _loss(engine, inputs, labels, extra, chunked=self.chunked)
                 sums += torch.stack([ce.double() * n, n.double()])
         engine.train()
         dist.all_reduce(sums)
@@ -336,7 +341,8 @@ class Evaluator:
 
 def _to_device(b, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(input_ids, labels, extra model kwargs). Packed chat rows carry position ids that restart at
-    each sample: transformers derives attention confined to each sample from them."""
+        each sample: RoPE takes them, and attention is confined to each sample by them (transformers' dense
+    mask for SDPA, `rows_of`'s cu_seqlens for FlashAttention-4)."""
     inputs = torch.from_numpy(b.input_ids).to(device, non_blocking=True)
     labels = torch.from_numpy(b.labels).to(device, non_blocking=True)
     extra = {} if b.position_ids is None else {"position_ids": torch.from_numpy(b.position_ids).to(device)}

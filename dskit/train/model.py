@@ -1,9 +1,10 @@
 """Build the Hugging Face DeepSeek model the plan describes, with the attention backend resolved here.
 
 Attention: MLA has q/k head dim 192 and v head dim 128 (V2/V3 config.json), which not every kernel
-takes. The catalog's per-GPU default (`dskit/catalog/gpus.yaml` `attention`) is `sdpa_cudnn` on sm90,
-FlashAttention-2 on sm80/86/89 (transformers pads V to 192 and crops the output), plain SDPA elsewhere;
-docs/planner.md "Attention on each GPU" has the measurements behind it.
+takes. The catalog's per-GPU default (`dskit/catalog/gpus.yaml` `attention`) is FlashAttention-4 on sm90
+(dskit/train/attention.py: 192/128 natively, packed chat rows through its varlen kernel), FlashAttention-2
+on sm80/86/89 (transformers pads V to 192 and crops the output), plain SDPA elsewhere; docs/planner.md
+"Attention on each GPU" has the measurements behind it.
 """
 
 from __future__ import annotations
@@ -35,8 +36,23 @@ def hf_config(cfg: dict[str, Any], attention: str):
     c = dict(cfg)
     model_type = c.pop("model_type")
     config = AutoConfig.for_model(model_type, **c)
+    if attention == "flash_attention_4":
+        from dskit.train.attention import register
+
+        attention = register()  # dskit's own FA4 function: native 192/128 head dims, packed rows
     config._attn_implementation = "sdpa" if attention == "sdpa_cudnn" else attention
     return config
+
+
+#: the module each FlashAttention backend imports (FA4 is the CuTe-DSL build inside flash-attn-4)
+_KERNEL_MODULE = {"flash_attention_2": "flash_attn", "flash_attention_4": "flash_attn.cute"}
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # the parent package itself is absent
+        return True
 
 
 def resolve_attention(planned: str, device: torch.device) -> tuple[str, str]:
@@ -45,9 +61,9 @@ def resolve_attention(planned: str, device: torch.device) -> tuple[str, str]:
         if planned not in ("sdpa", "eager"):
             return "sdpa", f"planned {planned} needs a CUDA device; using sdpa on {device.type}"
         return planned, f"{planned} as planned"
-    if planned in ("flash_attention_2", "flash_attention_3"):
-        mod = "flash_attn" if planned == "flash_attention_2" else "flash_attn_interface"
-        if importlib.util.find_spec(mod) is None:
+    if planned in _KERNEL_MODULE:
+        mod = _KERNEL_MODULE[planned]
+        if _missing(mod):
             return "sdpa_cudnn" if torch.cuda.get_device_capability(device)[0] >= 9 else "sdpa", (
                 f"WARNING: planned {planned} but `{mod}` is not importable in this image; rebuild with "
                 "`dskit render image` for this GPU"

@@ -1,0 +1,136 @@
+"""FlashAttention-4 for MLA, plain and packed rows, as a transformers attention function.
+
+Why not transformers' own `flash_attention_4`: it pads V from 128 to the q/k head dim 192 for every
+flash kernel (integrations/flash_attention.py), and FA4 takes DeepSeek's 192/128 natively on sm90
+(flash_attn/cute/interface.py `_validate_head_dims`). Measured on one H200 (bench/attention_bench.py,
+bench/results/h200-attention-2026-12-02.json): native FA4 is 4-6% faster than cuDNN SDPA on plain causal
+rows, and on packed chat rows its varlen kernel runs at 246-275 TFLOP/s against 6-22 for cuDNN with the
+dense block-diagonal mask transformers builds from per-sample position ids.
+
+Packed rows: the kernel needs each sample's cumulative start (`cu_seqlens`) and the longest sample. The
+training loop derives them on the host from the batch's position ids (`packed_rows`, no GPU sync) and
+holds them for the micro-step's forward *and* backward (`rows_of`): activation checkpointing re-runs the
+attention forward inside the backward, and it must attend within the same samples. They travel beside
+the model call, not through it, because the attention blocks are torch.compile'd with static shapes
+(dskit/train/compile.py): a cu_seqlens argument whose length changes with every batch would recompile
+them each step. The kernel call itself is opaque to the compiler (`torch.compiler.disable`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+#: the name this function is registered under in transformers (the plan says `flash_attention_4`). No
+#: "flash" in it: transformers treats any such name as its own FlashAttention integration (it would try
+#: to import a kernel by that name, and pad V to 192 in DeepSeek's attention).
+REGISTERED = "dskit_fa4"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Where each sample of a micro-batch starts, the micro-batch's rows laid end to end."""
+
+    cu_seqlens: torch.Tensor  # int32, (samples + 1,), on the device
+    max_len: int
+    samples: int
+
+
+_state = threading.local()
+
+
+def packed_rows(position_ids: np.ndarray | None, device: torch.device) -> PackedRows | None:
+    """The sample boundaries of packed rows from their position ids (restart at 0 per sample), or None
+    when every row is one sequence (text windows): then plain causal attention is exact."""
+    if position_ids is None:
+        return None
+    flat = position_ids.reshape(-1)
+    starts = np.flatnonzero(flat == 0)
+    # a row always begins a sample, even one cut off from the previous row (its ids do not restart)
+    row_starts = np.arange(0, flat.size, position_ids.shape[-1])
+    starts = np.union1d(starts, row_starts)
+    bounds = np.append(starts, flat.size).astype(np.int32)
+    cu = torch.from_numpy(bounds).to(device, non_blocking=True)
+    return PackedRows(cu_seqlens=cu, max_len=int(np.diff(bounds).max()), samples=len(starts))
+
+
+@contextmanager
+def rows_of(rows: PackedRows | None) -> Iterator[None]:
+    """Attention inside this block (a micro-step's forward and backward) stays within `rows`' samples."""
+    prev = getattr(_state, "rows", None)
+    _state.rows = rows
+    try:
+        yield
+    finally:
+        _state.rows = prev
+
+
+def available() -> bool:
+    try:
+        import flash_attn.cute  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.compiler.disable
+def _fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """(batch, seq, heads, d) in, (batch, seq, heads, dv) out; causal within each sample."""
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    rows: PackedRows | None = getattr(_state, "rows", None)
+    if rows is None:
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    else:
+        b, s, h = q.shape[:3]
+        out = flash_attn_varlen_func(
+            *(t.reshape(b * s, h, t.shape[-1]) for t in (q, k, v)),
+            cu_seqlens_q=rows.cu_seqlens,
+            cu_seqlens_k=rows.cu_seqlens,
+            max_seqlen_q=rows.max_len,
+            max_seqlen_k=rows.max_len,
+            softmax_scale=scale,
+            causal=True,
+        )
+    out = out[0] if isinstance(out, tuple) else out
+    return out.view(*q.shape[:3], v.shape[-1])
+
+
+def fa4_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: (batch, heads, seq, d) in, (batch, seq, heads, dv)
+    out. Causal only, no dropout, no padding mask: what training here uses; anything else is refused."""
+    if attention_mask is not None:
+        raise ValueError("flash_attention_4: a padding mask was passed; dskit's rows carry none")
+    if dropout:
+        raise ValueError(f"flash_attention_4: attention dropout {dropout} is not supported")
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return _fa4(q, k, v, scaling), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The mask function for FA4: samples are confined by cu_seqlens, never by a dense mask."""
+    return None
+
+
+def register() -> str:
+    """Make `REGISTERED` a transformers attention implementation (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(REGISTERED, fa4_attention)
+    AttentionMaskInterface.register(REGISTERED, _no_mask)
+    return REGISTERED

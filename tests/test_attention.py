@@ -1,0 +1,131 @@
+"""FlashAttention-4 wiring that runs without a GPU: where packed rows' samples start (the kernel's
+cu_seqlens), that the boundaries hold for a whole micro-step and no longer, and that the plan's
+`flash_attention_4` becomes dskit's registered function. The kernel itself is measured on the H200
+(bench/attention_bench.py); the CPU trainer runs SDPA with transformers' block-diagonal mask, whose
+logits tests/test_data.py holds equal to each sample run alone."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dskit.train import attention
+from dskit.train.model import hf_config, resolve_attention
+
+CPU = torch.device("cpu")
+
+
+def _rows(*samples_per_row: list[int]) -> np.ndarray:
+    """Position ids of packed rows: each sample counts 0..len-1."""
+    return np.stack([np.concatenate([np.arange(n) for n in row]) for row in samples_per_row])
+
+
+def test_samples_start_where_positions_restart():
+    rows = attention.packed_rows(_rows([3, 5], [2, 2, 4]), CPU)
+    assert rows.cu_seqlens.tolist() == [0, 3, 8, 10, 12, 16]
+    assert rows.cu_seqlens.dtype == torch.int32  # what the varlen kernel takes
+    assert (rows.samples, rows.max_len) == (5, 5)
+
+
+def test_a_row_starts_a_sample_even_when_its_positions_do_not_restart():
+    """A row that begins mid-sequence (ids not restarting at 0) must not attend into the row before it,
+    which it follows in the flattened (batch x seq) layout the varlen kernel sees."""
+    pos = np.array([[0, 1, 2, 3], [7, 8, 0, 1]])
+    assert attention.packed_rows(pos, CPU).cu_seqlens.tolist() == [0, 4, 6, 8]
+
+
+def test_padding_is_one_more_sample():
+    """`pack` rows end in padding that counts its own positions from 0 (dskit/data/sampler.py): one
+    label-less sample, not one per padded position."""
+    rows = attention.packed_rows(_rows([6, 2]), CPU)
+    assert rows.cu_seqlens.tolist() == [0, 6, 8] and rows.samples == 2
+
+
+def test_text_windows_need_no_boundaries():
+    assert attention.packed_rows(None, CPU) is None
+
+
+def test_boundaries_hold_inside_the_block_only_and_per_thread():
+    outer = attention.packed_rows(_rows([2, 2]), CPU)
+    inner = attention.packed_rows(_rows([4]), CPU)
+    seen = []
+    with attention.rows_of(outer):
+        with attention.rows_of(inner):
+            assert attention._state.rows is inner
+        assert attention._state.rows is outer
+        t = threading.Thread(target=lambda: seen.append(getattr(attention._state, "rows", None)))
+        t.start()
+        t.join()
+        with pytest.raises(RuntimeError):
+            with attention.rows_of(inner):
+                raise RuntimeError("a failed step")
+        assert attention._state.rows is outer  # restored on the way out of a failure too
+    assert attention._state.rows is None and seen == [None]
+
+
+def test_the_plan_name_maps_to_dskits_function():
+    pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+
+    config = hf_config(
+        {"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 2}, "flash_attention_4"
+    )
+    assert config._attn_implementation == attention.REGISTERED
+    assert AttentionInterface._global_mapping[attention.REGISTERED] is attention.fa4_attention
+
+
+def test_the_function_refuses_what_training_never_passes():
+    q = torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="padding mask"):
+        attention.fa4_attention(None, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout"):
+        attention.fa4_attention(None, q, q, q, None, dropout=0.1)
+
+
+def test_off_cuda_the_trainer_says_it_falls_back():
+    backend, why = resolve_attention("flash_attention_4", CPU)
+    assert backend == "sdpa" and "needs a CUDA device" in why
+
+
+def _varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """What the FA4 call computes, on CPU: causal attention within each sample of the held rows (whole
+    rows when none are held), over the (batch x seq) layout the varlen kernel sees."""
+    b, s, h = q.shape[:3]
+    rows = attention._state.rows
+    bounds = rows.cu_seqlens.tolist() if rows is not None else [i * s for i in range(b + 1)]
+    flat = [t.reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
+    out = torch.empty(b * s, h, v.shape[-1], dtype=q.dtype)
+    for a, e in zip(bounds, bounds[1:], strict=False):
+        qq, kk, vv = (t[a:e].transpose(0, 1) for t in flat)
+        out[a:e] = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale).transpose(0, 1)
+    return out.view(b, s, h, v.shape[-1])
+
+
+def test_packed_rows_through_the_fa4_function_match_the_masked_model(monkeypatch):
+    """The whole path but the kernel: tiny DeepSeek-V2 (MLA, q/k 192-like != v dims) with dskit's FA4
+    function, the kernel replaced by an exact CPU reference, gives the logits transformers' dense
+    block-diagonal mask gives; without the held boundaries the samples would see each other."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from dskit import catalog
+
+    monkeypatch.setattr(attention, "_fa4", _varlen_reference)
+    torch.manual_seed(0)
+    cfg = catalog.model("tiny-v2").config
+    model = AutoModelForCausalLM.from_config(hf_config(cfg, "sdpa")).eval()
+    model.config.use_cache = False
+    pos = _rows([20, 30, 14], [40, 24])
+    ids = torch.randint(0, cfg["vocab_size"], pos.shape)
+    with torch.no_grad():
+        masked = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits
+        model.set_attn_implementation(attention.register())
+        with attention.rows_of(attention.packed_rows(pos, CPU)):
+            fa4 = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits
+        crossing = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits  # no boundaries held
+    torch.testing.assert_close(fa4, masked, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(crossing, masked, rtol=1e-4, atol=1e-4)
