@@ -7,6 +7,7 @@ crashing. `--build` is the image's smoke test: nothing there may need a GPU or a
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -29,13 +30,24 @@ class Check:
     detail: str
 
 
-def _version(mod: str) -> str | None:
-    if importlib.util.find_spec(mod) is None:
+def _version(mod: str, dist: str | None = None) -> str | None:
+    """`mod`'s version (its __version__, else the version of the distribution `dist` that installs it),
+    None if it is absent, or the import error of a broken install."""
+    try:
+        if importlib.util.find_spec(mod) is None:
+            return None
+    except ModuleNotFoundError:  # a dotted module whose parent package is absent
         return None
     try:
-        return getattr(__import__(mod), "__version__", "unknown")
+        found = getattr(importlib.import_module(mod), "__version__", None)
     except Exception as e:  # a broken install (ABI mismatch: "undefined symbol") is exactly what we report
         return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
+    if found is None and dist:
+        try:
+            found = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None  # a namespace only (flash-attn-4 provides flash_attn/cute, not flash_attn itself)
+    return found or "unknown"
 
 
 @contextlib.contextmanager
@@ -179,11 +191,14 @@ def _nccl(host: _Host) -> list[Check]:
 
 
 def _flash_attn(host: _Host) -> list[Check]:
+    """The FlashAttention build the image says it carries (DSKIT_IMAGE_FLASH_ATTN: fa2, fa4 or none)
+    imports; the other is reported only if present. FA4's `flash_attn.cute` has no __version__: its
+    distribution's version is reported."""
     fa_expected = os.environ.get("DSKIT_IMAGE_FLASH_ATTN", "")
     checks = []
-    for mod, gen in (("flash_attn", "fa2"), ("flash_attn_interface", "fa3")):
-        v = _version(mod)
-        expected = fa_expected in (gen, "fa3") if gen == "fa2" else fa_expected == "fa3"
+    for mod, gen, dist in (("flash_attn", "fa2", "flash-attn"), ("flash_attn.cute", "fa4", "flash-attn-4")):
+        v = _version(mod, dist)
+        expected = fa_expected == gen
         if v is None:
             checks.append(
                 Check(

@@ -253,7 +253,7 @@ class PlanOverrides(_Section):
     precision: Literal["auto", "bf16", "fp16"] = Field(
         "auto", description="bf16 where the GPU has it, else fp16 with dynamic loss scaling."
     )
-    attention: Literal["auto", "sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "eager"] = (
+    attention: Literal["auto", "sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_4", "eager"] = (
         Field("auto", description="Attention backend. auto: the GPU profile's measured-fastest.")
     )
     offload_optimizer: Literal["auto", "none", "cpu"] = Field(

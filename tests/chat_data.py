@@ -53,6 +53,12 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 def make_tokenizer(out: Path, vocab_size: int = 300) -> Path:
     """Byte-level BPE (so any text encodes) with BOS/EOS/PAD and the chat template, saved to `out`."""
+    text = [m["content"] for c in conversations(200) for m in c["messages"]]
+    return make_tokenizer_from(out, text, vocab_size)
+
+
+def make_tokenizer_from(out: Path, text: list[str], vocab_size: int) -> Path:
+    """`make_tokenizer` trained on `text` (bench/chat_bench.py trains one on its generated chat set)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,8 +71,7 @@ def make_tokenizer(out: Path, vocab_size: int = 300) -> Path:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    text = [m["content"] for c in conversations(200) for m in c["messages"]] + ["User: ", "Assistant: "]
-    tok.train_from_iterator(text, trainer)
+    tok.train_from_iterator([*text, "User: ", "Assistant: "], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)

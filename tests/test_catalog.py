@@ -39,15 +39,15 @@ def test_catalogs_cover_the_required_entries():
 @pytest.mark.parametrize("gpu", sorted(catalog.gpus().values(), key=lambda g: g.name), ids=lambda g: g.name)
 def test_gpu_entries_are_consistent(gpu):
     assert gpu.source
-    assert gpu.flash_attn in {"fa2", "fa3", "none"}
-    assert gpu.attention in {"sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3"}
+    assert gpu.flash_attn in {"fa2", "fa4", "none"}
+    assert gpu.attention in {"sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_4"}
     assert gpu.attention in gpu.attention_backends  # `auto` picks something the GPU can run
     if gpu.is_cpu:
         assert gpu.peak_tflops_bf16 is None  # no MFU rather than a wrong one
         return
     major = int(gpu.compute_capability.split(".")[0])
     assert gpu.bf16 == (major >= 8)  # bf16 tensor cores arrived with Ampere
-    assert (gpu.flash_attn == "fa3") == (major == 9)
+    assert (gpu.flash_attn == "fa4") == (major == 9)
     assert (gpu.flash_attn == "none") == (major < 8)
     assert gpu.peak_tflops_fp16 and gpu.memory_gib and gpu.memory_bw_gbs
 

@@ -52,8 +52,11 @@ def test_every_gpu_has_an_image_for_its_arch():
             continue
         assert f'TORCH_CUDA_ARCH_LIST="{g.compute_capability}"' in docker  # no "9.0a"
         install = (d / "install.sh").read_text()
-        assert ("flash-attn==" in install) == (g.flash_attn != "none")
-        assert ("flash-attention.git" in install) == (g.flash_attn == "fa3")
+        # FlashAttention-2 compiled for sm80 only where it is the kernel; Hopper compiles no attention
+        assert ("flash-attn==" in install) == (g.flash_attn == "fa2")
+        assert ('FLASH_ATTN_CUDA_ARCHS="80"' in docker) == (g.flash_attn == "fa2")
+        assert ("'flash-attn-4[cu13]==" in install) == (g.flash_attn == "fa4")
+        assert f'DSKIT_IMAGE_FLASH_ATTN="{g.flash_attn}"' in docker
         assert "rdma-core" in docker and "dskit doctor --build" in docker
     assert "efa_installer.sh" in (IMAGES / "h100-80gb-efa" / "Dockerfile").read_text()
     assert "cu12.6" in image.image_tag(catalog.gpu("v100-32gb"), "infiniband")  # CUDA 13 has no sm70
@@ -166,6 +169,8 @@ def test_cuda_locks_resolve_against_the_index(toolchain, tmp_path):
     image against the installed torch), so for them the test checks that the pinned version is on the index."""
     tc = image.toolchains()[toolchain]
     reqs = [f"torch=={tc['torch']}"] + [f"{k}=={v}" for k, v in tc["pins"].items() if k != "deepspeed"]
+    # the Hopper images' FlashAttention-4 lock resolves with the rest (pip installs it on top of it)
+    reqs += [f"{k}=={v}" for k, v in (tc.get("flash_attn_4") or {}).items()]
     report = tmp_path / "report.json"
     r = subprocess.run(
         [
@@ -192,6 +197,8 @@ def test_cuda_locks_resolve_against_the_index(toolchain, tmp_path):
         for i in json.loads(report.read_text())["install"]
     }
     assert got["torch"] == tc["torch"]
+    for req, version in (tc.get("flash_attn_4") or {}).items():
+        assert got[req.split("[")[0]] == version, req
     cuda_major = tc["cuda"].split(".")[0]
     assert any(n.startswith("nvidia-cuda-runtime") and v.startswith(cuda_major) for n, v in got.items()), got
     sdists = {"deepspeed": tc["pins"]["deepspeed"]} | (

@@ -36,7 +36,7 @@ def test_default_two_node_plan():
     assert p.parallel.zero_stage == 2 and p.parallel.ep_size == 4 and p.parallel.expert_dp_size == 4
     assert p.speed["tokens_per_s_per_gpu"] > 0 and p.speed["mfu"] > 0
     assert p.parallel.micro_batch * p.parallel.grad_accum * 16 == p.parallel.global_batch
-    assert p.parallel.precision == "bf16" and p.parallel.attention == "sdpa_cudnn"
+    assert p.parallel.precision == "bf16" and p.parallel.attention == "flash_attention_4"
     ds = p.deepspeed
     assert ds["expert_parallel"] == {
         "enabled": True,
@@ -66,12 +66,13 @@ def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
 
 
 #: what each GPU generation can run for MLA (q/k 192, v 128), written out from the design facts rather
-#: than from catalog.attention_unmet: cuDNN SDPA on sm90+, FlashAttention-2 on sm80+, FA3 on Hopper only
+#: than from catalog.attention_unmet: cuDNN SDPA on sm90+; FlashAttention-2 built for sm80/86/89 only,
+#: FlashAttention-4 (no compile, faster for MLA) for Hopper only
 RUNNABLE_BY_SM_MAJOR = {
     None: {"sdpa", "eager"},  # the cpu profile
     7: {"sdpa", "eager"},
     8: {"sdpa", "flash_attention_2", "eager"},
-    9: {"sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "eager"},
+    9: {"sdpa", "sdpa_cudnn", "flash_attention_4", "eager"},
 }
 
 

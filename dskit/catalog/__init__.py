@@ -49,7 +49,7 @@ class GPU:
 
 
 #: every backend the trainer knows, in the spec's order (`overrides.attention`)
-ATTENTION_BACKENDS = ("sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_3", "eager")
+ATTENTION_BACKENDS = ("sdpa", "sdpa_cudnn", "flash_attention_2", "flash_attention_4", "eager")
 
 
 def attention_unmet(gpu: GPU, backend: str) -> str | None:
@@ -60,18 +60,19 @@ def attention_unmet(gpu: GPU, backend: str) -> str | None:
     - sdpa_cudnn: the trainer disables every other SDPA kernel (train/model.py apply_sdpa_policy), and
       cuDNN takes 192/128 forward and backward only from sm90 on, with cuDNN >= 9.11 (the sm90 profiles
       build the cu130 image: cuDNN 9.19). Below sm90 no kernel is left and the first step fails.
-    - flash_attention_2 / _3: only where the image builds flash-attn (`flash_attn`: fa2 on sm80/86/89;
-      fa2 and fa3 on Hopper).
+    - flash_attention_2: only where the image builds it (`flash_attn: fa2`, sm80/86/89).
+    - flash_attention_4: only where the image installs it (`flash_attn: fa4`, Hopper): dskit's own
+      function (train/attention.py), MLA's 192/128 natively and packed rows through its varlen kernel.
     - the cpu profile: sdpa and eager; off CUDA the trainer (resolve_attention) runs nothing else.
     """
     if gpu.is_cpu:
         return None if backend in ("sdpa", "eager") else "the cpu profile runs only sdpa and eager"
     if backend == "sdpa_cudnn" and int(gpu.compute_capability.split(".")[0]) < 9:
         return "cuDNN SDPA takes MLA's 192/128 head dims only on sm90 and newer"
-    if backend == "flash_attention_2" and gpu.flash_attn == "none":
-        return "FlashAttention-2 needs sm80 or newer"
-    if backend == "flash_attention_3" and gpu.flash_attn != "fa3":
-        return "FlashAttention-3 is Hopper-only (sm90)"
+    if backend == "flash_attention_2" and gpu.flash_attn != "fa2":
+        return "FlashAttention-2 is built only into sm80/86/89 images (Hopper's carry FlashAttention-4)"
+    if backend == "flash_attention_4" and gpu.flash_attn != "fa4":
+        return "FlashAttention-4 is installed only into Hopper (sm90) images"
     return None
 
 

@@ -15,7 +15,7 @@ import yaml
 
 from dskit import __version__, catalog
 from dskit.plan.schema import Plan
-from dskit.render.common import q, render_template
+from dskit.render.common import q, render_template, shell_words
 
 # What `pip install /tmp/dskit-src` in the image reads, relative to the repository root: pyproject.toml's
 # readme, the wheel's packages and its force-include sources (templates/ and the Helm chart).
@@ -54,17 +54,25 @@ def toolchain_for(gpu: catalog.GPU) -> str:
 
 
 def flash_attn_archs(gpu: catalog.GPU) -> str | None:
-    """FLASH_ATTN_CUDA_ARCHS for FlashAttention-2's build: sm80 code serves sm86/89 (same major)."""
-    if gpu.flash_attn == "none":
-        return None
-    return "90" if gpu.compute_capability == "9.0" else "80"
+    """FLASH_ATTN_CUDA_ARCHS for FlashAttention-2's build, the only attention kernel an image compiles:
+    sm80 code serves sm86/89 (same major). Hopper images install FlashAttention-4 instead."""
+    return "80" if gpu.flash_attn == "fa2" else None
+
+
+def flash_attn_version(gpu: catalog.GPU, tc: dict) -> str | None:
+    """The FlashAttention release the image carries for `gpu`, or None."""
+    if gpu.flash_attn == "fa2":
+        return tc["flash_attn"]
+    if gpu.flash_attn == "fa4" and tc["flash_attn_4"]:
+        return tc["flash_attn_4"]["flash-attn-4[cu13]"]
+    return None
 
 
 def image_tag(gpu: catalog.GPU, fabric: str) -> str:
     tc = toolchains()[toolchain_for(gpu)]
     parts = [gpu.name, f"torch{tc['torch']}", f"cu{tc['cuda']}" if tc["cuda"] else "cpu"]
-    if tc["flash_attn"] and gpu.flash_attn != "none":
-        parts.append(f"{gpu.flash_attn}-{tc['flash_attn']}")
+    if fa := flash_attn_version(gpu, tc):
+        parts.append(f"{gpu.flash_attn}-{fa}")
     parts.append(f"ds{tc['pins']['deepspeed']}")
     if fabric == "efa":
         parts.append("efa")
@@ -101,7 +109,10 @@ def image_files(gpu_name: str, fabric_name: str = "infiniband") -> dict[str, str
         "tag": tag,
         "arch": arch,
         "fa_archs": flash_attn_archs(gpu) if tc["flash_attn"] else None,
-        "fa3": gpu.flash_attn == "fa3" and tc["flash_attn_3_ref"],
+        "fa4": shell_words([f"{k}=={v}" for k, v in tc["flash_attn_4"].items()])
+        if gpu.flash_attn == "fa4" and tc["flash_attn_4"]
+        else None,
+        "fa": gpu.flash_attn if flash_attn_version(gpu, tc) else "none",
         "rdma": fab.rdma and not gpu.is_cpu,
         "efa": fabric_name == "efa",
         "efa_version": efa["installer"],

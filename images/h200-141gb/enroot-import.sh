@@ -5,5 +5,5 @@
 set -euo pipefail
 registry=${1:?usage: $0 REGISTRY [OUTPUT.sqsh]}
 out=${2:-dskit-h200-141gb.sqsh}
-enroot import --output "$out" "docker://${registry}#"dskit:h200-141gb-torch2.11.0-cu13.0-fa3-2.8.3-ds0.19.8
+enroot import --output "$out" "docker://${registry}#"dskit:h200-141gb-torch2.11.0-cu13.0-fa4-4.0.0b36-ds0.19.8
 echo "set runtime.image: $(realpath "$out")"
