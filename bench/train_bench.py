@@ -198,6 +198,9 @@ def run_dskit(
         "wall_s": wall_s,  # launch to exit
         "loss_first": m["loss_first"],
         "loss_last": m["loss_last"],
+        # real (non-pad) tokens, what chat runs compare (tok_s_gpu counts whole rows)
+        "real_tok_s_gpu": m["real_tokens_per_s_per_gpu"],
+        "packing_efficiency": m["packing_efficiency"],
         "attention": attention.group(1) if attention else None,
         "plan": plan.summary(),
         "overrides": sets,
