@@ -67,23 +67,24 @@ def test_boundaries_hold_inside_the_block_only_and_per_thread():
     assert attention._state.rows is None and seen == [None]
 
 
-def test_the_plan_name_maps_to_dskits_function():
+@pytest.mark.parametrize("backend", ["flash_attention_4", "flash_attention_2"])
+def test_the_plan_name_maps_to_dskits_function(backend):
     pytest.importorskip("transformers")
     from transformers import AttentionInterface
 
-    config = hf_config(
-        {"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 2}, "flash_attention_4"
-    )
-    assert config._attn_implementation == attention.REGISTERED
-    assert AttentionInterface._global_mapping[attention.REGISTERED] is attention.fa4_attention
+    config = hf_config({"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 2}, backend)
+    assert config._attn_implementation == attention.REGISTERED[backend]
+    assert "flash" not in config._attn_implementation  # else transformers' own flash path takes over
+    assert AttentionInterface._global_mapping[config._attn_implementation] is attention.FUNCTIONS[backend]
 
 
 def test_the_function_refuses_what_training_never_passes():
     q = torch.zeros(1, 2, 4, 8)
+    fn = attention.FUNCTIONS["flash_attention_4"]
     with pytest.raises(ValueError, match="padding mask"):
-        attention.fa4_attention(None, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        fn(None, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout"):
-        attention.fa4_attention(None, q, q, q, None, dropout=0.1)
+        fn(None, q, q, q, None, dropout=0.1)
 
 
 def test_off_cuda_the_trainer_says_it_falls_back():
@@ -91,41 +92,56 @@ def test_off_cuda_the_trainer_says_it_falls_back():
     assert backend == "sdpa" and "needs a CUDA device" in why
 
 
-def _varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """What the FA4 call computes, on CPU: causal attention within each sample of the held rows (whole
-    rows when none are held), over the (batch x seq) layout the varlen kernel sees."""
-    b, s, h = q.shape[:3]
-    rows = attention._state.rows
-    bounds = rows.cu_seqlens.tolist() if rows is not None else [i * s for i in range(b + 1)]
-    flat = [t.reshape(b * s, h, t.shape[-1]) for t in (q, k, v)]
-    out = torch.empty(b * s, h, v.shape[-1], dtype=q.dtype)
-    for a, e in zip(bounds, bounds[1:], strict=False):
-        qq, kk, vv = (t[a:e].transpose(0, 1) for t in flat)
-        out[a:e] = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale).transpose(0, 1)
-    return out.view(b, s, h, v.shape[-1])
+def _reference_kernels(equal_dims: bool):
+    """FlashAttention's two entry points (plain and varlen, same keywords), exact on CPU through SDPA;
+    `equal_dims` asserts what FA2 requires of its inputs (q/k and v head dims equal)."""
+
+    def attend(q, k, v, scale):  # (seq, heads, d)
+        assert not equal_dims or q.shape[-1] == v.shape[-1], "FA2 takes equal head dims only"
+        qq, kk, vv = (t.transpose(0, 1) for t in (q, k, v))
+        return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale).transpose(0, 1)
+
+    def plain(q, k, v, softmax_scale=None, causal=False):
+        assert causal
+        return torch.stack([attend(q[i], k[i], v[i], softmax_scale) for i in range(q.shape[0])])
+
+    def varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=False
+    ):
+        assert causal and cu_seqlens_q is cu_seqlens_k and cu_seqlens_q.dtype == torch.int32
+        bounds = cu_seqlens_q.tolist()
+        assert max_seqlen_q == max(e - a for a, e in zip(bounds, bounds[1:], strict=False))
+        return torch.cat(
+            [attend(q[a:e], k[a:e], v[a:e], softmax_scale) for a, e in zip(bounds, bounds[1:], strict=False)]
+        )
+
+    return plain, varlen, equal_dims
 
 
-def test_packed_rows_through_the_fa4_function_match_the_masked_model(monkeypatch):
-    """The whole path but the kernel: tiny DeepSeek-V2 (MLA, q/k 192-like != v dims) with dskit's FA4
-    function, the kernel replaced by an exact CPU reference, gives the logits transformers' dense
-    block-diagonal mask gives; without the held boundaries the samples would see each other."""
+@pytest.mark.parametrize("backend", ["flash_attention_4", "flash_attention_2"])
+def test_packed_rows_through_dskits_function_match_the_masked_model(monkeypatch, backend):
+    """The whole path but the kernels: tiny DeepSeek-V2 (MLA: q/k head dim != v head dim) with dskit's
+    function, FlashAttention's kernels replaced by exact CPU references, gives the logits transformers'
+    dense block-diagonal mask gives, at micro-batch 2 (where transformers' own flash path would let
+    the samples of a row attend to each other); without the held boundaries the samples do."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
 
     from dskit import catalog
 
-    monkeypatch.setattr(attention, "_fa4", _varlen_reference)
+    monkeypatch.setattr(attention, "_kernels", lambda b: _reference_kernels(b == "flash_attention_2"))
     torch.manual_seed(0)
     cfg = catalog.model("tiny-v2").config
+    assert cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] != cfg["v_head_dim"]
     model = AutoModelForCausalLM.from_config(hf_config(cfg, "sdpa")).eval()
     model.config.use_cache = False
     pos = _rows([20, 30, 14], [40, 24])
     ids = torch.randint(0, cfg["vocab_size"], pos.shape)
     with torch.no_grad():
         masked = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits
-        model.set_attn_implementation(attention.register())
+        model.set_attn_implementation(attention.register(backend))
         with attention.rows_of(attention.packed_rows(pos, CPU)):
-            fa4 = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits
+            flash = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits
         crossing = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits  # no boundaries held
-    torch.testing.assert_close(fa4, masked, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(flash, masked, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(crossing, masked, rtol=1e-4, atol=1e-4)

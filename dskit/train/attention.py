@@ -1,13 +1,18 @@
-"""FlashAttention-4 for MLA, plain and packed rows, as a transformers attention function.
+"""FlashAttention for MLA, plain and packed rows, as transformers attention functions.
 
-Why not transformers' own `flash_attention_4`: it pads V from 128 to the q/k head dim 192 for every
-flash kernel (integrations/flash_attention.py), and FA4 takes DeepSeek's 192/128 natively on sm90
-(flash_attn/cute/interface.py `_validate_head_dims`). Measured on one H200 (bench/attention_bench.py,
-bench/results/h200-attention-2026-12-02.json): native FA4 is 4-6% faster than cuDNN SDPA on plain causal
-rows, and on packed chat rows its varlen kernel runs at 246-275 TFLOP/s against 6-22 for cuDNN with the
-dense block-diagonal mask transformers builds from per-sample position ids.
+Why dskit's own functions rather than transformers' `flash_attention_2` / `_4`:
+- packed rows: transformers derives per-sample boundaries from the position ids only when a batch has
+  one row (modeling_flash_attention_utils.py `_is_packed_sequence`: `batch_size != 1` -> not packed);
+  at micro-batch > 1 it runs plain causal attention over the whole row, and the samples packed into it
+  attend to each other. Here the boundaries come from the batch itself for any micro-batch.
+- head dims: it pads V from 128 to the q/k head dim 192 for every flash kernel; FA4 takes DeepSeek's
+  192/128 natively on sm90 (flash_attn/cute/interface.py `_validate_head_dims`), FA2 needs the padding.
+Measured on one H200 (bench/attention_bench.py, bench/results/h200-attention-2026-12-02.json): FA4 is
+4-5% faster than cuDNN SDPA on plain causal rows, and on packed chat rows its varlen kernel runs at
+247-276 TFLOP/s against 6-22 for cuDNN with the dense block-diagonal mask transformers builds from
+per-sample position ids. FA2 (sm80/86/89) is not measured: no such GPU is lent.
 
-Packed rows: the kernel needs each sample's cumulative start (`cu_seqlens`) and the longest sample. The
+Packed rows: the kernels need each sample's cumulative start (`cu_seqlens`) and the longest sample. The
 training loop derives them on the host from the batch's position ids (`packed_rows`, no GPU sync) and
 holds them for the micro-step's forward *and* backward (`rows_of`): activation checkpointing re-runs the
 attention forward inside the backward, and it must attend within the same samples. They travel beside
@@ -26,10 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-#: the name this function is registered under in transformers (the plan says `flash_attention_4`). No
-#: "flash" in it: transformers treats any such name as its own FlashAttention integration (it would try
-#: to import a kernel by that name, and pad V to 192 in DeepSeek's attention).
-REGISTERED = "dskit_fa4"
+#: the transformers attention implementation each plan backend becomes. No "flash" in the names:
+#: transformers treats any such name as its own FlashAttention integration (it would try to import a
+#: kernel by that name, and pad V to 192 in DeepSeek's attention).
+REGISTERED = {"flash_attention_4": "dskit_fa4", "flash_attention_2": "dskit_fa2"}
+#: the module each backend's kernels come from (FA4 is the CuTe-DSL build inside flash-attn-4)
+KERNEL_MODULE = {"flash_attention_4": "flash_attn.cute", "flash_attention_2": "flash_attn"}
 
 
 @dataclass(frozen=True)
@@ -70,25 +77,31 @@ def rows_of(rows: PackedRows | None) -> Iterator[None]:
         _state.rows = prev
 
 
-def available() -> bool:
-    try:
-        import flash_attn.cute  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _kernels(backend: str):
+    """(plain, varlen, pads V): the kernel pair of a backend, imported on first use."""
+    if backend == "flash_attention_4":
+        from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+        return flash_attn_func, flash_attn_varlen_func, False
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    return flash_attn_func, flash_attn_varlen_func, True  # FA2 needs equal q/k and v head dims
 
 
-@torch.compiler.disable
-def _fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+def _flash(
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> torch.Tensor:
     """(batch, seq, heads, d) in, (batch, seq, heads, dv) out; causal within each sample."""
-    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-
+    plain, varlen, pads_v = _kernels(backend)
+    dv = v.shape[-1]
+    if pads_v and dv != q.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
     rows: PackedRows | None = getattr(_state, "rows", None)
     if rows is None:
-        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+        out = plain(q, k, v, softmax_scale=scale, causal=True)
     else:
         b, s, h = q.shape[:3]
-        out = flash_attn_varlen_func(
+        out = varlen(
             *(t.reshape(b * s, h, t.shape[-1]) for t in (q, k, v)),
             cu_seqlens_q=rows.cu_seqlens,
             cu_seqlens_k=rows.cu_seqlens,
@@ -98,39 +111,52 @@ def _fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None)
             causal=True,
         )
     out = out[0] if isinstance(out, tuple) else out
-    return out.view(*q.shape[:3], v.shape[-1])
+    return out.view(*q.shape[:3], -1)[..., :dv]
 
 
-def fa4_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def _attention_function(backend: str):
     """transformers' attention-function signature: (batch, heads, seq, d) in, (batch, seq, heads, dv)
     out. Causal only, no dropout, no padding mask: what training here uses; anything else is refused."""
-    if attention_mask is not None:
-        raise ValueError("flash_attention_4: a padding mask was passed; dskit's rows carry none")
-    if dropout:
-        raise ValueError(f"flash_attention_4: attention dropout {dropout} is not supported")
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    return _fa4(q, k, v, scaling), None
+
+    @torch.compiler.disable
+    def kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        return _flash(backend, q, k, v, scale)
+
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        if attention_mask is not None:
+            raise ValueError(f"{backend}: a padding mask was passed; dskit's rows carry none")
+        if dropout:
+            raise ValueError(f"{backend}: attention dropout {dropout} is not supported")
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        return kernel(q, k, v, scaling), None
+
+    attention.__name__ = attention.__qualname__ = REGISTERED[backend]
+    return attention
+
+
+FUNCTIONS = {backend: _attention_function(backend) for backend in REGISTERED}
 
 
 def _no_mask(*args, **kwargs) -> None:
-    """The mask function for FA4: samples are confined by cu_seqlens, never by a dense mask."""
+    """The mask function for these backends: samples are confined by cu_seqlens, never by a dense mask."""
     return None
 
 
-def register() -> str:
-    """Make `REGISTERED` a transformers attention implementation (idempotent); returns the name."""
+def register(backend: str) -> str:
+    """Make `backend`'s function a transformers attention implementation (idempotent); returns its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(REGISTERED, fa4_attention)
-    AttentionMaskInterface.register(REGISTERED, _no_mask)
-    return REGISTERED
+    name = REGISTERED[backend]
+    AttentionInterface.register(name, FUNCTIONS[backend])
+    AttentionMaskInterface.register(name, _no_mask)
+    return name

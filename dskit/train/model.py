@@ -3,7 +3,7 @@
 Attention: MLA has q/k head dim 192 and v head dim 128 (V2/V3 config.json), which not every kernel
 takes. The catalog's per-GPU default (`dskit/catalog/gpus.yaml` `attention`) is FlashAttention-4 on sm90
 (dskit/train/attention.py: 192/128 natively, packed chat rows through its varlen kernel), FlashAttention-2
-on sm80/86/89 (transformers pads V to 192 and crops the output), plain SDPA elsewhere; docs/planner.md
+on sm80/86/89 (V padded to 192, the output cropped), plain SDPA elsewhere; docs/planner.md
 "Attention on each GPU" has the measurements behind it.
 """
 
@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dskit.errors import SpecError
+from dskit.train.attention import KERNEL_MODULE
 
 log = logging.getLogger("dskit.train")
 
@@ -36,16 +37,12 @@ def hf_config(cfg: dict[str, Any], attention: str):
     c = dict(cfg)
     model_type = c.pop("model_type")
     config = AutoConfig.for_model(model_type, **c)
-    if attention == "flash_attention_4":
+    if attention in ("flash_attention_2", "flash_attention_4"):
         from dskit.train.attention import register
 
-        attention = register()  # dskit's own FA4 function: native 192/128 head dims, packed rows
+        attention = register(attention)  # dskit's own: packed rows at any micro-batch (attention.py)
     config._attn_implementation = "sdpa" if attention == "sdpa_cudnn" else attention
     return config
-
-
-#: the module each FlashAttention backend imports (FA4 is the CuTe-DSL build inside flash-attn-4)
-_KERNEL_MODULE = {"flash_attention_2": "flash_attn", "flash_attention_4": "flash_attn.cute"}
 
 
 def _missing(module: str) -> bool:
@@ -61,8 +58,8 @@ def resolve_attention(planned: str, device: torch.device) -> tuple[str, str]:
         if planned not in ("sdpa", "eager"):
             return "sdpa", f"planned {planned} needs a CUDA device; using sdpa on {device.type}"
         return planned, f"{planned} as planned"
-    if planned in _KERNEL_MODULE:
-        mod = _KERNEL_MODULE[planned]
+    if planned in KERNEL_MODULE:
+        mod = KERNEL_MODULE[planned]
         if _missing(mod):
             return "sdpa_cudnn" if torch.cuda.get_device_capability(device)[0] >= 9 else "sdpa", (
                 f"WARNING: planned {planned} but `{mod}` is not importable in this image; rebuild with "
