@@ -65,3 +65,22 @@ def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monke
     assert no_headers.status == FAIL and "Python.h: No such file" in no_headers.detail
     monkeypatch.setenv("CC", real_cc)  # this machine's real compiler and Python's real headers
     assert _triton_toolchain(required=True).status == PASS
+
+
+def test_the_hopper_image_is_checked_for_flash_attention_4(tmp_path):
+    """flash-attn-4 installs `flash_attn/cute` and no `flash_attn/__init__.py`: `flash_attn` is then a
+    bare namespace, which must not read as FlashAttention-2, and the check names the FA4 release
+    (from its distribution: `flash_attn.cute` has no __version__). The layout is the wheel's own,
+    module bodies empty; without it the promised FA4 fails the check."""
+    promised = {"DSKIT_GPU_PROFILE": "h100-80gb", "DSKIT_IMAGE_FLASH_ATTN": "fa4"}
+    status = {c["name"]: c for c in json.loads(dskit("doctor", "--build", "--json", env=promised).stdout)}
+    assert status["flash_attn.cute"]["status"] == "FAIL" and status["flash_attn"]["status"] == "PASS"
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
+    dist = tmp_path / "flash_attn_4-4.0.0b36.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-attn-4\nVersion: 4.0.0b36\n")
+    r = dskit("doctor", "--build", "--json", env={**promised, "PYTHONPATH": str(tmp_path)})
+    status = {c["name"]: c for c in json.loads(r.stdout)}
+    assert (status["flash_attn.cute"]["status"], status["flash_attn.cute"]["detail"]) == ("PASS", "4.0.0b36")
+    assert status["flash_attn"]["detail"] == "not installed (not needed here)"
