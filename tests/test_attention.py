@@ -49,7 +49,10 @@ def test_text_windows_need_no_boundaries():
     assert attention.packed_rows(None, CPU) is None
 
 
-def test_boundaries_hold_inside_the_block_only_and_per_thread():
+def test_boundaries_hold_inside_the_block_only_and_for_every_thread():
+    """Held for the block and no longer (a failed step included), and seen from other threads: the
+    autograd engine runs a CUDA backward, where checkpointing recomputes attention, on its own
+    per-device thread (a thread-local would hand the recompute no boundaries: silently wrong grads)."""
     outer = attention.packed_rows(_rows([2, 2]), CPU)
     inner = attention.packed_rows(_rows([4]), CPU)
     seen = []
@@ -57,14 +60,14 @@ def test_boundaries_hold_inside_the_block_only_and_per_thread():
         with attention.rows_of(inner):
             assert attention._state.rows is inner
         assert attention._state.rows is outer
-        t = threading.Thread(target=lambda: seen.append(getattr(attention._state, "rows", None)))
+        t = threading.Thread(target=lambda: seen.append(attention._state.rows))
         t.start()
         t.join()
         with pytest.raises(RuntimeError):
             with attention.rows_of(inner):
                 raise RuntimeError("a failed step")
         assert attention._state.rows is outer  # restored on the way out of a failure too
-    assert attention._state.rows is None and seen == [None]
+    assert attention._state.rows is None and seen == [outer]
 
 
 @pytest.mark.parametrize("backend", ["flash_attention_4", "flash_attention_2"])
@@ -145,3 +148,39 @@ def test_packed_rows_through_dskits_function_match_the_masked_model(monkeypatch,
         crossing = model(input_ids=ids, position_ids=torch.from_numpy(pos)).logits  # no boundaries held
     torch.testing.assert_close(flash, masked, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(crossing, masked, rtol=1e-4, atol=1e-4)
+
+
+def test_checkpointed_backward_on_another_thread_gets_the_masked_models_gradients(monkeypatch):
+    """As on a GPU: the loss's backward runs on a thread other than the forward's (the autograd
+    engine's device thread), and activation checkpointing recomputes attention there. Inside the
+    micro-step's `rows_of` block the recompute attends within the same samples, so the gradients equal
+    the dense-mask model's."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from dskit import catalog
+
+    monkeypatch.setattr(attention, "_kernels", lambda b: _reference_kernels(False))
+    cfg = catalog.model("tiny-v2").config
+    pos = _rows([20, 30, 14], [40, 24])
+    ids = torch.randint(0, cfg["vocab_size"], pos.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads(backend: str | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, "sdpa"))
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        if backend:
+            model.set_attn_implementation(attention.register(backend))
+        with attention.rows_of(attention.packed_rows(pos, CPU) if backend else None):
+            loss = model(input_ids=ids, position_ids=torch.from_numpy(pos), labels=ids).loss
+            t = threading.Thread(target=loss.backward)
+            t.start()
+            t.join()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    masked, flash = grads(None), grads("flash_attention_4")
+    assert masked.keys() == flash.keys() and len(masked) > 10
+    for name in masked:
+        torch.testing.assert_close(flash[name], masked[name], rtol=1e-4, atol=1e-5, msg=name)

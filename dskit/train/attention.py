@@ -15,7 +15,8 @@ per-sample position ids. FA2 (sm80/86/89) is not measured: no such GPU is lent.
 Packed rows: the kernels need each sample's cumulative start (`cu_seqlens`) and the longest sample. The
 training loop derives them on the host from the batch's position ids (`packed_rows`, no GPU sync) and
 holds them for the micro-step's forward *and* backward (`rows_of`): activation checkpointing re-runs the
-attention forward inside the backward, and it must attend within the same samples. They travel beside
+attention forward inside the backward, on the autograd engine's device thread, and it must attend
+within the same samples. They travel beside
 the model call, not through it, because the attention blocks are torch.compile'd with static shapes
 (dskit/train/compile.py): a cu_seqlens argument whose length changes with every batch would recompile
 them each step. The kernel call itself is opaque to the compiler (`torch.compiler.disable`).
@@ -23,7 +24,6 @@ them each step. The kernel call itself is opaque to the compiler (`torch.compile
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,7 +48,15 @@ class PackedRows:
     samples: int
 
 
-_state = threading.local()
+class _Held:
+    """The rows of the micro-step in flight, process-wide on purpose: not thread-local, because the
+    autograd engine runs a CUDA backward (and so activation checkpointing's recompute of attention) on
+    its own per-device worker thread, which must see the same samples as the forward did."""
+
+    rows: PackedRows | None = None
+
+
+_state = _Held()
 
 
 def packed_rows(position_ids: np.ndarray | None, device: torch.device) -> PackedRows | None:
@@ -69,7 +77,7 @@ def packed_rows(position_ids: np.ndarray | None, device: torch.device) -> Packed
 @contextmanager
 def rows_of(rows: PackedRows | None) -> Iterator[None]:
     """Attention inside this block (a micro-step's forward and backward) stays within `rows`' samples."""
-    prev = getattr(_state, "rows", None)
+    prev = _state.rows
     _state.rows = rows
     try:
         yield
@@ -96,7 +104,7 @@ def _flash(
     dv = v.shape[-1]
     if pads_v and dv != q.shape[-1]:
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
-    rows: PackedRows | None = getattr(_state, "rows", None)
+    rows = _state.rows
     if rows is None:
         out = plain(q, k, v, softmax_scale=scale, causal=True)
     else:
