@@ -80,11 +80,14 @@ def prepare(work: Path) -> Path:
     return shards
 
 
-def variants(shards: Path, backends: list[str]) -> dict[str, list[str]]:
+def variants(shards: Path, backends: list[str], checkpointing: bool = False) -> dict[str, list[str]]:
     chat = [f"data.path={shards}", "data.packing=pack"]
     out = {}
     for b in backends:
-        pin = [f"overrides.attention={b}"]
+        # checkpointing: attention is recomputed in the backward, on the autograd engine's device thread
+        pin = [f"overrides.attention={b}"] + (
+            ["overrides.activation_checkpointing=1"] if checkpointing else []
+        )
         out[f"plain text, {b}"] = [*GB16, *pin]
         out[f"chat packed, {b}"] = [*GB16, *pin, *chat]
     return out
@@ -100,6 +103,7 @@ def main() -> None:
         help="comma-separated overrides.attention values",
     )
     ap.add_argument("--only", help="run only variants whose name contains this text")
+    ap.add_argument("--checkpointing", action="store_true", help="every layer checkpointed (recomputed)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="chat-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -121,7 +125,7 @@ def main() -> None:
         meta["torch"] = torch.__version__
     except Exception as e:  # the table still says where it ran
         meta["gpu"] = f"unknown ({e})"
-    for name, sets in variants(shards, args.backends.split(",")).items():
+    for name, sets in variants(shards, args.backends.split(","), args.checkpointing).items():
         if args.only and args.only not in name:
             continue
         row = run_dskit(name, sets, {}, work / "runs", 1)

@@ -30,24 +30,30 @@ class Check:
     detail: str
 
 
-def _version(mod: str, dist: str | None = None) -> str | None:
-    """`mod`'s version (its __version__, else the version of the distribution `dist` that installs it),
-    None if it is absent, or the import error of a broken install."""
-    try:
-        if importlib.util.find_spec(mod) is None:
-            return None
-    except ModuleNotFoundError:  # a dotted module whose parent package is absent
+def _version(mod: str) -> str | None:
+    """`mod`'s __version__, None if it is absent, or the import error of a broken install."""
+    if importlib.util.find_spec(mod) is None:
         return None
     try:
-        found = getattr(importlib.import_module(mod), "__version__", None)
+        return getattr(importlib.import_module(mod), "__version__", "unknown")
     except Exception as e:  # a broken install (ABI mismatch: "undefined symbol") is exactly what we report
         return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
-    if found is None and dist:
-        try:
-            found = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None  # a namespace only (flash-attn-4 provides flash_attn/cute, not flash_attn itself)
-    return found or "unknown"
+
+
+def _distribution_import(dist: str, mod: str) -> str | None:
+    """The version of distribution `dist` if it is installed and its module `mod` imports; None if
+    `dist` is absent; the import error otherwise. By distribution, not by module: flash-attn 2.8.3 ships
+    an old `flash_attn/cute` of its own (which cannot import without FA4's dependencies), and
+    flash-attn-4 leaves `flash_attn` a bare namespace, so neither module says which is installed."""
+    try:
+        version = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    try:
+        importlib.import_module(mod)
+    except Exception as e:
+        return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
+    return version
 
 
 @contextlib.contextmanager
@@ -191,13 +197,12 @@ def _nccl(host: _Host) -> list[Check]:
 
 
 def _flash_attn(host: _Host) -> list[Check]:
-    """The FlashAttention build the image says it carries (DSKIT_IMAGE_FLASH_ATTN: fa2, fa4 or none)
-    imports; the other is reported only if present. FA4's `flash_attn.cute` has no __version__: its
-    distribution's version is reported."""
+    """The FlashAttention the image says it carries (DSKIT_IMAGE_FLASH_ATTN: fa2, fa4 or none) is
+    installed and imports; the other is reported, and fails only if it is installed but broken."""
     fa_expected = os.environ.get("DSKIT_IMAGE_FLASH_ATTN", "")
     checks = []
     for mod, gen, dist in (("flash_attn", "fa2", "flash-attn"), ("flash_attn.cute", "fa4", "flash-attn-4")):
-        v = _version(mod, dist)
+        v = _distribution_import(dist, mod)
         expected = fa_expected == gen
         if v is None:
             checks.append(
@@ -208,7 +213,7 @@ def _flash_attn(host: _Host) -> list[Check]:
                 )
             )
         else:
-            checks.append(Check(mod, FAIL if v.startswith("IMPORT ERROR") else PASS, v))
+            checks.append(Check(mod, FAIL if v.startswith("IMPORT ERROR") else PASS, f"{dist} {v}"))
     return checks
 
 

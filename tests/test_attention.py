@@ -6,6 +6,7 @@ logits tests/test_data.py holds equal to each sample run alone."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -88,6 +89,26 @@ def test_the_function_refuses_what_training_never_passes():
         fn(None, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout"):
         fn(None, q, q, q, None, dropout=0.1)
+
+
+def test_kernels_are_found_by_distribution_not_by_module(tmp_path, monkeypatch):
+    """flash-attn 2.8.3 bundles an old `flash_attn/cute` that needs FA4's dependencies: an image with
+    FA2 alone must read as lacking FlashAttention-4 (a fallback with a warning), not as having it (an
+    ImportError at the first forward)."""
+    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
+    (tmp_path / "flash_attn" / "__init__.py").write_text('__version__ = "2.8.3"\n')
+    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("raise ModuleNotFoundError('cuda')\n")
+    info = tmp_path / "flash_attn-2.8.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-attn\nVersion: 2.8.3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert attention.kernels_missing("flash_attention_4") == "`flash-attn-4` is not installed"
+    assert attention.kernels_missing("flash_attention_2") is None
+    (tmp_path / "flash_attn" / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+    sys.modules.pop("flash_attn", None)
+    assert "does not import (undefined symbol" in attention.kernels_missing("flash_attention_2")
 
 
 def test_off_cuda_the_trainer_says_it_falls_back():
@@ -175,9 +196,19 @@ def test_checkpointed_backward_on_another_thread_gets_the_masked_models_gradient
             model.set_attn_implementation(attention.register(backend))
         with attention.rows_of(attention.packed_rows(pos, CPU) if backend else None):
             loss = model(input_ids=ids, position_ids=torch.from_numpy(pos), labels=ids).loss
-            t = threading.Thread(target=loss.backward)
+            failed = []
+
+            def backward() -> None:
+                try:
+                    loss.backward()
+                except BaseException as e:  # re-raised below: a thread's exception would be lost
+                    failed.append(e)
+
+            t = threading.Thread(target=backward)
             t.start()
             t.join()
+            if failed:
+                raise failed[0]
         return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     masked, flash = grads(None), grads("flash_attention_4")

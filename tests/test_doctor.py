@@ -67,20 +67,73 @@ def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monke
     assert _triton_toolchain(required=True).status == PASS
 
 
+def _installed(site, dist: str, version: str, files: dict[str, str]) -> None:
+    """A distribution laid out as pip installs it: its files and its dist-info."""
+    for rel, text in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
+    info = site / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+
+
+#: flash-attn-4 4.0.0b36's `flash_attn/cute/__init__.py` as shipped (its version lookup names a
+#: distribution "fa4" that does not exist, so it says 0.0.0); `interface` stands in for the kernels
+FA4_INIT = """from importlib.metadata import PackageNotFoundError, version
+try:
+    __version__ = version("fa4")
+except PackageNotFoundError:
+    __version__ = "0.0.0"
+from .interface import flash_attn_func, flash_attn_varlen_func
+"""
+#: flash-attn 2.8.3 ships an old `flash_attn/cute` too, which needs FA4's dependencies to import
+FA2_CUTE = "raise ModuleNotFoundError(\"No module named 'cuda'\")\n"
+
+
+def _flash_checks(env: dict) -> dict[str, dict]:
+    r = dskit("doctor", "--build", "--json", env=env)
+    return {c["name"]: c for c in json.loads(r.stdout)}
+
+
 def test_the_hopper_image_is_checked_for_flash_attention_4(tmp_path):
-    """flash-attn-4 installs `flash_attn/cute` and no `flash_attn/__init__.py`: `flash_attn` is then a
-    bare namespace, which must not read as FlashAttention-2, and the check names the FA4 release
-    (from its distribution: `flash_attn.cute` has no __version__). The layout is the wheel's own,
-    module bodies empty; without it the promised FA4 fails the check."""
+    """Found by its distribution, not its module: flash-attn-4 leaves `flash_attn` a bare namespace,
+    which must not read as FlashAttention-2, and its own __version__ says 0.0.0."""
     promised = {"DSKIT_GPU_PROFILE": "h100-80gb", "DSKIT_IMAGE_FLASH_ATTN": "fa4"}
-    status = {c["name"]: c for c in json.loads(dskit("doctor", "--build", "--json", env=promised).stdout)}
+    status = _flash_checks(promised)
     assert status["flash_attn.cute"]["status"] == "FAIL" and status["flash_attn"]["status"] == "PASS"
-    (tmp_path / "flash_attn" / "cute").mkdir(parents=True)
-    (tmp_path / "flash_attn" / "cute" / "__init__.py").write_text("")
-    dist = tmp_path / "flash_attn_4-4.0.0b36.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: flash-attn-4\nVersion: 4.0.0b36\n")
-    r = dskit("doctor", "--build", "--json", env={**promised, "PYTHONPATH": str(tmp_path)})
-    status = {c["name"]: c for c in json.loads(r.stdout)}
-    assert (status["flash_attn.cute"]["status"], status["flash_attn.cute"]["detail"]) == ("PASS", "4.0.0b36")
+    fn = "def flash_attn_func(): pass\ndef flash_attn_varlen_func(): pass\n"
+    _installed(
+        tmp_path,
+        "flash-attn-4",
+        "4.0.0b36",
+        {"flash_attn/cute/__init__.py": FA4_INIT, "flash_attn/cute/interface.py": fn},
+    )
+    status = _flash_checks({**promised, "PYTHONPATH": str(tmp_path)})
+    assert (status["flash_attn.cute"]["status"], status["flash_attn.cute"]["detail"]) == (
+        "PASS",
+        "flash-attn-4 4.0.0b36",
+    )
     assert status["flash_attn"]["detail"] == "not installed (not needed here)"
+
+
+def test_flash_attention_2s_own_cute_copy_does_not_fail_an_ampere_image(tmp_path):
+    """The sm80/86/89 images' build runs `dskit doctor --build`: FA2's bundled `flash_attn/cute`,
+    which cannot import there, is not FlashAttention-4 and must not fail the build."""
+    _installed(
+        tmp_path,
+        "flash-attn",
+        "2.8.3",
+        {"flash_attn/__init__.py": '__version__ = "2.8.3"\n', "flash_attn/cute/__init__.py": FA2_CUTE},
+    )
+    env = {"DSKIT_GPU_PROFILE": "a100-80gb", "DSKIT_IMAGE_FLASH_ATTN": "fa2", "PYTHONPATH": str(tmp_path)}
+    status = _flash_checks(env)
+    assert (status["flash_attn"]["status"], status["flash_attn"]["detail"]) == ("PASS", "flash-attn 2.8.3")
+    assert status["flash_attn.cute"] == {
+        "name": "flash_attn.cute",
+        "status": "PASS",
+        "detail": "not installed (not needed here)",
+    }
+    # a broken FA2 (an ABI mismatch at import) is a failed check, not a doctor traceback
+    (tmp_path / "flash_attn" / "__init__.py").write_text('raise ImportError("undefined symbol: _ZN3c10")\n')
+    status = _flash_checks(env)
+    assert status["flash_attn"]["status"] == "FAIL" and "undefined symbol" in status["flash_attn"]["detail"]

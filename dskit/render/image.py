@@ -64,7 +64,8 @@ def flash_attn_version(gpu: catalog.GPU, tc: dict) -> str | None:
     if gpu.flash_attn == "fa2":
         return tc["flash_attn"]
     if gpu.flash_attn == "fa4" and tc["flash_attn_4"]:
-        return tc["flash_attn_4"]["flash-attn-4[cu13]"]
+        versions = {req.split("[")[0]: v for req, v in tc["flash_attn_4"].items()}
+        return versions["flash-attn-4"]  # the lock's own entry, whatever extra it names
     return None
 
 

@@ -24,6 +24,8 @@ them each step. The kernel call itself is opaque to the compiler (`torch.compile
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,8 +37,27 @@ import torch
 #: transformers treats any such name as its own FlashAttention integration (it would try to import a
 #: kernel by that name, and pad V to 192 in DeepSeek's attention).
 REGISTERED = {"flash_attention_4": "dskit_fa4", "flash_attention_2": "dskit_fa2"}
-#: the module each backend's kernels come from (FA4 is the CuTe-DSL build inside flash-attn-4)
-KERNEL_MODULE = {"flash_attention_4": "flash_attn.cute", "flash_attention_2": "flash_attn"}
+#: (distribution, module) of each backend's kernels: FA4 is the CuTe-DSL build in flash-attn-4.
+#: By distribution, since the modules do not tell: flash-attn 2.8.3 bundles an old `flash_attn/cute`
+#: of its own that cannot import without FA4's dependencies.
+KERNELS = {
+    "flash_attention_4": ("flash-attn-4", "flash_attn.cute"),
+    "flash_attention_2": ("flash-attn", "flash_attn"),
+}
+
+
+def kernels_missing(backend: str) -> str | None:
+    """Why `backend`'s kernels cannot run here, or None: the distribution is installed and imports."""
+    dist, module = KERNELS[backend]
+    try:
+        importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return f"`{dist}` is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # an ABI mismatch ("undefined symbol") or a missing dependency
+        return f"`{module}` does not import ({str(e).splitlines()[0][:200]})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -154,17 +175,13 @@ def _attention_function(backend: str):
 FUNCTIONS = {backend: _attention_function(backend) for backend in REGISTERED}
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """The mask function for these backends: samples are confined by cu_seqlens, never by a dense mask."""
-    return None
-
-
 def register(backend: str) -> str:
     """Make `backend`'s function a transformers attention implementation (idempotent); returns its name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
+    # No mask function is registered for the name: transformers then builds no mask at all for it
+    # (masking_utils.py `_preprocess_mask_arguments`), where a registered one would still scan the
+    # position ids for packed samples on every forward, a device-to-host sync.
     name = REGISTERED[backend]
     AttentionInterface.register(name, FUNCTIONS[backend])
-    AttentionMaskInterface.register(name, _no_mask)
     return name

@@ -9,7 +9,6 @@ on sm80/86/89 (V padded to 192, the output cropped), plain SDPA elsewhere; docs/
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import random
 import zlib
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from dskit.errors import SpecError
-from dskit.train.attention import KERNEL_MODULE
+from dskit.train.attention import KERNELS, kernels_missing
 
 log = logging.getLogger("dskit.train")
 
@@ -45,24 +44,17 @@ def hf_config(cfg: dict[str, Any], attention: str):
     return config
 
 
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except ModuleNotFoundError:  # the parent package itself is absent
-        return True
-
-
 def resolve_attention(planned: str, device: torch.device) -> tuple[str, str]:
     """(backend to use, reason). Falls back only where the planned kernel is missing, and says so."""
     if device.type != "cuda":
         if planned not in ("sdpa", "eager"):
             return "sdpa", f"planned {planned} needs a CUDA device; using sdpa on {device.type}"
         return planned, f"{planned} as planned"
-    if planned in KERNEL_MODULE:
-        mod = KERNEL_MODULE[planned]
-        if _missing(mod):
+    if planned in KERNELS:
+        missing = kernels_missing(planned)
+        if missing:
             return "sdpa_cudnn" if torch.cuda.get_device_capability(device)[0] >= 9 else "sdpa", (
-                f"WARNING: planned {planned} but `{mod}` is not importable in this image; rebuild with "
+                f"WARNING: planned {planned} but {missing} in this image; rebuild with "
                 "`dskit render image` for this GPU"
             )
     return planned, f"{planned} as planned"
