@@ -290,14 +290,16 @@ def test_bad_input_fails_the_job_without_a_requeue(cluster, tmp_path):
 
 
 def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
-    """Two 1-minute links: Slurm signals each 40 s before its limit; each checkpoints and ends cleanly,
-    and the second resumes where the first stopped."""
+    """Two 2-minute links: Slurm signals each 40 s before its limit; each checkpoints and ends cleanly,
+    and the second resumes where the first stopped. Not 1-minute links: sbatch(1) says the signal "may
+    be sent up to 60 seconds earlier than specified", and a 1-minute link once got USR1 35 ms after it
+    started, before its script could trap it (the job died of the signal, no output)."""
     rd = render(
         tmp_path,
         "chain",
         steps=5000,
         every=1000,
-        extra=["slurm.time=0:01:00", "slurm.grace_seconds=40"],
+        extra=["slurm.time=0:02:00", "slurm.grace_seconds=40"],
         flags=["--chain", "2"],
     )
     jobs = submit(rd, cluster, tmp_path)
@@ -305,7 +307,7 @@ def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
     states = [cluster.wait(j, 400) for j in jobs]
     outs = [output(tmp_path, "chain", j) for j in jobs]
     for st, out in zip(states, outs, strict=True):
-        assert st["JobState"] == "COMPLETED", out[-3000:]  # ended by our checkpoint, not by TIMEOUT
+        assert st["JobState"] == "COMPLETED", (st, out[-3000:])  # ended by our checkpoint, not by TIMEOUT
         assert "USR1 received" in out and "the next link of the chain continues" in out
     stopped = int(outs[0].split("stopped at step ")[1].split()[0])
     assert f"step{stopped:08d}" in outs[1].split("resumed from ")[1].split()[0]
