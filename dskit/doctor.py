@@ -7,7 +7,6 @@ crashing. `--build` is the image's smoke test: nothing there may need a GPU or a
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -18,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dskit.contract import REQUIRED, Env
+from dskit.flash_kernels import KERNELS, probe
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GIB = 2**30
@@ -38,22 +38,6 @@ def _version(mod: str) -> str | None:
         return getattr(importlib.import_module(mod), "__version__", "unknown")
     except Exception as e:  # a broken install (ABI mismatch: "undefined symbol") is exactly what we report
         return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
-
-
-def _distribution_import(dist: str, mod: str) -> str | None:
-    """The version of distribution `dist` if it is installed and its module `mod` imports; None if
-    `dist` is absent; the import error otherwise. By distribution, not by module: flash-attn 2.8.3 ships
-    an old `flash_attn/cute` of its own (which cannot import without FA4's dependencies), and
-    flash-attn-4 leaves `flash_attn` a bare namespace, so neither module says which is installed."""
-    try:
-        version = importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    try:
-        importlib.import_module(mod)
-    except Exception as e:
-        return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
-    return version
 
 
 @contextlib.contextmanager
@@ -201,10 +185,11 @@ def _flash_attn(host: _Host) -> list[Check]:
     installed and imports; the other is reported, and fails only if it is installed but broken."""
     fa_expected = os.environ.get("DSKIT_IMAGE_FLASH_ATTN", "")
     checks = []
-    for mod, gen, dist in (("flash_attn", "fa2", "flash-attn"), ("flash_attn.cute", "fa4", "flash-attn-4")):
-        v = _distribution_import(dist, mod)
+    for gen, backend in (("fa2", "flash_attention_2"), ("fa4", "flash_attention_4")):
+        dist, mod = KERNELS[backend]
+        version, error = probe(backend)
         expected = fa_expected == gen
-        if v is None:
+        if version is None:
             checks.append(
                 Check(
                     mod,
@@ -213,7 +198,9 @@ def _flash_attn(host: _Host) -> list[Check]:
                 )
             )
         else:
-            checks.append(Check(mod, FAIL if v.startswith("IMPORT ERROR") else PASS, f"{dist} {v}"))
+            checks.append(
+                Check(mod, FAIL, f"IMPORT ERROR: {error}") if error else Check(mod, PASS, f"{dist} {version}")
+            )
     return checks
 
 

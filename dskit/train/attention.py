@@ -24,8 +24,6 @@ them each step. The kernel call itself is opaque to the compiler (`torch.compile
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,31 +31,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dskit.flash_kernels import KERNELS, probe
+
 #: the transformers attention implementation each plan backend becomes. No "flash" in the names:
 #: transformers treats any such name as its own FlashAttention integration (it would try to import a
 #: kernel by that name, and pad V to 192 in DeepSeek's attention).
 REGISTERED = {"flash_attention_4": "dskit_fa4", "flash_attention_2": "dskit_fa2"}
-#: (distribution, module) of each backend's kernels: FA4 is the CuTe-DSL build in flash-attn-4.
-#: By distribution, since the modules do not tell: flash-attn 2.8.3 bundles an old `flash_attn/cute`
-#: of its own that cannot import without FA4's dependencies.
-KERNELS = {
-    "flash_attention_4": ("flash-attn-4", "flash_attn.cute"),
-    "flash_attention_2": ("flash-attn", "flash_attn"),
-}
 
 
 def kernels_missing(backend: str) -> str | None:
-    """Why `backend`'s kernels cannot run here, or None: the distribution is installed and imports."""
+    """Why `backend`'s kernels cannot run here, or None: its distribution is installed and imports."""
+    version, error = probe(backend)
     dist, module = KERNELS[backend]
-    try:
-        importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
+    if version is None:
         return f"`{dist}` is not installed"
-    try:
-        importlib.import_module(module)
-    except Exception as e:  # an ABI mismatch ("undefined symbol") or a missing dependency
-        return f"`{module}` does not import ({str(e).splitlines()[0][:200]})"
-    return None
+    return f"`{module}` does not import ({error})" if error else None
 
 
 @dataclass(frozen=True)

@@ -341,8 +341,8 @@ class Evaluator:
 
 def _to_device(b, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(input_ids, labels, extra model kwargs). Packed chat rows carry position ids that restart at
-        each sample: RoPE takes them, and attention is confined to each sample by them (transformers' dense
-    mask for SDPA, `rows_of`'s cu_seqlens for FlashAttention-4)."""
+    each sample: RoPE takes them, and attention is confined to each sample by them (transformers' dense
+    mask for SDPA and eager, `rows_of`'s cu_seqlens for FlashAttention)."""
     inputs = torch.from_numpy(b.input_ids).to(device, non_blocking=True)
     labels = torch.from_numpy(b.labels).to(device, non_blocking=True)
     extra = {} if b.position_ids is None else {"position_ids": torch.from_numpy(b.position_ids).to(device)}

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from dskit.errors import SpecError
-from dskit.train.attention import KERNELS, kernels_missing
+from dskit.flash_kernels import KERNELS
+from dskit.train.attention import kernels_missing
 
 log = logging.getLogger("dskit.train")
 
@@ -36,7 +37,7 @@ def hf_config(cfg: dict[str, Any], attention: str):
     c = dict(cfg)
     model_type = c.pop("model_type")
     config = AutoConfig.for_model(model_type, **c)
-    if attention in ("flash_attention_2", "flash_attention_4"):
+    if attention in KERNELS:
         from dskit.train.attention import register
 
         attention = register(attention)  # dskit's own: packed rows at any micro-batch (attention.py)
