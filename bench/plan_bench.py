@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import runs  # noqa: E402  (bench/runs.py, beside this script)
 
+_L4 = ["model.num_layers=4", "training.seq_len=4096", "training.global_batch=16"]
 # name -> (spec sets, GPUs). A and B: the first fit; C: held out from it, then fitted with A; D: held out.
 CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
     "A": {
@@ -57,6 +58,36 @@ CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
         "L5 s8192 gb4": (["model.num_layers=5", "training.seq_len=8192", "training.global_batch=4"], 1),
         "L4 s4096 gb32 x2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=32"], 2),
         "L6 s2048 gb32 x2": (["model.num_layers=6", "training.seq_len=2048", "training.global_batch=32"], 2),
+    },
+    # issue 28: LoRA on the full 27 layers (the plan counts frozen weights without gradients or states)
+    "LORA": {
+        "L27 s4096 gb32 lora": (
+            ["finetune.method=lora", "training.seq_len=4096", "training.global_batch=32"],
+            1,
+        ),
+        "L27 s4096 gb8 lora": (
+            ["finetune.method=lora", "training.seq_len=4096", "training.global_batch=8"],
+            1,
+        ),
+    },
+    # what a frozen base keeps for backward and costs to recompute: the same shapes with and without
+    # checkpointing
+    "LORA-CAL": {
+        "L4 s4096 gb16 lora": (["finetune.method=lora", *_L4], 1),
+        "L4 s4096 gb16 lora ckpt1": (
+            ["finetune.method=lora", *_L4, "overrides.activation_checkpointing=1"],
+            1,
+        ),
+        "L4 s4096 gb16 full ckpt1": ([*_L4, "overrides.activation_checkpointing=1"], 1),
+        "L12 s4096 gb8 lora": (
+            [
+                "finetune.method=lora",
+                "model.num_layers=12",
+                "training.seq_len=4096",
+                "training.global_batch=8",
+            ],
+            1,
+        ),
     },
 }
 COMMON = ["training.steps=10", "training.log_every=1", "checkpoint.every=1000", "checkpoint.final=false"]

@@ -98,6 +98,11 @@ NUMERICS: dict[str, tuple[list[str], dict]] = {
     "50 steps, plain (eager, full logits)": (PLAIN, {}),
     "50 steps, default, repeat": (S50, {}),
     "50 steps, plain, repeat": (PLAIN, {}),
+    # issue 31 made FlashAttention-4 the Hopper default: the plain path with the attention before it
+    "50 steps, plain with cuDNN attention (eager, full logits, sdpa_cudnn)": (
+        [*PLAIN, "overrides.attention=sdpa_cudnn"],
+        {},
+    ),
     # issue 26: each ZeRO stage the planner may pick, against ZeRO-3 (the same first weights since the
     # seeded init; 1 GPU: stage 1 and 2 differ only in when gradients are reduced)
     "50 steps, ZeRO-3 pinned": ([*S50, "overrides.zero_stage=3"], {}),

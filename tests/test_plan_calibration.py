@@ -11,11 +11,14 @@ fails in CI (no GPU needed, nothing outside the repository read):
   as a plan choice: their picks are now ZeRO-2 and were measured for the reference shape only, so they
   stay in the prediction test. The 2-GPU configurations were all eager: re-measuring their picks needs
   the 2-GPU kind (issue "Multi-GPU validation").
+- LoRA runs (`h200-lora-*.json`, `bench/plan_bench.py --set LORA` / `LORA-CAL`) are held to the same
+  bounds; their picks are checked where more than one candidate of a configuration was measured.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,6 +31,7 @@ RESULTS = sorted((REPO / "bench" / "results").glob("h200*-planner-*.json"))
 
 BENCH = bench_module("plan_bench")
 ROWS = BENCH.load_rows(RESULTS)
+LORA_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-lora-*.json")))
 
 
 def _id(r: dict) -> str:
@@ -46,7 +50,15 @@ def test_the_measurements_cover_the_issue():
     assert sum(compiled.count(c) >= 3 for c in set(compiled)) >= 2
 
 
-@pytest.mark.parametrize("row", ROWS, ids=_id)
+def test_the_lora_measurements_cover_full_depth_and_checkpointing():
+    """Issue 28's full-depth V2-Lite on one H200, uncheckpointed and checkpointed, beside shallower ones."""
+    lora = [r for r in LORA_ROWS if "finetune.method=lora" in r["sets"]]
+    assert len(lora) >= 6 and {r["config"].split()[0] for r in lora} >= {"L4", "L12", "L27"}
+    ckpt = {BENCH.forced_overrides(r)[3] for r in lora}
+    assert {"overrides.activation_checkpointing=0", "overrides.activation_checkpointing=1"} <= ckpt
+
+
+@pytest.mark.parametrize("row", ROWS + LORA_ROWS, ids=_id)
 def test_prediction_matches_measurement(row):
     predicted, summary = BENCH.repredict(row)
     m = row["measured"]
@@ -54,11 +66,15 @@ def test_prediction_matches_measurement(row):
     assert predicted["tokens_per_s_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"], rel=0.15), summary
 
 
+_LORA_COMPARED = {k for k, n in Counter(map(BENCH.config_key, LORA_ROWS)).items() if n > 1}
+
+
 @pytest.mark.parametrize(
-    "config", sorted({BENCH.config_key(r) for r in ROWS if BENCH.config_key(r) != r["config"]})
+    "config",
+    sorted({BENCH.config_key(r) for r in ROWS if BENCH.config_key(r) != r["config"]} | _LORA_COMPARED),
 )
 def test_the_pick_is_the_fastest_measured(config):
-    rows = [r for r in ROWS if BENCH.config_key(r) == config]
+    rows = [r for r in ROWS + LORA_ROWS if BENCH.config_key(r) == config]
     pick = BENCH.planner_pick(rows[0])
     fastest = BENCH.fastest_fitting(rows)
     picked = [r for r in rows if BENCH.forced_overrides(r) == pick]

@@ -88,6 +88,8 @@ class Tuning:
     other_bytes: float  # bytes per other frozen parameter (averaged: fp8 linears, bf16 embedding/norms)
     largest_layer_trainable: int  # a decoder layer's trainable parameters (ZeRO-3 gradient buckets)
     activation_bytes: tuple[int, ...]  # per token, per decoder layer: what the adapters keep for backward
+    # per token, per decoder layer: what its frozen GEMMs do not keep while the layer waits for backward
+    frozen_unkept: tuple[int, ...]
     dequant_bytes: int  # fp8: one dequantised bf16 weight alive at a time (largest linear); 0 for bf16
 
     @property
@@ -129,6 +131,25 @@ def _fp8_linear_params(cfg: dict[str, Any], c: ModelCounts) -> int:
     return L * attn + dense + shared
 
 
+def _frozen_unkept(cfg: dict[str, Any], targets: list[str], *, dense: bool) -> int:
+    """Activation bytes per token that a stored layer's frozen routed experts do not keep: a GEMM saves
+    its input only for its weight's gradient, so a frozen expert drops its dispatched input (h per
+    routed copy) and the SwiGLU product that feeds w2; and of the three moe_intermediate-wide tensors
+    per copy that full training's count holds, AutoEP's fused SwiGLU on GPUs keeps two, gate and up
+    (DeepSpeed's Triton swiglu recomputes the SiLU; in full training that surplus sits inside the fitted
+    ACTIVATION_SLACK). The combine's inputs stay: the router's weights still need a gradient through
+    the hidden state that the adapters below train. Attention, shared experts and a dense MLP are
+    counted whole: a frozen dense MLP's saving did not show on the runs whose dense layer was stored.
+    Only a stored layer saves this: the peak of a recomputed layer's backward holds gradient
+    temporaries of the same size. Measured on one H200 (bench/results/h200-lora-cal-2026-12-02.json,
+    h200-lora-2026-12-02.json, h200-lora-pick-2026-12-02.json): with this the plan is within -5..+4%
+    of peak reserved on every LoRA run, which it overestimated by up to 44% counted as full training;
+    counted on recomputed layers too, it fell 16% short on a checkpointed one."""
+    if dense or "routed_experts" in targets:
+        return 0
+    return BF16_BYTES * cfg["num_experts_per_tok"] * (cfg["hidden_size"] + 2 * cfg["moe_intermediate_size"])
+
+
 def tuning(
     cfg: dict[str, Any], c: ModelCounts, *, targets: list[str], r: int, dropout: float, base_precision: str
 ) -> Tuning:
@@ -144,9 +165,10 @@ def tuning(
     other_bytes = (FP8_BYTES * fp8_params + BF16_BYTES * (frozen_other - fp8_params)) / frozen_other
     # per token: B's input (the r-wide output of A) for every adapted linear; with dropout, A's input
     # is the dropped copy of x (bf16) and its mask (1 byte) rather than the x the base linear keeps anyway
-    act = tuple(sum(2 * r + (3 * i if dropout else 0) for i, _ in lin) for lin in per_layer)
+    kept = [sum(2 * r + (3 * i if dropout else 0) for i, _ in lin) for lin in per_layer]
     shared = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
     dense = cfg["intermediate_size"] if c.dense_layers else 0
+    unkept = tuple(_frozen_unkept(cfg, targets, dense=i < c.dense_layers) for i in range(L))
     largest_linear = max([i * o for i, o in _attention_linears(cfg)] + [h * dense, h * shared])
     return Tuning(
         adapters=sum(adapters),
@@ -156,7 +178,8 @@ def tuning(
         expert_bytes=FP8_BYTES if fp8 else BF16_BYTES,
         other_bytes=other_bytes,
         largest_layer_trainable=max(a + b for a, b in zip(adapters, routers, strict=True)),
-        activation_bytes=act,
+        activation_bytes=tuple(kept),
+        frozen_unkept=unkept,
         dequant_bytes=BF16_BYTES * largest_linear if fp8 else 0,
     )
 

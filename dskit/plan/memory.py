@@ -280,10 +280,12 @@ def estimate(
         - (compiled_saving_per_token_layer(cfg, dense=i < dense_layers) if compiled else 0)
         for i in range(L)
     ]
+    unkept = [0.0] * L
     if tuning is not None:  # what the adapters keep, scaled like the eager layers' own activations
         per_layer = [
             a + ACTIVATION_SLACK * x for a, x in zip(per_layer, tuning.activation_bytes, strict=True)
         ]
+        unkept = [ACTIVATION_SLACK * x for x in tuning.frozen_unkept]
     # The trainer checkpoints layers 0, N, 2N, ... (model.py): those keep only their bf16 input (plus the
     # final hidden state) and are recomputed one at a time in backward, when the layers after them have
     # freed theirs; every other layer keeps all its activations until its own backward. The peak is the
@@ -291,11 +293,11 @@ def estimate(
     ckpt = [bool(ckpt_every) and i % ckpt_every == 0 for i in range(L)]
     kept = ACTIVATION_SLACK * (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
     stored = peak = 0.0
-    for a, recomputed in zip(per_layer, ckpt, strict=True):
+    for a, recomputed, frozen in zip(per_layer, ckpt, unkept, strict=True):
         if recomputed:
             peak = max(peak, stored + a)
         else:
-            stored += a
+            stored += a - frozen
     act = (kept + max(peak, stored)) * tokens
     logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(

@@ -90,6 +90,18 @@ GPU_LAYER_PASS_UNHOOKED_S = GPU_LAYER_PASS_S
 #: 0.124-0.133 s per step (bench/results/h200-small-batch-fused-2026-12-01.json, h200-vs-torchtitan-2026-12-01b.json)
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0080
 
+#: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
+#: trainable one: dskit/plan/lora.py) take this much longer than GEMM_EFFICIENCY says (each adapted
+#: linear adds memory-bound passes over its input and output: A's input read again, B's output scaled
+#: and added, their gradients; the frozen GEMMs' input-gradient-only backward), and a layer pass this
+#: fraction of GPU_LAYER_PASS_S (no weight gradients to copy into ZeRO's buckets). Fitted to the worst
+#: relative error over the six LoRA runs on one H200 (4, 12 and 27 layers, micro-batch 8-32, with and
+#: without checkpointing: bench/results/h200-lora-cal-2026-12-02.json, h200-lora-2026-12-02.json):
+#: 9.2% (with neither factor the plan was 9-27% fast); held out, the pick they lead to (27 layers,
+#: micro-batch 4, no checkpointing: h200-lora-pick-2026-12-02.json) came within 1.1%
+LORA_COMPUTE_FACTOR = 1.34
+LORA_LAYER_PASS_FACTOR = 0.4
+
 # ---- first principles, cited ----
 #: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
 #: stream (DeepSpeed overlap_comm); not separable from SYNC_LAYER_PASS_S on 2 GPUs: half is the middle
@@ -243,6 +255,9 @@ def predict(
         else HOST_LAYER_PASS_UNHOOKED_S
     )
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
+    if tuning is not None:
+        compute *= LORA_COMPUTE_FACTOR
+        gpu_pass *= LORA_LAYER_PASS_FACTOR
     return StepTime(
         compute_s=grad_accum * compute,
         layer_gpu_s=grad_accum * gpu_pass * passes,
