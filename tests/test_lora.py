@@ -278,3 +278,23 @@ def test_routed_adapters_do_not_depend_on_the_ep_size(runs, tmp_path):
         "overrides.ep_size: checkpoint" in log.read_text()
         and "written with ep size 2, this run has 1" in log.read_text()
     )
+
+
+def test_routed_adapters_train_alike_with_every_layer_checkpointed(runs, tmp_path):
+    """ZeRO-3 re-gathers the experts, their delta's A and B, in a recomputed layer's forward: the
+    checkpointed run's losses are the plain one's."""
+    case = "tiny-v2-routed"
+    rd, base = runs[case]
+    extra = [
+        f"model.path={base}",
+        "finetune.method=lora",
+        *CASES[case][1],
+        "overrides.activation_checkpointing=1",
+    ]
+    again = render_tiny(tmp_path, None, steps=STEPS, extra=extra)
+    assert "activation_checkpointing: 1" in (again / "run.yaml").read_text()
+    assert run(again, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
+    got, want = losses(again), losses(rd)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in got:
+        assert got[s] == pytest.approx(want[s], rel=RESUME_RTOL), (s, got[s], want[s])

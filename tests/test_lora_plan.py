@@ -171,6 +171,12 @@ def test_routed_adapters_are_counted_per_expert_and_sharded_by_ep():
     )
     assert p.finetune.routed_adapter_params == p.finetune.adapter_params == want
     assert p.finetune.target_modules is None  # nothing for peft: the trainer attaches them after AutoEP
+    r = dskit(
+        "plan", "--model", "deepseek-v2-lite", "--gpu", "h200-141gb", "--gpus-per-node", "1",
+        "--set", "finetune.method=lora", "--set", "finetune.lora.targets=[routed_experts]", "--explain",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "routed experts: 0.276 B adapters" in r.stdout and "routed weight-gradient GEMMs" in r.stdout
 
 
 def test_fp8_base_needs_lora(tmp_path):
