@@ -198,4 +198,18 @@ def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:
         f"{plan.model.flops_per_token / 1e9:.2f} GFLOP/token (4 x active base: no weight-gradient GEMMs for "
         "frozen weights; 6 x trainable; attention)"
         + (f"; fp8 dequantised weight {t.dequant_bytes / 2**30:.2f} GiB" if t.dequant_bytes else ""),
+        *_routed_terms(plan, t),
+    ]
+
+
+def _routed_terms(plan: Plan, t: Tuning) -> list[str]:
+    """The routed experts' adapters (dskit/train/routed_lora.py): their count, and what their weight delta costs."""
+    if not t.routed_adapters:
+        return []
+    ep = plan.parallel.ep_size
+    return [
+        f"  routed experts: {t.routed_adapters / 1e9:.3f} B adapters (r (3 h + 3 I) per expert, all experts; "
+        f"{t.routed_adapters / ep / 1e9:.4f} B per rank at EP {ep}), applied as W + alpha/r B A: "
+        f"+{2 * t.active_routed / 1e9:.2f} GFLOP/token for the routed weight-gradient GEMMs; each MoE layer "
+        f"not checkpointed holds its local W_eff, {t.routed_delta_bytes / ep / 2**30:.3f} GiB, for backward"
     ]

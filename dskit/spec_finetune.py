@@ -21,12 +21,6 @@ LORA_TARGETS = ("attention", "shared_experts", "dense_mlp", "router", "routed_ex
 #: at r 16 against 15.7 B frozen), and they are plain nn.Linear layers that peft wraps in place
 #: (docs/planner.md "LoRA").
 DEFAULT_LORA_TARGETS = ("attention", "shared_experts")
-#: targets the trainer cannot adapt yet: AutoEP repacks routed experts into its own grouped-GEMM
-#: module, which drops peft's wrappers (docs/planner.md "LoRA")
-UNSUPPORTED_TARGETS = {
-    "routed_experts": "not supported yet: AutoEP repacks the routed experts into grouped GEMMs, which "
-    "drops peft's adapters; use attention, shared_experts, dense_mlp or router",
-}
 
 
 class LoraSpec(_Section):
@@ -44,7 +38,8 @@ class LoraSpec(_Section):
         default_factory=lambda: list(DEFAULT_LORA_TARGETS),
         description="What gets adapters: attention (q/kv/o projections), shared_experts, dense_mlp (the first "
         "dense layers' MLP), router (trained fully: it is E x hidden per layer, not a linear to adapt), "
-        "routed_experts (not supported yet). Default: attention and shared_experts, which every token uses.",
+        "routed_experts (an adapter per expert on gate, up and down, applied as a weight delta under AutoEP; "
+        "needs dropout 0). Default: attention and shared_experts, which every token uses.",
     )
 
     @field_validator("targets")
@@ -55,11 +50,20 @@ class LoraSpec(_Section):
         for t in v:
             if t not in LORA_TARGETS:
                 raise ValueError(f"{t!r} is not a target; {one_of(LORA_TARGETS)}")
-            if t in UNSUPPORTED_TARGETS:
-                raise ValueError(f"{t} is {UNSUPPORTED_TARGETS[t]}")
         if len(set(v)) != len(v):
             raise ValueError("names a target twice")
         return v
+
+    @model_validator(mode="after")
+    def _no_dropout_on_routed(self) -> LoraSpec:
+        # peft's dropout acts on an adapter's input; routed experts are adapted through their weight
+        # (dskit/train/routed_lora.py), which sees no input (peft's ParamWrapper refuses it too)
+        if self.dropout and "routed_experts" in self.targets:
+            raise ValueError(
+                f"dropout {self.dropout:g} cannot apply to routed_experts (adapted as a weight delta, which "
+                "sees no input): set finetune.lora.dropout=0 or drop routed_experts from targets"
+            )
+        return self
 
 
 class FinetuneSpec(_Section):

@@ -125,7 +125,6 @@ BAD = {
     "finetune.lora.r=0": "finetune.lora.r: Input should be greater than or equal to 1",
     "finetune.lora.targets=[attention, mlp]": "finetune.lora.targets: 'mlp' is not a target; one of: attention, "
     "shared_experts, dense_mlp, router, routed_experts",
-    "finetune.lora.targets=[routed_experts]": "finetune.lora.targets: routed_experts is not supported yet",
     "finetune.lora.dropout=1": "finetune.lora.dropout: Input should be less than 1",
 }
 
@@ -136,6 +135,48 @@ def test_bad_lora_values_are_one_line_and_exit_2(tmp_path, bad):
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith(f"dskit: error: {BAD[bad]}"), r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_dropout_on_the_routed_experts_is_one_line_and_exit_2(tmp_path):
+    """A weight delta sees no input to drop (dskit/train/routed_lora.py): refused before anything is written."""
+    sets = [
+        "finetune.method=lora",
+        "finetune.lora.dropout=0.1",
+        "finetune.lora.targets=[attention, routed_experts]",
+    ]
+    r = dskit("render", "slurm", "-o", str(tmp_path / "out"), *(a for s in sets for a in ("--set", s)))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("dskit: error: finetune.lora: dropout 0.1 cannot apply to routed_experts"), (
+        r.stderr
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_routed_adapters_are_counted_per_expert_and_sharded_by_ep():
+    """r (in + out) per expert and projection, every expert of every MoE layer; a rank holds 1/ep under
+    ZeRO-1/2, and the routed weight-gradient GEMMs are in the step's FLOPs."""
+    cfg = catalog.model("deepseek-v2-lite").config
+    c = counts(cfg, 4096)
+    kw = {"r": 16, "dropout": 0.0, "base_precision": "bf16"}
+    base = lora.tuning(cfg, c, targets=["attention"], **kw)
+    routed = lora.tuning(cfg, c, targets=["attention", "routed_experts"], **kw)
+    h, inter, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    want = c.moe_layers * E * 16 * 3 * (h + inter)
+    assert routed.routed_adapters == want and routed.adapters == base.adapters + want
+    assert routed.trainable_local(8) == pytest.approx(base.trainable + want / 8)
+    active = c.moe_layers * cfg["num_experts_per_tok"] * 3 * h * inter
+    assert routed.flops_per_token(c) - base.flops_per_token(c) == pytest.approx(2 * active)
+    p = _plan(
+        "deepseek-v2-lite", "h200-141gb", 8, "finetune.method=lora", "finetune.lora.targets=[routed_experts]"
+    )
+    assert p.finetune.routed_adapter_params == p.finetune.adapter_params == want
+    assert p.finetune.target_modules is None  # nothing for peft: the trainer attaches them after AutoEP
+    r = dskit(
+        "plan", "--model", "deepseek-v2-lite", "--gpu", "h200-141gb", "--gpus-per-node", "1",
+        "--set", "finetune.method=lora", "--set", "finetune.lora.targets=[routed_experts]", "--explain",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "routed experts: 0.276 B adapters" in r.stdout and "routed weight-gradient GEMMs" in r.stdout
 
 
 def test_fp8_base_needs_lora(tmp_path):

@@ -7,8 +7,14 @@ trainer's cannot drift apart.
 
 Counts (per decoder layer; h hidden, r rank): every adapted nn.Linear(in, out) adds A [r, in] and
 B [out, r], r * (in + out) parameters (Hu et al. 2021, LoRA). The router (`targets: router`) is trained
-whole, E x h per MoE layer: it is not an nn.Linear in transformers and it is tiny. Routed experts stay
-frozen (spec_finetune.UNSUPPORTED_TARGETS).
+whole, E x h per MoE layer: it is not an nn.Linear in transformers and it is tiny.
+
+Routed experts (`targets: routed_experts`, dskit/train/routed_lora.py): an adapter per expert and
+projection (gate, up, down), r * (in + out) each: 3 r (h + I) per expert, all E experts of every MoE layer counted (each rank holds 1/ep of them, as of the experts). They are applied
+as a weight delta W + (alpha / r) B A, which costs what a frozen expert saves: the weight-gradient
+GEMM (2 FLOPs per active routed weight per token) and, per micro-step, 6 r in out per local expert
+and projection to form B A and its gradients; and the bf16 W_eff of a layer's local experts is held
+for backward by every layer that is not checkpointed, its gradient while the layer's backward runs.
 
 FP8 (`base_precision: fp8`, DeepSeek-V3's format): every frozen linear weight is e4m3 (1 byte) plus one
 fp32 scale per 128 x 128 block (4 / 128^2 bytes per weight); the embedding, lm_head, norms and router
@@ -63,6 +69,12 @@ def _mlp_linears(h: int, inter: int) -> list[tuple[int, int]]:
     return [(h, inter), (h, inter), (inter, h)]
 
 
+def routed_adapters_per_layer(cfg: dict[str, Any], r: int) -> int:
+    """A MoE layer's routed adapters, all experts: gate and up (h -> I) and down (I -> h) per expert."""
+    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    return cfg["n_routed_experts"] * r * sum(i + o for i, o in _mlp_linears(h, inter))
+
+
 def adapted_linears(cfg: dict[str, Any], targets: list[str], layer: int) -> list[tuple[int, int]]:
     """(in, out) of every linear of decoder layer `layer` that gets an adapter."""
     h = cfg["hidden_size"]
@@ -80,7 +92,8 @@ def adapted_linears(cfg: dict[str, Any], targets: list[str], layer: int) -> list
 class Tuning:
     """What a LoRA run trains and holds: the memory and step-time models' inputs besides ModelCounts."""
 
-    adapters: int  # LoRA A and B parameters (all of them touched by every token)
+    adapters: int  # LoRA A and B parameters (the routed experts' among them)
+    routed_adapters: int  # of which on the routed experts: EP-sharded like the experts, applied as a delta
     router: int  # router weights trained whole (0 unless targeted)
     frozen_experts: int  # routed-expert parameters (frozen; AutoEP gives each rank 1/ep of them)
     frozen_other: int  # every other frozen parameter
@@ -91,6 +104,8 @@ class Tuning:
     # per token, per decoder layer: what its frozen GEMMs do not keep while the layer waits for backward
     frozen_unkept: tuple[int, ...]
     dequant_bytes: int  # fp8: one dequantised bf16 weight alive at a time (largest linear); 0 for bf16
+    active_routed: int = 0  # routed-expert weights a token passes through when they carry a delta (else 0)
+    routed_delta_bytes: int = 0  # bf16 bytes of one MoE layer's W_eff, all experts (a rank holds 1/ep)
 
     @property
     def trainable(self) -> int:
@@ -100,6 +115,10 @@ class Tuning:
     def frozen(self) -> int:
         return self.frozen_experts + self.frozen_other
 
+    def trainable_local(self, ep_size: int) -> float:
+        """Trainable parameters a rank holds whole (ZeRO-1/2): all but the routed adapters, 1/ep of those."""
+        return self.trainable - self.routed_adapters + self.routed_adapters / ep_size
+
     def frozen_weight_bytes(self, ep_size: int) -> float:
         """Frozen bytes a rank holds whole (ZeRO-1/2): the non-expert base and 1/ep of the experts."""
         return self.other_bytes * self.frozen_other + self.expert_bytes * self.frozen_experts / ep_size
@@ -107,13 +126,17 @@ class Tuning:
     def flops_per_token(self, c: ModelCounts) -> float:
         """Training FLOPs per token: forward 2 and input-gradient 2 per active base weight, no weight-
         gradient GEMM for the frozen ones (the 2/3 of a full backward that remains); 6 per trainable one
-        (adapters and router); attention's score/value FLOPs as in full training."""
-        return 4 * c.active + 6 * self.trainable_active(c) + c.attn_flops_per_token
+        (adapters and router); attention's score/value FLOPs as in full training. Routed experts with a
+        delta run their weight-gradient GEMM again (2 per active routed weight); forming B A per
+        micro-step (6 r in out per local expert and projection) depends on the tokens per micro-step
+        and is left out: for DeepSeek-V3 at r 16, EP 8 and 4096 tokens it is ~1 % of the step."""
+        return 4 * c.active + 2 * self.active_routed + 6 * self.trainable_active(c) + c.attn_flops_per_token
 
     def trainable_active(self, c: ModelCounts) -> int:
-        """Trainable parameters touched per token: every adapter, and every router weight (scoring
-        reads all E rows)."""
-        return self.adapters + self.router
+        """Trainable parameters touched per token: every adapter but the routed ones (those enter
+        through the weight, counted in `active_routed`), and every router weight (scoring reads all E
+        rows)."""
+        return self.adapters - self.routed_adapters + self.router
 
     def forward_share(self, c: ModelCounts) -> float:
         """Share of a step's FLOPs that a recomputed forward repeats (a third in full training)."""
@@ -155,7 +178,10 @@ def tuning(
 ) -> Tuning:
     L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
     per_layer = [adapted_linears(cfg, targets, i) for i in range(L)]
-    adapters = [r * sum(i + o for i, o in lin) for lin in per_layer]
+    routed = routed_adapters_per_layer(cfg, r) if "routed_experts" in targets else 0
+    adapters = [
+        r * sum(i + o for i, o in lin) + routed * (i >= c.dense_layers) for i, lin in enumerate(per_layer)
+    ]
     router_per_layer = cfg["n_routed_experts"] * h if "router" in targets else 0
     routers = [router_per_layer * (i >= c.dense_layers) for i in range(L)]
     experts = c.experts_per_layer * c.moe_layers
@@ -170,8 +196,13 @@ def tuning(
     dense = cfg["intermediate_size"] if c.dense_layers else 0
     unkept = tuple(_frozen_unkept(cfg, targets, dense=i < c.dense_layers) for i in range(L))
     largest_linear = max([i * o for i, o in _attention_linears(cfg)] + [h * dense, h * shared])
+    routed_on = routed > 0
+    active_experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"] * c.moe_layers
     return Tuning(
         adapters=sum(adapters),
+        routed_adapters=routed * c.moe_layers,
+        active_routed=active_experts if routed_on else 0,
+        routed_delta_bytes=BF16_BYTES * c.experts_per_layer if routed_on else 0,
         router=sum(routers),
         frozen_experts=experts,
         frozen_other=frozen_other,
@@ -206,9 +237,10 @@ def plan_finetune(
         alpha=lo.alpha,
         dropout=lo.dropout,
         targets=list(lo.targets),
-        target_modules=target_modules(lo.targets) if t.adapters else None,
+        target_modules=target_modules(lo.targets) if t.adapters > t.routed_adapters else None,
         whole_params=ROUTER_PARAM if "router" in lo.targets else None,
         adapter_params=t.adapters,
+        routed_adapter_params=t.routed_adapters,
         trainable_params=t.trainable,
         frozen_params=t.frozen,
     )

@@ -201,10 +201,12 @@ def lora_states(
         # two gathered layers; gradient buckets of the trainable parameters only
         working = 2 * layer_bytes + 2 * BF16_BYTES * t.largest_layer_trainable
     else:
-        grads = BF16_BYTES * (T if zero_stage == 1 else T / world)
-        states = t.frozen_weight_bytes(ep_size) + BF16_BYTES * T + grads + 12 * T / world
-        working = 2 * BF16_BYTES * min(REDUCE_BUCKET_ELEMENTS, T)
-    return states, working + t.dequant_bytes
+        local = t.trainable_local(ep_size)  # the routed adapters, like the experts, 1/ep per rank
+        grads = BF16_BYTES * (local if zero_stage == 1 else T / world)
+        states = t.frozen_weight_bytes(ep_size) + BF16_BYTES * local + grads + 12 * T / world
+        working = 2 * BF16_BYTES * min(REDUCE_BUCKET_ELEMENTS, local)
+    # routed adapters' delta: the gradient of one layer's W_eff while that layer's backward runs
+    return states, working + t.dequant_bytes + t.routed_delta_bytes / ep_size
 
 
 def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
@@ -292,13 +294,17 @@ def estimate(
     # larger of the end of forward (all stored layers) and a recompute on top of the stored layers before it.
     ckpt = [bool(ckpt_every) and i % ckpt_every == 0 for i in range(L)]
     kept = ACTIVATION_SLACK * (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
+    # a MoE layer whose routed experts carry a LoRA delta also keeps its local experts' bf16 W_eff for
+    # backward (the expert GEMMs save their weight operand), whatever the token count
+    held = tuning.routed_delta_bytes / ep_size if tuning is not None else 0.0
     stored = peak = 0.0
-    for a, recomputed, frozen in zip(per_layer, ckpt, unkept, strict=True):
+    for i, (a, recomputed, frozen) in enumerate(zip(per_layer, ckpt, unkept, strict=True)):
+        a = a * tokens + held * (i >= dense_layers)
         if recomputed:
             peak = max(peak, stored + a)
         else:
-            stored += a - frozen
-    act = (kept + max(peak, stored)) * tokens
+            stored += a - frozen * tokens
+    act = kept * tokens + max(peak, stored)
     logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(
         states_gib=states / GIB,

@@ -50,7 +50,10 @@ class FinetunePlan(_Frozen):
     targets: list[str]
     target_modules: str | None  # the regex peft fullmatches module names against (None: no linear)
     whole_params: str | None  # regex of base parameter names trained whole (the router), None: none
-    adapter_params: int  # LoRA A + B parameters, as peft injects them
+    adapter_params: int  # LoRA A + B parameters: peft's and the routed experts' (all experts)
+    routed_adapter_params: int = (
+        0  # of which on the routed experts (dskit/train/routed_lora.py; 1/ep per rank)
+    )
     trainable_params: int  # adapters + router
     frozen_params: int
 

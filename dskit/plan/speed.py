@@ -306,15 +306,16 @@ def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tupl
     ranks (inside a node when ep <= per_node); the expert-data-parallel group strides by ep over all
     ranks, so it spans every node, as the dense group does. A LoRA run (`t`) still gathers every frozen
     weight per pass under ZeRO-3 (in the base's precision), but reduces only the trainable parameters
-    (all non-expert: the dense group)."""
+    (the dense group; routed-expert adapters the expert-data-parallel group)."""
     if t is None:
         dense = WIRE_BYTES * (c.total - c.experts_per_layer * c.moe_layers)
         experts = WIRE_BYTES * c.experts_per_layer * c.moe_layers / layout.ep_size
         return (dense, dense, layout.world), (experts, experts, layout.expert_dp)
-    trained = WIRE_BYTES * t.trainable
+    trained = WIRE_BYTES * (t.trainable - t.routed_adapters)
+    routed = WIRE_BYTES * t.routed_adapters / layout.ep_size  # reduced over the experts' own group
     return (
         (t.other_bytes * t.frozen_other + trained, trained, layout.world),
-        (t.expert_bytes * t.frozen_experts / layout.ep_size, 0.0, layout.expert_dp),
+        (t.expert_bytes * t.frozen_experts / layout.ep_size + routed, routed, layout.expert_dp),
     )
 
 

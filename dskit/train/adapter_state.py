@@ -5,12 +5,15 @@ routed experts (engine.py `_save_moe_checkpoint`: "does not support frozen exper
 and under ZeRO-1/2 its per-expert loop writes every expert weight whatever its requires_grad, i.e. the
 whole frozen base at every save. So each tag holds, beside dskit's own files (checkpoint.py):
 
-    adapter.safetensors   rank 0: every trainable parameter, gathered whole, by transformers name
+    adapter.safetensors   rank 0: every trainable parameter, gathered whole, by transformers name; the
+                          routed experts' adapters stacked by global expert index over the EP group
+                          (`model.layers.N.mlp.experts.w1.lora_A` [E, r, h]: dskit/train/routed_lora.py)
                           (`dskit export --adapter-only` and the merged export read it)
     zero-rank{R}.pt       each rank: its ZeRO optimizer partition (fp32 master weights, Adam moments),
                           as DeepSpeed's own files hold it (`engine.optimizer.state_dict()`)
 
-The frozen base is rebuilt at every start from what built it first (model.path, or the seeded
+The optimizer partitions follow the EP layout, so a resume needs the EP size the checkpoint was written
+with (checkpoint.py refuses another in one line, overrides.ep_size). The frozen base is rebuilt at every start from what built it first (model.path, or the seeded
 random init: dskit/train/model.py), so a resume reproduces the uninterrupted run.
 """
 
@@ -29,16 +32,25 @@ def _zero3(engine) -> bool:
 
 
 def gathered(engine) -> dict[str, torch.Tensor]:
-    """Every trainable parameter whole, on every rank (collective under ZeRO-3: each holds a shard)."""
+    """Every trainable parameter whole, on every rank (collective under ZeRO-3: each holds a shard; and
+    over the EP groups when the routed experts are adapted: each rank holds its experts' adapters,
+    which are stacked by global expert index, so the file does not depend on the EP size)."""
     import deepspeed
 
     from dskit.train.lora import trainable
+    from dskit.train.routed_lora import gather_experts, is_routed
 
     params = trainable(engine.module)
+
+    def whole() -> dict[str, torch.Tensor]:
+        out = {n: p.detach().clone() for n, p in params.items()}
+        out.update(gather_experts(engine, {n: t for n, t in out.items() if is_routed(n)}))
+        return {n: t.cpu() for n, t in out.items()}
+
     if not _zero3(engine):
-        return {n: p.detach().cpu().clone() for n, p in params.items()}
+        return whole()
     with deepspeed.zero.GatheredParameters(list(params.values())):
-        return {n: p.detach().cpu().clone() for n, p in params.items()}
+        return whole()
 
 
 class AdapterStates:
@@ -66,6 +78,7 @@ class AdapterStates:
         from safetensors.torch import load_file
 
         from dskit.train.lora import trainable
+        from dskit.train.routed_lora import is_routed, local_part
 
         d = root / tag
         state = torch.load(d / OPTIMIZER_FILE.format(rank=self.rank), weights_only=False, map_location="cpu")
@@ -76,7 +89,8 @@ class AdapterStates:
             saved = load_file(str(d / ADAPTER_FILE))
             with torch.no_grad():
                 for name, p in trainable(engine.module).items():
-                    p.copy_(saved[name].to(p.device, p.dtype))
+                    t = local_part(engine, name, saved[name]) if is_routed(name) else saved[name]
+                    p.copy_(t.to(p.device, p.dtype))
         # indexed by the data-parallel rank, every one of which is this rank's own file here
         engine.optimizer.load_state_dict(
             [state["optimizer"]] * self.world, load_optimizer_states=True, load_from_fp32_weights=True

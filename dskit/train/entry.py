@@ -222,7 +222,8 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         from dskit.train.lora import attach
 
         attach(model, plan.finetune, seed=plan.run.seed, dtype=torch_dtype(plan.parallel.precision))
-        # lazy: the engine reads it after AutoEP's replacements; frozen weights get no optimizer state
+        # lazy: the engine reads it after AutoEP's replacements (and the routed experts' adapters,
+        # attached then: _initialize); frozen weights get no optimizer state
         params = (p for p in model.parameters() if p.requires_grad)
     built = {
         "build_s": round(time.perf_counter() - t0, 2),
@@ -243,7 +244,8 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
 
 def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool):
     """deepspeed.initialize, with the plan's optimizer step (torch's fused AdamW inside ZeRO-1/2:
-    dskit/train/fused_step.py) and, for LoRA under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
+    dskit/train/fused_step.py) and, for LoRA, the routed experts' adapters attached right after AutoEP's
+    replacement (dskit/train/routed_lora.py) and, under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
     import deepspeed
 
     with contextlib.ExitStack() as stack:
@@ -251,6 +253,12 @@ def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool
             from dskit.train.lora import frozen_experts_allowed
 
             stack.enter_context(frozen_experts_allowed())
+        if plan.finetune is not None and plan.finetune.routed_adapter_params:
+            from dskit.train.model import torch_dtype
+            from dskit.train.routed_lora import after_autoep
+
+            dtype = torch_dtype(plan.parallel.precision)
+            stack.enter_context(after_autoep(plan.finetune, seed=plan.run.seed, dtype=dtype))
         if not (fused and plan.parallel.optimizer_step == "fused"):
             return deepspeed.initialize(model=model, model_parameters=params, config=ds_config)[0]
         from dskit.train import fused_step

@@ -11,7 +11,15 @@ for a router trained whole.
   as `target_parameters` (their 2-D weights, the same update W + alpha/r B A under the same keys), which
   that rewrite leaves alone; the attention projections stay `target_modules`. peft refuses dropout on
   parameter targets: such a config says lora_dropout 0 (dropout only acts in training). The router
-  is a `modules_to_save` entry.
+  is a `modules_to_save` entry. Routed experts (dskit/train/routed_lora.py: A [E, r, in] and B [E, out, r]
+  per expert for AutoEP's w1 gate, w3 up, w2 down) become `target_parameters` on transformers' fused
+  `mlp.experts.gate_up_proj` [E, 2I, h] and `mlp.experts.down_proj` [E, h, I], in peft's ParamWrapper
+  layout (peft/tuners/lora/layer.py: lora_A [E r, in] expert-major, lora_B [out, r E] rank-major, delta
+  of expert e = scaling B_e A_e). peft gives gate_up_proj one adapter per expert, gate and up sharing
+  its rank, while dskit trains them separately; the exact form is rank 2r with a block-diagonal B
+  (A = [A_gate; A_up], B = [[B_gate, 0], [0, B_up]]) and alpha 2 alpha, so the scaling stays alpha / r:
+  `rank_pattern` and `alpha_pattern` say so for `experts.gate_up_proj` alone (further training in
+  peft then updates the whole 2r block, which is a superset of what dskit trained).
 - merged: every tensor of the base, with alpha/r B A added to each adapted weight (in fp32, then the
   plan's precision) and the trained router in place, streamed shard by shard like a full export. The
   base comes from model.path's safetensors, read one tensor at a time; a run without model.path started
@@ -27,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dskit.errors import SpecError
+from dskit.train.routed_lora import CHECKPOINT_NAME, is_routed
 
 if TYPE_CHECKING:
     import torch
@@ -51,18 +60,30 @@ def trained(src: Path) -> dict[str, torch.Tensor]:
     return load_file(str(src / ADAPTER_FILE))
 
 
+#: peft's target_parameters for the routed experts, and where its nested ParamWrappers keep each one's
+#: A and B (peft wraps `experts` once per parameter: gate_up_proj inside, down_proj outside)
+ROUTED_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+_PEFT_ROUTED_KEY = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
+
+
 def adapter_config(f: FinetunePlan, adapted: list[str]) -> dict:
     """peft's LoraConfig for the adapted module names, as adapter_config.json holds it."""
     from peft import LoraConfig
 
     attention = sorted({m.rsplit(".", 1)[-1] for m in adapted if not _MLP_LINEAR.search(m)})
     params = sorted({".".join(m.split(".")[-2:]) + ".weight" for m in adapted if _MLP_LINEAR.search(m)})
+    routed = "routed_experts" in f.targets
+    if routed:
+        params += list(ROUTED_TARGETS)
     config = LoraConfig(
         r=f.r,
         lora_alpha=f.alpha,
         lora_dropout=0.0 if params else f.dropout,
         target_modules=attention or None,
         target_parameters=params or None,
+        # gate and up as one rank-2r adapter per expert (the module docstring)
+        rank_pattern={ROUTED_TARGETS[0]: 2 * f.r} if routed else {},
+        alpha_pattern={ROUTED_TARGETS[0]: 2 * f.alpha} if routed else {},
         modules_to_save=["mlp.gate"] if f.whole_params else None,
         bias="none",
     )
@@ -81,7 +102,11 @@ def write_adapter(work: Path, plan: Plan, src: Path) -> None:
     assert f is not None
     tensors = trained(src)
     out, adapted = {}, []
+    for name, t in peft_routed(tensors).items():
+        out[f"base_model.model.{name}"] = t.contiguous()
     for name, t in tensors.items():
+        if is_routed(name):
+            continue
         m = _ADAPTER.match(name)
         key = f"{m.group(1)}.lora_{m.group(2)}.weight" if m else name
         if m and m.group(2) == "A":
@@ -100,6 +125,45 @@ def write_adapter(work: Path, plan: Plan, src: Path) -> None:
     save_file(out, str(work / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
+def _routed(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """`model.layers.N.mlp` -> {"A1": [E, r, h], "B1": [E, I, r], ...}: the checkpoint's routed adapters."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        m = CHECKPOINT_NAME.match(name)
+        if m:
+            layer, proj, ab = m.groups()
+            out.setdefault(layer, {})[f"{ab}{proj[1]}"] = t.float()
+    return out
+
+
+def peft_routed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The routed adapters under peft's keys and in its ParamWrapper layout (the module docstring)."""
+    import torch
+
+    out = {}
+    for layer, w in _routed(tensors).items():
+        E, r = w["A1"].shape[:2]
+        inter = w["B1"].shape[1]
+        a = torch.cat([w["A1"], w["A3"]], dim=1)  # [E, 2r, h]: gate's rows, then up's
+        b = torch.zeros(E, 2 * inter, 2 * r)  # block-diagonal: gate's outputs read gate's rank only
+        b[:, :inter, :r], b[:, inter:, r:] = w["B1"], w["B3"]
+        for proj, (a_, b_) in {"gate_up_proj": (a, b), "down_proj": (w["A2"], w["B2"])}.items():
+            key = f"{layer}.{_PEFT_ROUTED_KEY[proj]}"
+            dtype = tensors[f"{layer}.experts.w1.lora_A"].dtype
+            out[f"{key}.lora_A.weight"] = a_.reshape(-1, a_.shape[-1]).to(dtype)  # [E R, in], expert-major
+            out[f"{key}.lora_B.weight"] = b_.permute(1, 2, 0).reshape(b_.shape[1], -1).to(dtype)  # [out, R E]
+    return out
+
+
+def _routed_delta(w: dict[str, torch.Tensor], proj: str, scale: float) -> torch.Tensor:
+    """scale * B A per expert in transformers' fused layout: gate_up_proj [E, 2I, h] or down_proj [E, h, I]."""
+    import torch
+
+    if proj == "down_proj":
+        return scale * torch.bmm(w["B2"], w["A2"])
+    return scale * torch.cat([torch.bmm(w["B1"], w["A1"]), torch.bmm(w["B3"], w["A3"])], dim=1)
+
+
 def merged_source(plan: Plan, src: Path) -> TensorOf:
     """name, shape, dtype -> the merged model's tensor (see the module docstring)."""
     import torch
@@ -109,6 +173,7 @@ def merged_source(plan: Plan, src: Path) -> TensorOf:
     tensors = trained(src)
     scale = f.alpha / f.r
     base = _base_source(plan)
+    routed = _routed(tensors)
 
     def tensor_of(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if name in tensors:  # trained whole (the router)
@@ -119,6 +184,11 @@ def merged_source(plan: Plan, src: Path) -> TensorOf:
         if a is not None:
             b = tensors[f"{module}.lora_B.default.weight"]
             t = t.float() + scale * (b.float() @ a.float())
+        fused = _FUSED.match(name)
+        if fused and fused.group(1).removesuffix(".experts") in routed:
+            t = t.float() + _routed_delta(
+                routed[fused.group(1).removesuffix(".experts")], fused.group(2), scale
+            )
         if tuple(t.shape) != shape:
             raise RuntimeError(f"{name}: the base has {tuple(t.shape)}, the model expects {shape}")
         keep = torch.float32 if name.endswith("e_score_correction_bias") else dtype

@@ -4,7 +4,8 @@
 transformers' (`model.layers.N.self_attn.q_proj.lora_A.default.weight`): AutoEP's preset regex
 (`model\\.layers\\.\\d+\\.mlp`) still finds the MoE blocks it replaces, and AutoEP keeps the shared
 experts' module object, adapters included. The PeftModel wrapper would prefix every name with
-`base_model.model.`. Which modules are adapted is the plan's decision (`FinetunePlan.target_modules`,
+`base_model.model.`. The routed experts are adapted after AutoEP's replacement instead
+(dskit/train/routed_lora.py). Which modules are adapted is the plan's decision (`FinetunePlan.target_modules`,
 dskit/plan/lora.py); the trainer checks that peft injected exactly the parameters the plan counted.
 """
 
@@ -62,16 +63,22 @@ def attach(model: torch.nn.Module, f: FinetunePlan, *, seed: int, dtype: torch.d
             adapters += p.numel()
         elif f.whole_params and re.fullmatch(f.whole_params, name):
             p.requires_grad_(True)
-    if adapters != f.adapter_params:
+    # the routed experts' adapters are attached later, once AutoEP has replaced the MoE blocks
+    # (dskit/train/routed_lora.py, which checks its own count)
+    peft_params = f.adapter_params - f.routed_adapter_params
+    if adapters != peft_params:
         raise RuntimeError(
-            f"peft injected {adapters} adapter parameters, the plan counted {f.adapter_params} "
+            f"peft injected {adapters} adapter parameters, the plan counted {peft_params} "
             f"(finetune.lora.targets {f.targets}): dskit/plan/lora.py and the model disagree"
         )
     log.info(
-        "LoRA r %d on %s: %d adapter parameters%s; the rest frozen",
+        "LoRA r %d on %s: %d adapter parameters from peft%s%s; the rest frozen",
         f.r,
         ", ".join(f.targets),
         adapters,
+        " (the routed experts' follow once AutoEP has replaced the MoE blocks)"
+        if f.routed_adapter_params
+        else "",
         ", router trained whole" if f.whole_params else "",
     )
 
@@ -120,8 +127,11 @@ def frozen_experts_allowed() -> Iterator[None]:
 
 
 def hf_name(name: str) -> str:
-    """A trainable parameter's transformers name (AutoEP renames the router)."""
-    return _AUTOEP_ROUTER.sub(".mlp.gate.", name)
+    """A trainable parameter's checkpoint name: transformers' (AutoEP renames the router), or for a
+    routed expert adapter `model.layers.N.mlp.experts.w1.lora_A` (dskit/train/routed_lora.py)."""
+    from dskit.train.routed_lora import checkpoint_name
+
+    return checkpoint_name(_AUTOEP_ROUTER.sub(".mlp.gate.", name))
 
 
 def trainable(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
