@@ -147,6 +147,8 @@ def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
         def read(name: str) -> torch.Tensor:
             if fmt is None or name not in fmt.weights:
                 return raw(name)
+            import torch
+
             from dskit.train.fp8 import dequantize_blocks
 
             # DeepSeek's rule, in float32 and rounded to bf16: the weight the trainer computed with
