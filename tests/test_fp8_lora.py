@@ -30,6 +30,8 @@ SETS = [
     # everything FP8 that peft can wrap (attention, shared experts, the dense layer) and the router
     "finetune.lora.targets=[attention, shared_experts, dense_mlp, router]",
     "overrides.zero_stage=2",  # both runs at the stage an FP8 base trains under
+    # layers 0 and 2 recomputed, 1 not: both MoE layers' ways of saving their experts for the backward
+    "overrides.activation_checkpointing=2",
     f"checkpoint.every={EVERY}",
     "checkpoint.keep=10",
 ]
@@ -64,7 +66,8 @@ def _construction(rd: Path) -> dict:
 
 @pytest.mark.train
 def test_base_precision_auto_is_fp8_on_the_fp8_checkpoint_only(runs):
-    assert load_plan(runs["fp8"] / "run.yaml").finetune.base_precision == "fp8"
+    plan = load_plan(runs["fp8"] / "run.yaml")
+    assert plan.finetune.base_precision == "fp8" and plan.parallel.activation_checkpointing == 2
     assert load_plan(runs["bf16"] / "run.yaml").finetune.base_precision == "bf16"
 
 
@@ -246,6 +249,43 @@ def test_routed_experts_keep_the_checkpoints_fp8_bytes_under_a_parametrization_a
     out = g(x, torch.tensor([2, 1, 0, 3]))
     out.float().sum().backward()
     assert lo.A.grad is not None and lo.A.grad.abs().sum() > 0
+
+
+def _fp8_and_bf16_experts(fp8: Path, local: int = 4):
+    from dskit.train.fp8_base import requantize_experts
+    from dskit.train.fp8_weights import open_shards
+
+    layer = "model.layers.1.mlp"
+    g, fmt = _grouped_experts_of_rank(fp8, layer, ep_rank=1, local=local)
+    ref, _ = _grouped_experts_of_rank(fp8, layer, ep_rank=1, local=local)
+    with open_shards(str(fp8)) as shards:
+        requantize_experts(
+            SimpleNamespace(experts=g, num_local_experts=local), layer, ep_rank=1, shards=shards, fmt=fmt
+        )
+    return g, ref
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_backward_keeps_the_experts_fp8_bytes_not_their_dequantised_weights(twins, checkpointed):
+    """Autograd saves no view of a dequantised expert weight (the largest saved tensor is an activation),
+    and the input gradient is the bf16 experts' own, also under torch's non-reentrant checkpointing
+    (whose saved-tensor hooks the experts' pair hands the activations to)."""
+    from torch.utils.checkpoint import checkpoint
+
+    g, ref = _fp8_and_bf16_experts(twins[0])
+    counts = torch.tensor([2, 1, 0, 3])
+    x = torch.randn(6, ref.w1.shape[2], dtype=torch.bfloat16)
+    grads, saved = [], []
+    for m in (g, ref):
+        xi = x.clone().requires_grad_()
+        record = (lambda t: (saved.append(t.untyped_storage().nbytes()), t)[1]) if m is g else (lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+            y = checkpoint(m, xi, counts, use_reentrant=False) if checkpointed else m(xi, counts)
+        y.float().square().sum().backward()
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1])
+    if not checkpointed:  # checkpointing saves only its inputs; without it, the activations alone
+        assert saved and max(saved) < ref.w1.numel() * 2, saved
 
 
 def test_expert_bytes_from_another_rank_are_refused(twins):

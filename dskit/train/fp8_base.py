@@ -110,6 +110,64 @@ class DequantizedBlocks(nn.Module):
         return dequantize_blocks(original, self.scale_inv, self.block, self.dtype)
 
 
+class _SavedFp8:
+    """What autograd keeps in place of a dequantised expert weight (or a view of it) saved for backward:
+    which weight, and the view's geometry. No tensor: the bf16 weight is rebuilt from FP8 when needed."""
+
+    __slots__ = ("attr", "size", "stride", "offset")
+
+    def __init__(self, attr: str, t: torch.Tensor) -> None:
+        self.attr, self.size, self.stride, self.offset = attr, t.size(), t.stride(), t.storage_offset()
+
+
+def save_experts_as_fp8(experts: nn.Module) -> None:
+    """Make `experts`' forward keep its FP8 bytes, not the dequantised weights, for the backward.
+
+    The grouped GEMMs save their weight operand (a view of the dequantised w1/w2/w3) for the input
+    gradient, which would keep every MoE layer's local experts in bf16 from its forward to its backward.
+    Around the forward, saved tensors that are views of the weights the parametrizations just returned
+    are packed as `_SavedFp8` and dequantised again when the backward unpacks them (once per weight and
+    backward). Every other saved tensor goes to the hooks already active (activation checkpointing's,
+    torch.utils.checkpoint: only the innermost pair of saved-tensor hooks applies, so this pair hands
+    them on), or is saved as autograd saves it. Only a weight whose sole parametrization is
+    `DequantizedBlocks` is packed: after a second one (LoRA on the experts) the saved operand is that
+    one's output, which this cannot rebuild."""
+    from torch.nn.utils import parametrize
+
+    inner = experts.forward
+
+    def rebuild(attr: str) -> torch.Tensor:
+        chain = experts.parametrizations[attr]
+        return chain[0](chain.original)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        attrs = [a for a in EXPERT_PROJ if len(experts.parametrizations[a]) == 1]
+        if not torch.is_grad_enabled() or not attrs:
+            return inner(*args, **kwargs)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with parametrize.cached():  # the forward reads each weight once: these very tensors
+            ours = {getattr(experts, a).untyped_storage().data_ptr(): a for a in attrs}
+            rebuilt: dict[str, torch.Tensor] = {}
+
+            def pack(t: torch.Tensor) -> Any:
+                attr = ours.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+                if attr is not None:
+                    return _SavedFp8(attr, t)
+                return outer[0](t) if outer else t
+
+            def unpack(saved: Any) -> torch.Tensor:
+                if isinstance(saved, _SavedFp8):
+                    if saved.attr not in rebuilt:  # the for-loop path saves one view per expert
+                        rebuilt[saved.attr] = rebuild(saved.attr)
+                    return rebuilt[saved.attr].as_strided(saved.size, saved.stride, saved.offset)
+                return outer[1](saved) if outer else saved
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return inner(*args, **kwargs)
+
+    experts.forward = forward
+
+
 def _expert_fp8(
     shards: dict[str, Any], fmt: Fp8Format, layer: str, proj: str, experts: range, device: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,6 +219,7 @@ def requantize_experts(
             experts, attr, DequantizedBlocks(s, fmt.block, old.dtype), unsafe=True
         )
         held += w.numel() * w.element_size() + s.numel() * s.element_size()
+    save_experts_as_fp8(experts)
     return held
 
 
