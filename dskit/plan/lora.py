@@ -29,6 +29,9 @@ from dskit.spec_finetune import FinetuneSpec
 FP8_BLOCK = 128
 FP8_BYTES = 1 + 4 / FP8_BLOCK**2  # e4m3 weight + its share of the block's fp32 scale_inv
 BF16_BYTES = 2
+#: dequantising one FP8 weight (dskit/train/fp8.py `dequantize_blocks`): two float32 copies (the padded
+#: blocks, the product) and the bf16 result, per weight element
+DEQUANT_PEAK_BYTES = 2 * 4 + BF16_BYTES
 
 # peft's target_modules as one regex (fullmatch on module names, before AutoEP replaces the MoE blocks:
 # the names are transformers'). A MoE layer's `mlp` has no gate_proj of its own (its `gate` is the
@@ -88,8 +91,10 @@ class Tuning:
     other_bytes: float  # bytes per other frozen parameter (averaged: fp8 linears, bf16 embedding/norms)
     largest_layer_trainable: int  # a decoder layer's trainable parameters (ZeRO-3 gradient buckets)
     activation_bytes: tuple[int, ...]  # per token, per decoder layer: what the adapters keep for backward
-    dequant_bytes: int  # fp8: one dequantised bf16 weight alive at a time (largest linear); 0 for bf16
-    expert_dequant_bytes: int = 0  # fp8: one MoE layer's routed experts dequantised to bf16 (all E; / ep)
+    dequant_bytes: int  # fp8: the largest linear being dequantised (fp32 blocks + bf16 result); 0 for bf16
+    # fp8: one MoE layer's routed experts being dequantised (all E; the trainer holds E / ep): w1, w2, w3
+    # in bf16, the last one also in its two float32 copies
+    expert_dequant_bytes: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -163,8 +168,8 @@ def tuning(
         other_bytes=other_bytes,
         largest_layer_trainable=max(a + b for a, b in zip(adapters, routers, strict=True)),
         activation_bytes=act,
-        dequant_bytes=BF16_BYTES * largest_linear if fp8 else 0,
-        expert_dequant_bytes=BF16_BYTES * c.experts_per_layer if fp8 else 0,
+        dequant_bytes=DEQUANT_PEAK_BYTES * largest_linear if fp8 else 0,
+        expert_dequant_bytes=int((BF16_BYTES + 8 / 3) * c.experts_per_layer) if fp8 else 0,
     )
 
 
