@@ -14,6 +14,8 @@ Construction (ZeRO-1/2 only: the plan refuses ZeRO-3, see below):
    as the original of a `torch.nn.utils.parametrize` parametrization that dequantises on access. It
    hooks AutoEP's per-layer replacement, so it runs after the replacement and before ZeRO builds the
    optimizer, one layer at a time (the bf16 copy of one layer's local experts is freed as it goes).
+   The experts' forward then saves references to those FP8 bytes for the backward instead of the
+   dequantised weights its GEMMs would keep (`save_experts_as_fp8`).
 
 Why peft's custom-module dispatch and not an nn.Linear subclass: peft 0.21.2's default dispatch takes
 any nn.Linear, but so does everything else that walks a model (transformers' weight init, peft's merge,
