@@ -339,3 +339,31 @@ def test_an_fp8_base_the_trainer_cannot_hold_is_one_line_exit_2_and_nothing_writ
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith(f"dskit: error: {want}"), r.stderr
     assert not out.exists()
+
+
+def test_the_trainer_refuses_an_fp8_base_under_zero3_in_one_line(tmp_path, twins):
+    """The plan never picks it; a run.yaml edited to ZeRO-3 afterwards stops at start, before any rank
+    builds anything (checked before the process group forms)."""
+    import yaml
+
+    from tests.test_train import rank0_alone
+
+    rd = _render(tmp_path, twins[0])
+    f = Path(rd) / "run.yaml"
+    plan = yaml.safe_load(f.read_text())
+    plan["deepspeed"]["zero_optimization"]["stage"] = 3
+    f.write_text(yaml.safe_dump(plan))
+    r = rank0_alone(f)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "dskit: error: overrides.zero_stage: 3 cannot hold an fp8 frozen base" in r.stderr, r.stderr
+    assert not Path(load_plan(f).run.output_dir).exists()
+
+
+@pytest.mark.train
+def test_zero1_trains_the_fp8_base_from_the_same_first_loss(tmp_path, twins, runs):
+    """The other stage an FP8 base trains under: gradients whole per rank, the same first step."""
+    rd = _render(tmp_path, twins[0], extra=("overrides.zero_stage=1",))
+    assert load_plan(rd / "run.yaml").deepspeed["zero_optimization"]["stage"] == 1
+    assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
+    got = losses(rd)
+    assert got[1] == pytest.approx(losses(runs["fp8"])[1], rel=1e-6) and len(got) == STEPS
