@@ -367,3 +367,24 @@ def test_zero1_trains_the_fp8_base_from_the_same_first_loss(tmp_path, twins, run
     assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
     got = losses(rd)
     assert got[1] == pytest.approx(losses(runs["fp8"])[1], rel=1e-6) and len(got) == STEPS
+
+
+@pytest.mark.train
+def test_zero3_partitions_a_float8_parameter_but_cannot_gather_it_on_gloo():
+    """Why an fp8 base is refused under ZeRO-3 (besides Fp8Linear's buffers, which it never partitions):
+    DeepSpeed 0.19.8 partitions a frozen float8 parameter (half of it per rank) but its all-gather
+    fails on gloo ("Invalid scalar type": no float8 collectives). If this starts passing the gather,
+    ZeRO-3 for an FP8 base is worth trying again."""
+    import subprocess
+    import sys
+
+    probe = Path(__file__).with_name("zero3_float8_probe.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(probe)]
+    r = subprocess.run(torchrun, capture_output=True, text=True, timeout=600)
+    seen = sorted(x for x in r.stdout.splitlines() if x.startswith("rank "))
+    assert seen == [
+        "rank 0 gather failed: Invalid scalar type",
+        "rank 0 partition torch.float8_e4m3fn 30000",
+        "rank 1 gather failed: Invalid scalar type",
+        "rank 1 partition torch.float8_e4m3fn 30000",
+    ], r.stdout[-2000:] + r.stderr[-2000:]

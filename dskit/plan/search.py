@@ -51,7 +51,7 @@ SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
 #: ZeRO stages searched (3 first: the path every plan took before stages 1 and 2)
 ZERO_STAGES = (3, 2, 1)
 #: the stages an FP8 frozen base trains under: its Fp8Linear buffers and FP8 expert originals are never
-#: partitioned by ZeRO-3 (buffers are whole on every rank; partitioned float8 parameters are untested)
+#: partitioned by ZeRO-3 (buffers are whole on every rank; float8 parameters it cannot gather on gloo)
 FP8_BASE_STAGES = (2, 1)
 #: optimizer offload searched: off, on (with ZeRO-3 only: `offload_with`)
 OFFLOADS = (False, True)
