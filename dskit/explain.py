@@ -197,7 +197,13 @@ def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:
         "gradient buckets and the optimizer's pass over T only; compute "
         f"{plan.model.flops_per_token / 1e9:.2f} GFLOP/token (4 x active base: no weight-gradient GEMMs for "
         "frozen weights; 6 x trainable; attention)"
-        + (f"; fp8 dequantised weight {t.dequant_bytes / 2**30:.2f} GiB" if t.dequant_bytes else ""),
+        + (
+            f"; fp8 dequantised in flight: largest linear {t.dequant_bytes / 2**30:.2f} GiB, one MoE layer's "
+            f"local experts {t.expert_dequant_bytes / plan.parallel.ep_size / 2**30:.2f} GiB; construction "
+            "builds the base whole in bf16 first (ZeRO-1/2 only)"
+            if t.fp8
+            else ""
+        ),
         *_routed_terms(plan, t),
     ]
 

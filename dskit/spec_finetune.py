@@ -72,10 +72,12 @@ class FinetuneSpec(_Section):
         description="full: every weight trains (BF16 weights, fp32 Adam states); lora: the base is frozen and "
         "only finetune.lora's adapters (and the router, if targeted) train and are checkpointed.",
     )
-    base_precision: Literal["bf16", "fp8"] = Field(
-        "bf16",
-        description="How the frozen base is held on the GPU (method lora): bf16, or fp8 as DeepSeek-V3 ships "
-        "it (e4m3 + fp32 scales per 128 x 128 block: 1 byte per weight). fp8 is planned, not yet trained.",
+    base_precision: Literal["auto", "bf16", "fp8"] = Field(
+        "auto",
+        description="How the frozen base is held on the device (method lora): bf16, or fp8 as DeepSeek-V3 ships "
+        "it (e4m3 + fp32 scales per 128 x 128 block: 1 byte per weight), read from model.path's FP8 checkpoint. "
+        "auto: fp8 when model.path holds DeepSeek-V3's FP8 format and method is lora, else bf16. A catalog "
+        "preset may set fp8 to plan it; training it needs the FP8 checkpoint at model.path.",
     )
     lora: LoraSpec = Field(default_factory=LoraSpec)
 

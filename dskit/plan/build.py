@@ -55,13 +55,13 @@ def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     gpu = catalog.gpu(spec.hardware.gpu)
     fabric = resolve_fabric(spec, gpu)
     model, model_counts = plan_model(spec)
-    finetune, tuning = plan_finetune(spec.finetune, model.config, model_counts)
+    finetune, tuning = plan_finetune(spec.finetune, model.config, model_counts, spec.model.path)
     if tuning is not None:  # a LoRA step's FLOPs: no weight-gradient GEMMs for the frozen base (MFU, speed)
         model = model.model_copy(update={"flops_per_token": tuning.flops_per_token(model_counts)})
-    if finetune is not None and finetune.base_precision == "fp8":
+    if finetune is not None and finetune.base_precision == "fp8" and not spec.model.path:
         warnings.append(
-            "finetune.base_precision=fp8 plans for sizing only: the trainer does not keep an FP8 base yet "
-            "(it refuses at start); this plan counts the frozen FP8 weights sharded like a BF16 base's"
+            "finetune.base_precision=fp8 on a catalog preset plans for sizing: the trainer reads the FP8 base "
+            "from model.path (DeepSeek-V3's format) and refuses to start without it"
         )
     precision = _precision(spec, gpu)
     hardware = plan_hardware(spec, gpu, precision)

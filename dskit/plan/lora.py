@@ -35,6 +35,9 @@ from dskit.spec_finetune import FinetuneSpec
 FP8_BLOCK = 128
 FP8_BYTES = 1 + 4 / FP8_BLOCK**2  # e4m3 weight + its share of the block's fp32 scale_inv
 BF16_BYTES = 2
+#: dequantising one FP8 weight (dskit/train/fp8.py `dequantize_blocks`): two float32 copies (the padded
+#: blocks, the product) and the bf16 result, per weight element
+DEQUANT_PEAK_BYTES = 2 * 4 + BF16_BYTES
 
 # peft's target_modules as one regex (fullmatch on module names, before AutoEP replaces the MoE blocks:
 # the names are transformers'). A MoE layer's `mlp` has no gate_proj of its own (its `gate` is the
@@ -103,9 +106,17 @@ class Tuning:
     activation_bytes: tuple[int, ...]  # per token, per decoder layer: what the adapters keep for backward
     # per token, per decoder layer: what its frozen GEMMs do not keep while the layer waits for backward
     frozen_unkept: tuple[int, ...]
-    dequant_bytes: int  # fp8: one dequantised bf16 weight alive at a time (largest linear); 0 for bf16
+    dequant_bytes: int  # fp8: the largest linear being dequantised (fp32 blocks + bf16 result); 0 for bf16
     active_routed: int = 0  # routed-expert weights a token passes through when they carry a delta (else 0)
     routed_delta_bytes: int = 0  # bf16 bytes of one MoE layer's W_eff, all experts (a rank holds 1/ep)
+    # fp8: one MoE layer's routed experts being dequantised (all E; the trainer holds E / ep): w1, w2, w3
+    # in bf16, the last one also in its two float32 copies
+    expert_dequant_bytes: int = 0
+
+    @property
+    def fp8(self) -> bool:
+        """The frozen base is held in FP8 (the trainer's ZeRO-1/2 path only: dskit/train/fp8_base.py)."""
+        return self.dequant_bytes > 0
 
     @property
     def trainable(self) -> int:
@@ -211,18 +222,46 @@ def tuning(
         largest_layer_trainable=max(a + b for a, b in zip(adapters, routers, strict=True)),
         activation_bytes=tuple(kept),
         frozen_unkept=unkept,
-        dequant_bytes=BF16_BYTES * largest_linear if fp8 else 0,
+        dequant_bytes=DEQUANT_PEAK_BYTES * largest_linear if fp8 else 0,
+        expert_dequant_bytes=int((BF16_BYTES + 8 / 3) * c.experts_per_layer) if fp8 else 0,
     )
 
 
+def no_fp8_checkpoint(path: str | None) -> SpecError:
+    """The one refusal of an fp8 base without DeepSeek-V3's FP8 checkpoint at model.path (plan and trainer)."""
+    where = f"{path} holds none" if path else "no model.path is set"
+    return SpecError(
+        "finetune.base_precision",
+        f"fp8 keeps model.path's FP8 weights as the frozen base, and {where} (DeepSeek-V3's format: e4m3 "
+        "weights with 128 x 128 weight_scale_inv); one of: auto, bf16 (or set model.path to the FP8 checkpoint)",
+    )
+
+
+def base_precision(f: FinetuneSpec, path: str | None) -> str:
+    """`finetune.base_precision` resolved: auto is fp8 where model.path holds DeepSeek-V3's FP8 format
+    and the base is frozen (LoRA), else bf16. fp8 from a checkpoint without FP8 weights is refused:
+    the trainer keeps the checkpoint's own FP8 bytes and does not quantise a bf16 base."""
+    from dskit.hf_checkpoint import fp8_format
+
+    fp8_checkpoint = path is not None and fp8_format(path) is not None
+    if f.base_precision == "auto":
+        return "fp8" if f.method == "lora" and fp8_checkpoint else "bf16"
+    if f.base_precision == "fp8" and path is not None and not fp8_checkpoint:
+        raise no_fp8_checkpoint(path)
+    return f.base_precision
+
+
 def plan_finetune(
-    f: FinetuneSpec, cfg: dict[str, Any], c: ModelCounts
+    f: FinetuneSpec, cfg: dict[str, Any], c: ModelCounts, path: str | None = None
 ) -> tuple[FinetunePlan | None, Tuning | None]:
-    """The plan's finetune section and the models' view of it; (None, None) for full fine-tuning."""
+    """The plan's finetune section and the models' view of it; (None, None) for full fine-tuning.
+    `path`: model.path, whose format decides `base_precision: auto`."""
     if f.method == "full":
+        base_precision(f, path)  # checks an explicit fp8 against the checkpoint
         return None, None
     lo = f.lora
-    t = tuning(cfg, c, targets=lo.targets, r=lo.r, dropout=lo.dropout, base_precision=f.base_precision)
+    precision = base_precision(f, path)
+    t = tuning(cfg, c, targets=lo.targets, r=lo.r, dropout=lo.dropout, base_precision=precision)
     if t.trainable == 0:  # e.g. dense_mlp alone on a model whose layers are all MoE
         raise SpecError(
             "finetune.lora.targets",
@@ -232,7 +271,7 @@ def plan_finetune(
         )
     plan = FinetunePlan(
         method="lora",
-        base_precision=f.base_precision,
+        base_precision=precision,
         r=lo.r,
         alpha=lo.alpha,
         dropout=lo.dropout,

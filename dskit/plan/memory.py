@@ -152,17 +152,21 @@ def construction(
 ) -> ConstructionEstimate:
     """ZeRO-1/2 build the whole 16-bit model on each GPU (dskit/train/model.py), then AutoEP copies one
     layer's local experts out of it at a time: the whole model is the "shard". A LoRA run (`tuning`)
-    builds the base in its precision and the adapters in bf16."""
+    builds the base in its precision and the adapters in bf16, except that an FP8 base (ZeRO-1/2 only)
+    is built whole in bf16 first, dequantised from model.path, and becomes FP8 only afterwards
+    (dskit/train/fp8_base.py): its construction peak is a bf16 base's."""
     if tuning is not None:
         t = tuning
         other = c.largest_module if c.largest_module > c.experts_per_layer else 0
         gathered = max(t.expert_bytes * c.experts_per_layer, BF16_BYTES * other)
         whole = t.expert_bytes * t.frozen_experts + t.other_bytes * t.frozen_other + BF16_BYTES * t.trainable
+        if t.fp8:  # built whole in bf16, then requantised from the checkpoint's bytes
+            whole = BF16_BYTES * (t.frozen + t.trainable)
         return ConstructionEstimate(
             shard_gib=whole / (1 if zero_stage != 3 else world) / GIB,
             # the largest module: one MoE layer's experts (in the base's precision), or a bf16 one larger
             gathered_gib=0.0 if zero_stage != 3 else gathered / GIB,
-            autoep_copy_gib=t.expert_bytes * c.experts_per_layer / ep_size / GIB,
+            autoep_copy_gib=(BF16_BYTES if t.fp8 else t.expert_bytes) * c.experts_per_layer / ep_size / GIB,
             overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
         )
     if zero_stage != 3:
@@ -205,8 +209,10 @@ def lora_states(
         grads = BF16_BYTES * (local if zero_stage == 1 else T / world)
         states = t.frozen_weight_bytes(ep_size) + BF16_BYTES * local + grads + 12 * T / world
         working = 2 * BF16_BYTES * min(REDUCE_BUCKET_ELEMENTS, local)
-    # routed adapters' delta: the gradient of one layer's W_eff while that layer's backward runs
-    return states, working + t.dequant_bytes + t.routed_delta_bytes / ep_size
+    # fp8: the largest linear dequantised for its GEMM, and one MoE layer's local experts dequantised by
+    # their parametrization (the forward's; the backward dequantises again); routed adapters' delta: the
+    # gradient of one layer's W_eff while that layer's backward runs
+    return states, working + t.dequant_bytes + (t.expert_dequant_bytes + t.routed_delta_bytes) / ep_size
 
 
 def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:

@@ -254,6 +254,17 @@ def _search(
     overrides pin dimensions of them, and the planner's own pick is still ranked, so a slower forced
     choice is named in a warning."""
     free = search.axes(shape, per_rank)
+    if (
+        o.zero_stage is not None
+        and o.zero_stage not in search.FP8_BASE_STAGES
+        and shape.tuning
+        and shape.tuning.fp8
+    ):
+        raise SpecError(
+            "overrides.zero_stage",
+            f"{o.zero_stage} cannot hold an fp8 frozen base (ZeRO-3 would keep its FP8 layers whole on every "
+            "rank, unpartitioned); one of: auto, 1, 2 (or finetune.base_precision bf16)",
+        )
     pinned, forced = _pinned(o, free)
     found = search.search(
         shape,

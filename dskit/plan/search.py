@@ -50,6 +50,9 @@ SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
 # ---- the candidates: each dimension in the fit order ----
 #: ZeRO stages searched (3 first: the path every plan took before stages 1 and 2)
 ZERO_STAGES = (3, 2, 1)
+#: the stages an FP8 frozen base trains under: its Fp8Linear buffers and FP8 expert originals are never
+#: partitioned by ZeRO-3 (buffers are whole on every rank; float8 parameters it cannot gather on gloo)
+FP8_BASE_STAGES = (2, 1)
 #: optimizer offload searched: off, on (with ZeRO-3 only: `offload_with`)
 OFFLOADS = (False, True)
 #: activation checkpointing searched: off, every 2nd layer, every layer (why not every 3rd and beyond:
@@ -146,12 +149,14 @@ def axes(shape: fit.Shape, per_rank: int) -> Axes:
     sizes and stages: there it takes the fit order's first of each, as it always has."""
     on_cpu = shape.gpu.is_cpu
     eps = ep_sizes(shape.cfg["n_routed_experts"], shape.world, shape.per_node)
+    # an FP8 base trains under ZeRO-1/2 only (docs/planner.md "LoRA"): its FP8 layers are not partitioned
+    stages = ZERO_STAGES if shape.tuning is None or not shape.tuning.fp8 else FP8_BASE_STAGES
     return Axes(
         offloads=OFFLOADS,
         eps=tuple(eps[:1] if on_cpu else eps),
         micro_batches=tuple(micro_batches(per_rank, on_cpu)),
         ckpts=CKPT_EVERY_CHOICES,
-        stages=ZERO_STAGES[:1] if on_cpu else ZERO_STAGES,
+        stages=stages[:1] if on_cpu else stages,
     )
 
 

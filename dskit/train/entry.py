@@ -47,10 +47,7 @@ def read_contract(*, launcher_env: bool = True):
         )
     plan = load_plan(run_file)
     if plan.finetune is not None and plan.finetune.base_precision == "fp8":
-        raise SpecError(
-            "finetune.base_precision",
-            "fp8 is planned but not yet supported by the trainer (no FP8 base loader yet); use bf16",
-        )
+        _check_fp8_base(plan)
     profile = os.environ.get(Env.GPU_PROFILE.value)
     if profile != plan.hardware.gpu:
         raise SpecError(
@@ -94,6 +91,24 @@ def read_contract(*, launcher_env: bool = True):
             f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}",
         )
     return plan, data, sampler, _eval_sampler(plan, data)
+
+
+def _check_fp8_base(plan) -> None:
+    """An fp8 base trains from model.path's FP8 checkpoint under ZeRO-1/2 (dskit/train/fp8_base.py);
+    the plan checks both, and run.yaml or the checkpoint may have changed since."""
+    from dskit.hf_checkpoint import fp8_format
+    from dskit.plan.lora import no_fp8_checkpoint
+
+    path = plan.model.path
+    if not path or fp8_format(path) is None:
+        raise no_fp8_checkpoint(path)
+    stage = plan.deepspeed["zero_optimization"]["stage"]
+    if stage == 3:
+        raise SpecError(
+            "overrides.zero_stage",
+            "3 cannot hold an fp8 frozen base (ZeRO-3 would keep its FP8 layers whole on every rank, "
+            "unpartitioned); one of: auto, 1, 2 (or finetune.base_precision bf16)",
+        )
 
 
 def _eval_sampler(plan, data):
@@ -218,6 +233,11 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         device=device,
     )
     params = model.parameters()
+    fp8_base = plan.finetune is not None and plan.finetune.base_precision == "fp8"
+    if fp8_base:  # before peft wraps them: the adapters' base layers are the FP8 ones
+        from dskit.train.fp8_base import keep_linears_fp8
+
+        keep_linears_fp8(model, plan.model.path, device=device)
     if plan.finetune is not None:
         from dskit.train.lora import attach
 
@@ -232,7 +252,18 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     stage = ds_config["zero_optimization"]["stage"]  # what build_model read (a benchmark may pass its own)
     how = "under ZeRO-3 partitioning" if stage == 3 else f"whole on {device} (ZeRO-{stage})"
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
-    engine = _initialize(plan, model, params, ds_config, stage, fused=deepspeed_config is None)
+    with contextlib.ExitStack() as stack:
+        if fp8_base:  # AutoEP's replacement happens inside deepspeed.initialize, before the optimizer
+            from dskit.train.fp8_base import experts_stay_fp8
+
+            fp8_experts = stack.enter_context(experts_stay_fp8(plan.model.path))
+        engine = _initialize(plan, model, params, ds_config, stage, fused=deepspeed_config is None)
+    if fp8_base:
+        log.info(
+            "fp8 base: this rank's routed experts of %d MoE layers kept in FP8 (%.3f GiB)",
+            len(fp8_experts),
+            sum(fp8_experts.values()) / 2**30,
+        )
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 
@@ -281,12 +312,16 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
     """Measured, per rank: parameter elements held locally against the model's total, and memory at the
     end of construction. Tests compare the share with 1/world; the plan's construction estimate is
     checked against the peaks on GPUs (bench/)."""
+    from dskit.train.fp8 import Fp8Linear
+    from dskit.train.fp8_base import held_bytes
     from dskit.train.metrics import current_gib, memory_gib
 
     # Each element of the model is stored on exactly one rank of a full ZeRO-3 + AutoEP run, so the
     # ranks' local counts add up to the model's parameter count and each is about 1/world of it; under
     # ZeRO-1/2 a rank holds every non-expert weight and its 1/ep of the experts.
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.parameters())
+    # an FP8 base's linears hold their weights as buffers (dskit/train/fp8.py): still the model's elements
+    local += sum(m.weight.numel() for m in engine.module.modules() if isinstance(m, Fp8Linear))
     total = params_total
     alloc, reserved = memory_gib(device)
     rec = {
@@ -297,6 +332,8 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
         "peak_alloc_gib": round(alloc, 3),
         "peak_reserved_gib": round(reserved, 3),
         "host_rss_gib": round(current_gib(device)["host"], 3),
+        # the frozen base by dtype (float8_e4m3fn for an fp8 base's weights, float32 for its scales)
+        "frozen_bytes": held_bytes(engine.module),
     }
     Path(output_dir, CONSTRUCTION_FILE.format(rank=rank)).write_text(json.dumps(rec) + "\n")
     log.info(

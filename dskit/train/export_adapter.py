@@ -202,16 +202,27 @@ def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
     if plan.model.path:
         from safetensors import safe_open
 
-        from dskit.hf_checkpoint import check_checkpoint
+        from dskit.hf_checkpoint import check_checkpoint, fp8_format
 
         check_checkpoint(plan.model.path)  # the plan checked it; the directory may have changed since
         files = _files_of(Path(plan.model.path))
+        fmt = fp8_format(plan.model.path)  # an FP8 base (either base_precision) merges dequantised
 
-        def read(name: str) -> torch.Tensor:
+        def raw(name: str) -> torch.Tensor:
             if name not in files:
                 raise RuntimeError(f"{plan.model.path} has no tensor {name}")
             with safe_open(str(files[name]), framework="pt") as fh:
                 return fh.get_tensor(name)
+
+        def read(name: str) -> torch.Tensor:
+            if fmt is None or name not in fmt.weights:
+                return raw(name)
+            import torch
+
+            from dskit.train.fp8 import dequantize_blocks
+
+            # DeepSeek's rule, in float32 and rounded to bf16: the weight the trainer computed with
+            return dequantize_blocks(raw(name), raw(fmt.scale_of(name)), fmt.block, torch.bfloat16)
 
         return lambda name: _fused(name, read, plan.model.config["n_routed_experts"])
     if plan.model.params_total > REBUILD_MAX_PARAMS:

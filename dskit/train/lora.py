@@ -44,6 +44,12 @@ def attach(model: torch.nn.Module, f: FinetunePlan, *, seed: int, dtype: torch.d
             target_modules=f.target_modules,
             bias="none",
         )
+        from dskit.train.fp8 import Fp8Linear
+
+        if any(isinstance(m, Fp8Linear) for m in model.modules()):  # an fp8 base (dskit/train/fp8_base.py)
+            from dskit.train.fp8_base import register_fp8_lora
+
+            register_fp8_lora(config)
         with _no_v4_rename():
             inject_adapter_in_model(config, model, adapter_name=ADAPTER_NAME)
     adapters = 0
