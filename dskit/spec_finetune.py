@@ -76,7 +76,8 @@ class FinetuneSpec(_Section):
         "auto",
         description="How the frozen base is held on the device (method lora): bf16, or fp8 as DeepSeek-V3 ships "
         "it (e4m3 + fp32 scales per 128 x 128 block: 1 byte per weight), read from model.path's FP8 checkpoint. "
-        "auto: fp8 when model.path holds DeepSeek-V3's FP8 format and method is lora, else bf16. A catalog "
+        "auto: fp8 when model.path holds DeepSeek-V3's FP8 format and method is lora (bf16, with a warning, where "
+        "no fp8 plan fits), else bf16. A catalog "
         "preset may set fp8 to plan it; training it needs the FP8 checkpoint at model.path.",
     )
     lora: LoraSpec = Field(default_factory=LoraSpec)

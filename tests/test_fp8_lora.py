@@ -320,17 +320,22 @@ def test_a_broken_fp8_checkpoint_under_lora_is_one_line_exit_2_and_nothing_writt
 
 
 @pytest.mark.parametrize(
-    ("sets", "want"),
+    ("twin", "sets", "want"),
     [
-        (["finetune.base_precision=fp8"], "finetune.base_precision: fp8 keeps model.path's FP8 weights"),
-        (["overrides.zero_stage=3"], "overrides.zero_stage: 3 cannot hold an fp8 frozen base"),
+        (1, ["finetune.base_precision=fp8"], "finetune.base_precision: fp8 keeps model.path's FP8 weights"),
+        (
+            0,
+            ["finetune.base_precision=fp8", "overrides.zero_stage=3"],
+            "overrides.zero_stage: 3 cannot hold an fp8 frozen base",
+        ),
     ],
 )
 def test_an_fp8_base_the_trainer_cannot_hold_is_one_line_exit_2_and_nothing_written(
-    tmp_path, twins, sets, want
+    tmp_path, twins, twin, sets, want
 ):
-    """fp8 asked of the bf16 twin (nothing to keep in FP8), or under ZeRO-3 on the FP8 one."""
-    ckpt = twins[1] if "finetune.base_precision=fp8" in sets else twins[0]
+    """fp8 asked of the bf16 twin (nothing to keep in FP8), or under ZeRO-3 on the FP8 one. (With
+    base_precision auto, ZeRO-3 on the FP8 one plans a bf16 base instead: tests/test_lora_plan.py.)"""
+    ckpt = twins[twin]
     out = tmp_path / "out"
     extra = [x for s in sets for x in ("--set", s)]
     r = dskit(

@@ -50,6 +50,33 @@ def test_v3_lora_on_an_fp8_base_cannot_be_built_on_one_node_and_says_why():
         _plan("deepseek-v3", "h200-141gb", 8, "finetune.method=lora")  # 2 B/weight: 1.3 TB on 1.1 TB
 
 
+def test_auto_takes_a_bf16_base_where_v3s_own_fp8_checkpoint_cannot_be_planned_in_fp8(tmp_path):
+    """V3 ships in FP8, so `base_precision: auto` reads fp8 from its checkpoint; where no fp8 plan fits
+    (two nodes: ZeRO-3 holds a bf16 base, not yet an fp8 one) auto plans bf16 and says why in a
+    warning, while an explicit fp8 keeps its one-line refusal."""
+    cfg = dict(catalog.model("deepseek-v3").config)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def plan(*sets: str):
+        return build_plan(
+            load_spec(
+                sets=["finetune.method=lora", *sets],
+                flags={"model.path": str(tmp_path), "hardware.gpu": "h200-141gb", "hardware.nodes": 2},
+            )
+        )
+
+    p = plan()
+    assert p.finetune.base_precision == "bf16" and p.deepspeed["zero_optimization"]["stage"] == 3
+    assert p.warnings[0].startswith("finetune.base_precision auto planned a bf16 base")
+    assert "builds it whole in bf16" in p.warnings[0]
+    with pytest.raises(Exception, match="finetune.base_precision: .*cannot be built with an fp8 base"):
+        plan("finetune.base_precision=fp8")
+    with pytest.raises(Exception, match="overrides.zero_stage: 3 cannot hold an fp8 frozen base"):
+        plan("finetune.base_precision=fp8", "overrides.zero_stage=3")
+    assert plan("overrides.zero_stage=3").finetune.base_precision == "bf16"  # auto, ZeRO-3 pinned
+
+
 def test_an_fp8_base_plans_zero_1_or_2_counting_what_each_rank_holds():
     """ZeRO-1/2: every rank holds the non-expert FP8 base whole and 1/ep of the FP8 experts (what the
     trainer's construction-rankN.json `frozen_bytes` shows); construction is the bf16 base, whole."""
@@ -247,3 +274,34 @@ def test_a_lora_run_refuses_a_full_runs_checkpoint_and_back():
         Checkpointer._refuse_other_layout(full_run, Path("c"), lora_ckpt)
     Checkpointer._refuse_other_layout(lora_run, Path("c"), lora_ckpt)
     Checkpointer._refuse_other_layout(full_run, Path("c"), full_ckpt)
+
+
+def test_a_lora_run_refuses_a_checkpoint_of_another_rank_or_target_set():
+    """The adapters' shapes and names are in the files: resuming with another finetune.lora.r or
+    finetune.lora.targets is one line naming the field and the value the checkpoint needs."""
+    from types import SimpleNamespace
+
+    from dskit.errors import SpecError
+    from dskit.train.checkpoint import Checkpointer
+    from dskit.train.loop import _layout
+
+    def layout(*sets: str) -> dict:
+        return _layout(
+            _plan("deepseek-v2-lite", "h200-141gb", 8, "finetune.method=lora", "overrides.ep_size=8", *sets)
+        )
+
+    ckpt = {"layout": layout()}
+    routed = SimpleNamespace(
+        layout=layout("finetune.lora.targets=[attention, shared_experts, routed_experts]")
+    )
+    with pytest.raises(
+        SpecError, match=r"finetune.lora.targets: .* set finetune.lora.targets=\[attention, shared_experts\]"
+    ):
+        Checkpointer._refuse_other_layout(routed, Path("c"), ckpt)
+    with pytest.raises(SpecError, match="finetune.lora.r: .*written with lora r 16, this run has 8"):
+        Checkpointer._refuse_other_layout(
+            SimpleNamespace(layout=layout("finetune.lora.r=8")), Path("c"), ckpt
+        )
+    Checkpointer._refuse_other_layout(SimpleNamespace(layout=layout()), Path("c"), ckpt)
+    older = {"layout": {k: v for k, v in ckpt["layout"].items() if not k.startswith("lora_")}}
+    Checkpointer._refuse_other_layout(routed, Path("c"), older)  # written before the adapters were recorded

@@ -15,7 +15,7 @@ from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import host, search
 from dskit.plan.deepspeed import deepspeed_config
-from dskit.plan.lora import plan_finetune
+from dskit.plan.lora import base_precision, plan_finetune
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
 from dskit.plan.parallel import plan_parallel, speed_section
 from dskit.plan.schema import (
@@ -49,8 +49,37 @@ def build_plan(spec: Spec) -> Plan:
     return build_plan_searched(spec)[0]
 
 
+#: refusals of an fp8 base that a bf16 base may not share (ZeRO-3 holds a bf16 base, an fp8 one not yet)
+_FP8_ONLY_REFUSALS = ("finetune.base_precision", "overrides.zero_stage")
+
+
 def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
-    """The plan and every candidate the planner weighed (`dskit plan --explain`)."""
+    """The plan and every candidate the planner weighed (`dskit plan --explain`). `base_precision: auto`
+    resolves to fp8 for DeepSeek-V3's FP8 checkpoints; where an fp8 base cannot be planned (it trains
+    under ZeRO-1/2 only, built whole in bf16 first), auto takes bf16, dequantised while loading, and says
+    so in a warning; an explicit fp8 keeps its refusal."""
+    try:
+        return _build_plan_searched(spec)
+    except SpecError as e:
+        auto = spec.finetune.method == "lora" and spec.finetune.base_precision == "auto"
+        if (
+            not auto
+            or e.field not in _FP8_ONLY_REFUSALS
+            or base_precision(spec.finetune, spec.model.path) != "fp8"
+        ):
+            raise
+        why = str(e)
+    bf16 = spec.model_copy(update={"finetune": spec.finetune.model_copy(update={"base_precision": "bf16"})})
+    plan, found = _build_plan_searched(bf16)  # a bf16 base that does not fit either is refused as such
+    plan.warnings.insert(
+        0,
+        "finetune.base_precision auto planned a bf16 base (the FP8 checkpoint dequantised while loading): "
+        f"an fp8 base does not fit here ({why})",
+    )
+    return plan, found
+
+
+def _build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     warnings: list[str] = []
     gpu = catalog.gpu(spec.hardware.gpu)
     fabric = resolve_fabric(spec, gpu)

@@ -193,7 +193,8 @@ def explain_no_fit(
         return "finetune.base_precision", (
             f"{s.where} cannot be built with an fp8 base: the trainer builds it whole in bf16 on each GPU "
             f"({b.shard_gib:.1f} GiB) before keeping it FP8, over {_gpu_limit(s)}, and ZeRO-3 cannot hold an "
-            'FP8 base yet; no node count fixes that (docs/planner.md "LoRA")'
+            "FP8 base yet; no node count fixes that; finetune.base_precision=bf16 dequantises it while loading "
+            '(docs/planner.md "LoRA")'
         )
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and least.candidate.zero_stage != 3:
         # only ZeRO-1/2 were searched (overrides.zero_stage): more nodes never shrink the whole model

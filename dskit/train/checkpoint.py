@@ -153,7 +153,8 @@ class Checkpointer:
 
     def _refuse_other_layout(self, d: Path, done: dict[str, Any]) -> None:
         """DeepSpeed cannot load a checkpoint written under another ZeRO stage, EP size or optimizer (the files
-        differ in kind): one line naming the setting, exit 2, nothing retried. Checkpoints from before the
+        differ in kind), nor a LoRA run one of another rank or target set: one line naming the setting,
+        exit 2, nothing retried. Checkpoints from before the
         layout was recorded were all ZeRO-3."""
         written = done.get("layout")
         written = {"zero_stage": 3} if not isinstance(written, dict) else written
@@ -165,6 +166,8 @@ class Checkpointer:
             ("ep_size", "overrides.ep_size"),
             ("finetune", "finetune.method"),
             ("optimizer_step", "overrides.optimizer_step"),
+            ("lora_r", "finetune.lora.r"),
+            ("lora_targets", "finetune.lora.targets"),
         )
         for key, field in keys:
             was, now = written.get(key), self.layout.get(key)

@@ -164,6 +164,9 @@ def _layout(plan: Plan) -> dict[str, int | str]:
     }
     if plan.finetune is not None:
         layout["finetune"] = plan.finetune.method
+        # the adapters' shapes and names: another rank or target set finds none of its tensors
+        layout["lora_r"] = plan.finetune.r
+        layout["lora_targets"] = f"[{', '.join(plan.finetune.targets)}]"
     return layout
 
 

@@ -125,7 +125,12 @@ def attach_routed(model: nn.Module, f: FinetunePlan, *, seed: int, dtype: torch.
     for name, layer in _moe_layers(model):
         experts, ids, ep_size = layer.experts, local_experts(layer), layer.ep_size
         for proj, _ in PROJECTIONS:
-            w = getattr(experts, proj)
+            # the shape without computing the weight: an FP8 base's parametrization would dequantise it
+            w = (
+                experts.parametrizations[proj].original
+                if parametrize.is_parametrized(experts, proj)
+                else getattr(experts, proj)
+            )
             e, out_f, in_f = getattr(w, "ds_shape", w.shape)
             delta = ExpertDelta(e, out_f, in_f, f.r, f.alpha / f.r, dtype)
             with torch.no_grad():
