@@ -375,6 +375,22 @@ def test_zero1_trains_the_fp8_base_from_the_same_first_loss(tmp_path, twins, run
 
 
 @pytest.mark.train
+def test_routed_adapters_on_the_fp8_experts_train_as_on_the_bf16_twins(tmp_path, twins):
+    """The two parametrizations stacked on each rank's experts, FP8 dequantisation then the LoRA delta
+    (dskit/train/routed_lora.py): the same losses at every step as the same run on the bf16 twin."""
+    routed = ("finetune.lora.targets=[attention, shared_experts, routed_experts]",)
+    got = {}
+    for name, ckpt in zip(("fp8", "bf16"), twins, strict=True):
+        rd = _render(tmp_path / name, ckpt, extra=routed)
+        assert load_plan(rd / "run.yaml").finetune.base_precision == name
+        assert run(rd, tmp_path / f"{name}.log") == 0, (tmp_path / f"{name}.log").read_text()[-4000:]
+        got[name] = losses(rd)
+    assert sorted(got["fp8"]) == list(range(1, STEPS + 1))
+    assert got["fp8"] == pytest.approx(got["bf16"], rel=1e-5)
+    assert got["fp8"][STEPS] != pytest.approx(got["fp8"][1], rel=1e-3)
+
+
+@pytest.mark.train
 def test_zero3_partitions_a_float8_parameter_but_cannot_gather_it_on_gloo():
     """Why an fp8 base is refused under ZeRO-3 (besides Fp8Linear's buffers, which it never partitions):
     DeepSpeed 0.19.8 partitions a frozen float8 parameter (half of it per rank) but its all-gather
