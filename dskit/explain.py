@@ -200,7 +200,7 @@ def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:
         + (
             f"; fp8 dequantised in flight: largest linear {t.dequant_bytes / 2**30:.2f} GiB, one MoE layer's "
             f"local experts {t.expert_dequant_bytes / plan.parallel.ep_size / 2**30:.2f} GiB; construction "
-            "builds the base whole in bf16 first (ZeRO-1/2 only)"
+            "holds only the rank's share, in FP8, from the first tensor (built from the meta device, ZeRO-1/2 only)"
             if t.fp8
             else ""
         ),

@@ -174,6 +174,49 @@ def test_exports_dequantise_the_fp8_base(runs, twins, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------
+# construction, directly (no engine): from the meta device, no bf16 copy of the base anywhere
+
+
+def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twins):
+    """The FP8 linears hold the checkpoint's bytes, every other tensor is the bf16 twin's, the routed
+    experts were never materialised (AutoEP + experts_stay_fp8 read each rank's share later), and
+    nothing else is in bf16: what a rank holds after the build is the plan's non-expert FP8 base."""
+    from transformers import AutoModelForCausalLM
+
+    from dskit.plan import lora
+    from dskit.plan.model_math import counts
+    from dskit.train.fp8 import Fp8Linear
+    from dskit.train.fp8_base import held_bytes
+    from dskit.train.fp8_build import FUSED_EXPERTS
+    from dskit.train.model import build_model
+
+    rd = render_tiny(Path(str(twins[0]) + "-plan"), None, extra=[f"model.path={twins[0]}", *SETS])
+    plan = load_plan(rd / "run.yaml")
+    m = build_model(
+        plan.model, attention="sdpa", dtype=torch.bfloat16, seed=1, ckpt_every=0,
+        deepspeed_config={"zero_optimization": {"stage": 2}}, device=torch.device("cpu"), fp8_base=True,
+    )  # fmt: skip
+    twin = AutoModelForCausalLM.from_pretrained(twins[1], dtype=torch.bfloat16, local_files_only=True)
+    ref = twin.state_dict()
+    meta = sorted(n for n, t in m.state_dict().items() if t.is_meta)
+    assert meta and all(FUSED_EXPERTS.search(n) for n in meta)
+    assert len(meta) == 2 * sum(1 for n in ref if n.endswith("mlp.experts.down_proj"))
+    fp8 = {n: x for n, x in m.named_modules() if isinstance(x, Fp8Linear)}
+    assert fp8 and all(torch.equal(x.dequantized(), ref[f"{n}.weight"]) for n, x in fp8.items())
+    for n, t in m.state_dict().items():
+        if not t.is_meta:
+            assert t.dtype == ref[n].dtype and torch.equal(t, ref[n]), n
+    rotary = dict(twin.named_buffers())["model.rotary_emb.inv_freq"]
+    assert torch.equal(dict(m.named_buffers())["model.rotary_emb.inv_freq"], rotary)
+    f, cfg = plan.finetune, plan.model.config
+    t = lora.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
+                    base_precision="fp8")  # fmt: skip
+    for n, q in m.named_parameters():  # what LoRA will freeze: all but the router, which SETS trains
+        q.requires_grad_(bool(q.is_meta) or n.endswith("mlp.gate.weight"))
+    assert sum(held_bytes(m).values()) == pytest.approx(t.other_bytes * t.frozen_other, rel=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------------
 # the routed experts' parametrization, directly (no engine): FP8 original first, another may follow
 
 

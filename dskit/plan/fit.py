@@ -175,11 +175,11 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
 
 
 def explain_no_fit(
-    s: Shape, fits: list[Fit], own: Candidate | None, forced: list[str], ep_for: Callable[[int], int]
+    s: Shape, fits: list[Fit], own: Candidate | None, forced: list[str], ep_for: Callable[[int], list[int]]
 ) -> tuple[str, str]:
     """(field, message) when no candidate fits. `own`: the planner's pick without the user's overrides
     (`forced`: their spec keys), or None; it tells "your override does not fit" from "this cluster is
-    too small". `ep_for(world)`: the EP size at another world size, for the "use N nodes" hint."""
+    too small". `ep_for(world)`: the EP sizes the search takes at another world size, for the "use N nodes" hint."""
     if forced and own is not None:  # the override, not the cluster, is what does not fit
         best = min(fits, key=lambda f: max(f.steady.total_gib, f.construction.total_gib))
         return forced[0], (
@@ -189,12 +189,14 @@ def explain_no_fit(
     least = min(fits, key=lambda f: f.construction.total_gib)  # the best EP's (and stage's)
     b = least.construction
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and s.tuning is not None and s.tuning.fp8:
-        # an FP8 base trains under ZeRO-1/2 only, and those build it whole in bf16 first (memory.py)
+        # ZeRO-1/2 only (an fp8 base): a GPU holds the non-expert base whole, so only EP shrinks it
         return "finetune.base_precision", (
-            f"{s.where} cannot be built with an fp8 base: the trainer builds it whole in bf16 on each GPU "
-            f"({b.shard_gib:.1f} GiB) before keeping it FP8, over {_gpu_limit(s)}, and ZeRO-3 cannot hold an "
-            "FP8 base yet; no node count fixes that; finetune.base_precision=bf16 dequantises it while loading "
-            '(docs/planner.md "LoRA")'
+            f"{s.where} cannot hold an fp8 base: each GPU holds the non-expert base whole and 1/ep of the "
+            f"experts, in FP8 ({b.shard_gib:.1f} GiB at EP {least.candidate.ep_size}), over {_gpu_limit(s)}; "
+            + _or(
+                _more_nodes(s, fits, ep_for),
+                "finetune.base_precision=bf16 (ZeRO-3 shards a bf16 base, dequantised while loading)",
+            )
         )
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and least.candidate.zero_stage != 3:
         # only ZeRO-1/2 were searched (overrides.zero_stage): more nodes never shrink the whole model
@@ -277,13 +279,18 @@ def _or(*options: str | None) -> str:
     return "use " + ", or ".join(o for o in options if o)
 
 
-def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], int]) -> str | None:
-    """'at least N nodes of G (hardware.nodes)', or None when no node count up to MAX_NODES fits."""
-    cands = [f.candidate for f in fits]
+def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], list[int]]) -> str | None:
+    """'at least N nodes of G (hardware.nodes)', or None when no node count up to MAX_NODES fits: the
+    fewest nodes at which one of the candidates fits at an EP size the search takes there."""
+    cands = {dataclasses.replace(f.candidate, ep_size=0) for f in fits}
 
     def ok(nodes: int) -> bool:
-        t, ep = dataclasses.replace(s, nodes=nodes), ep_for(nodes * s.per_node)
-        return any((f := evaluate(t, dataclasses.replace(c, ep_size=ep))).gpu_ok and f.host_ok for c in cands)
+        t = dataclasses.replace(s, nodes=nodes)
+        return any(
+            (f := evaluate(t, dataclasses.replace(c, ep_size=ep))).gpu_ok and f.host_ok
+            for ep in ep_for(nodes * s.per_node)
+            for c in cands
+        )
 
     lo, hi = s.nodes, s.nodes * 2
     while hi <= MAX_NODES and not ok(hi):

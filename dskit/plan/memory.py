@@ -152,21 +152,27 @@ def construction(
 ) -> ConstructionEstimate:
     """ZeRO-1/2 build the whole 16-bit model on each GPU (dskit/train/model.py), then AutoEP copies one
     layer's local experts out of it at a time: the whole model is the "shard". A LoRA run (`tuning`)
-    builds the base in its precision and the adapters in bf16, except that an FP8 base (ZeRO-1/2 only)
-    is built whole in bf16 first, dequantised from model.path, and becomes FP8 only afterwards
-    (dskit/train/fp8_base.py): its construction peak is a bf16 base's."""
+    builds the base in its precision and the adapters in bf16. An FP8 base (ZeRO-1/2 only) is built
+    from the meta device (dskit/train/fp8_build.py): each rank only ever holds its own share, the
+    non-expert base and 1/ep of the experts in FP8, and AutoEP's copy of a layer's experts is a meta
+    tensor that the checkpoint's FP8 bytes replace."""
     if tuning is not None:
         t = tuning
+        if t.fp8:
+            return ConstructionEstimate(
+                shard_gib=(t.frozen_weight_bytes(ep_size) + BF16_BYTES * t.trainable_local(ep_size)) / GIB,
+                gathered_gib=0.0,
+                autoep_copy_gib=0.0,
+                overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
+            )
         other = c.largest_module if c.largest_module > c.experts_per_layer else 0
         gathered = max(t.expert_bytes * c.experts_per_layer, BF16_BYTES * other)
         whole = t.expert_bytes * t.frozen_experts + t.other_bytes * t.frozen_other + BF16_BYTES * t.trainable
-        if t.fp8:  # built whole in bf16, then requantised from the checkpoint's bytes
-            whole = BF16_BYTES * (t.frozen + t.trainable)
         return ConstructionEstimate(
             shard_gib=whole / (1 if zero_stage != 3 else world) / GIB,
             # the largest module: one MoE layer's experts (in the base's precision), or a bf16 one larger
             gathered_gib=0.0 if zero_stage != 3 else gathered / GIB,
-            autoep_copy_gib=(BF16_BYTES if t.fp8 else t.expert_bytes) * c.experts_per_layer / ep_size / GIB,
+            autoep_copy_gib=t.expert_bytes * c.experts_per_layer / ep_size / GIB,
             overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
         )
     if zero_stage != 3:

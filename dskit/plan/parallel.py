@@ -306,14 +306,14 @@ def _pinned(o: PlanOverrides, free: search.Axes) -> tuple[search.Axes, list[str]
     return pinned, [key for key, v in pins.values() if v is not None]
 
 
-def _ep_at(n_experts: int, per_node: int, pinned_ep: int | None) -> Callable[[int], int]:
-    """The EP size at another world size (the refusal's "use N nodes" hint): the pinned one where AutoEP
-    still takes it, else the planner's default."""
+def _ep_at(n_experts: int, per_node: int, pinned_ep: int | None) -> Callable[[int], list[int]]:
+    """The EP sizes the search takes at another world size (the refusal's "use N nodes" hint): the pinned
+    one where AutoEP still takes it, else every one, in the fit order."""
 
-    def ep_at(world: int) -> int:
+    def ep_at(world: int) -> list[int]:
         if pinned_ep is not None and search.ep_divides(n_experts, world, pinned_ep):
-            return pinned_ep
-        return search.default_ep(n_experts, world, per_node)
+            return [pinned_ep]
+        return search.ep_sizes(n_experts, world, per_node)
 
     return ep_at
 

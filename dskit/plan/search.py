@@ -281,7 +281,7 @@ def search(
     forced: list[str],
     per_rank: int,
     speed_of: SpeedOf,
-    ep_for: Callable[[int], int],
+    ep_for: Callable[[int], list[int]],
 ) -> Search:
     """The ranked candidates of `pinned` (`free` narrowed by the overrides named in `forced`), or
     SpecError (exit 2) saying why none fits. With overrides, `free` is ranked too: the planner's own

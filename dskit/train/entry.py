@@ -222,6 +222,8 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     log.info("plan: %s", plan.summary())
     log.info("attention: %s (%s)", attention, why)
     t0 = time.perf_counter()
+    # the adapters' base layers are the FP8 ones, built before peft wraps them
+    fp8_base = plan.finetune is not None and plan.finetune.base_precision == "fp8"
     model = build_model(
         plan.model,
         attention=attention,
@@ -231,13 +233,9 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         deepspeed_config=ds_config,
         loss_chunk_tokens=plan.parallel.loss_chunk_tokens,
         device=device,
+        fp8_base=fp8_base,
     )
     params = model.parameters()
-    fp8_base = plan.finetune is not None and plan.finetune.base_precision == "fp8"
-    if fp8_base:  # before peft wraps them: the adapters' base layers are the FP8 ones
-        from dskit.train.fp8_base import keep_linears_fp8
-
-        keep_linears_fp8(model, plan.model.path, device=device)
     if plan.finetune is not None:
         from dskit.train.lora import attach
 
@@ -256,7 +254,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         if fp8_base:  # AutoEP's replacement happens inside deepspeed.initialize, before the optimizer
             from dskit.train.fp8_base import experts_stay_fp8
 
-            fp8_experts = stack.enter_context(experts_stay_fp8(plan.model.path))
+            fp8_experts = stack.enter_context(experts_stay_fp8(plan.model.path, device))
         engine = _initialize(plan, model, params, ds_config, stage, fused=deepspeed_config is None)
     if fp8_base:
         log.info(

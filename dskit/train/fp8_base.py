@@ -1,19 +1,18 @@
 """An FP8 frozen base under LoRA (`finetune.base_precision: fp8`): DeepSeek-V3's FP8 bytes kept on the device.
 
 Construction (ZeRO-1/2 only: the plan refuses ZeRO-3, see below):
-1. `load_pretrained` builds the model whole on the device, each FP8 weight dequantised as it is read
-   (dskit/train/fp8_weights.py): no bf16 copy on disk, and host memory holds one tensor at a time, but
-   the device holds the whole base in bf16 for a moment (the construction peak the plan counts).
-2. `keep_linears_fp8`: every nn.Linear whose weight the checkpoint holds in FP8 (attention projections,
-   shared experts, dense MLP) becomes an `Fp8Linear` filled with the checkpoint's own e4m3 bytes and
-   scales (`swap_in_fp8_linears`); its bf16 weight is freed. peft then wraps the targeted ones
+1. `fp8_build.build_fp8_base` creates the model on the meta device and fills it from model.path onto
+   the GPU: every nn.Linear whose weight the checkpoint holds in FP8 (attention projections, shared
+   experts, dense MLP) as an `Fp8Linear` of the checkpoint's own e4m3 bytes and scales, everything
+   else in its declared dtype, the routed experts left on the meta device. No bf16 copy of the base
+   exists on disk, in host memory or on the device. peft then wraps the targeted FP8 linears
    (`Fp8LoraLinear`, registered as a custom module on the LoraConfig).
-3. `experts_stay_fp8`: while `deepspeed.initialize` runs, each MoE block AutoEP replaces gets its
-   rank's routed experts (`w1`/`w2`/`w3` of `GroupedExperts`) back in FP8: the checkpoint's bytes for
-   experts [ep_rank * E_local, (ep_rank + 1) * E_local) (AutoEP's slicing, deepspeed/moe/ep_repack.py),
-   as the original of a `torch.nn.utils.parametrize` parametrization that dequantises on access. It
-   hooks AutoEP's per-layer replacement, so it runs after the replacement and before ZeRO builds the
-   optimizer, one layer at a time (the bf16 copy of one layer's local experts is freed as it goes).
+2. `experts_stay_fp8`: while `deepspeed.initialize` runs, each MoE block AutoEP replaces gets its
+   rank's routed experts (`w1`/`w2`/`w3` of `GroupedExperts`, on the meta device as AutoEP copied them
+   from the meta model) in FP8: the checkpoint's bytes for the experts AutoEP's placement gives this
+   rank, as the original of a `torch.nn.utils.parametrize` parametrization that dequantises on access.
+   It hooks AutoEP's per-layer replacement, so it runs after the replacement and before ZeRO builds the
+   optimizer, one layer at a time.
    The experts' forward then saves references to those FP8 bytes for the backward instead of the
    dequantised weights its GEMMs would keep (`save_experts_as_fp8`).
 
@@ -58,15 +57,6 @@ def checkpoint_format(path: str | None) -> Fp8Format:
     if fmt is None or not fmt.weights:
         raise no_fp8_checkpoint(path)
     return fmt
-
-
-def keep_linears_fp8(model: nn.Module, path: str, *, device: Any) -> list[str]:
-    """Step 2: the checkpoint's FP8 linears as `Fp8Linear`s, read from its bytes (never requantised)."""
-    from dskit.train.fp8_weights import swap_in_fp8_linears
-
-    swapped = swap_in_fp8_linears(model, path, device=device)
-    log.info("fp8 base: %d linear layers kept in FP8 from %s", len(swapped), path)
-    return swapped
 
 
 def _lora_linear_class() -> type:
@@ -171,7 +161,7 @@ def save_experts_as_fp8(experts: nn.Module) -> None:
 
 
 def _expert_fp8(
-    shards: dict[str, Any], fmt: Fp8Format, layer: str, proj: str, experts: range, device: Any
+    shards: dict[str, Any], fmt: Fp8Format, layer: str, proj: str, experts: list[int], device: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint's e4m3 weights and scales of `experts` of one MoE layer, stacked [E_local, ...]."""
     names = [f"{layer}.experts.{e}.{proj}.weight" for e in experts]
@@ -191,29 +181,50 @@ def _expert_fp8(
     return w, s
 
 
+def _owned_experts(replacement: nn.Module, ep_rank: int) -> list[int]:
+    """Global indices of the experts `ep_rank` holds, in GroupedExperts' order: AutoEP's placement
+    (routed_lora reads the same), or its default contiguous slice where a layer carries none."""
+    descriptor = getattr(replacement, "expert_placement_descriptor", None)
+    if descriptor is None:
+        local = replacement.num_local_experts
+        return list(range(ep_rank * local, (ep_rank + 1) * local))
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
+
+    return list(autoep_experts_for_rank(descriptor, ep_rank))
+
+
 def requantize_experts(
-    replacement: nn.Module, layer: str, *, ep_rank: int, shards: dict[str, Any], fmt: Fp8Format
+    replacement: nn.Module,
+    layer: str,
+    *,
+    ep_rank: int,
+    shards: dict[str, Any],
+    fmt: Fp8Format,
+    device: Any = None,
 ) -> int:
     """Step 3 for one AutoEP layer: its GroupedExperts' w1/w2/w3 become parametrized, originals the
-    checkpoint's FP8 bytes for this rank's experts. Checked against the bf16 weights AutoEP copied (which
-    were dequantised from the same bytes): equal, or the expert slicing is not AutoEP's. Returns the
-    FP8 bytes now held."""
+    checkpoint's FP8 bytes for this rank's experts, on the device of AutoEP's copy (or `device` where
+    that is the meta device: the base built by dskit/train/fp8_build.py, nothing to compare with). A
+    real copy (dequantised from the same bytes) is checked: equal, or the expert slicing is not
+    AutoEP's. Returns the FP8 bytes now held."""
     from torch.nn.utils import parametrize
 
     experts = replacement.experts
-    local = replacement.num_local_experts
-    owned = range(ep_rank * local, (ep_rank + 1) * local)
+    owned = _owned_experts(replacement, ep_rank)
     held = 0
     for attr, proj in EXPERT_PROJ.items():
         old = getattr(experts, attr)
-        w, s = _expert_fp8(shards, fmt, layer, proj, owned, old.device)
-        same = w.shape == old.shape and all(  # one expert at a time: the check's transient stays small
-            torch.equal(dequantize_blocks(w[i], s[i], fmt.block, old.dtype), old.data[i])
-            for i in range(local)
+        w, s = _expert_fp8(shards, fmt, layer, proj, owned, device if old.is_meta else old.device)
+        same = w.shape == old.shape and (
+            old.is_meta
+            or all(  # one expert at a time: the check's transient stays small
+                torch.equal(dequantize_blocks(w[i], s[i], fmt.block, old.dtype), old.data[i])
+                for i in range(len(owned))
+            )
         )
         if not same:
             raise RuntimeError(
-                f"{layer}.experts.{attr}: the checkpoint's FP8 experts {owned.start}..{owned.stop - 1} "
+                f"{layer}.experts.{attr}: the checkpoint's FP8 experts {owned[0]}..{owned[-1]} "
                 f"{list(w.shape)} do not dequantise to what AutoEP holds {list(old.shape)}"
             )
         new = nn.Parameter(w, requires_grad=False)
@@ -230,7 +241,30 @@ def requantize_experts(
 
 
 @contextmanager
-def experts_stay_fp8(path: str) -> Iterator[dict[str, int]]:
+def _grouped_experts_on_meta(on: bool) -> Iterator[None]:
+    """AutoEP copies a layer's local experts out of the source model into a new GroupedExperts, whose
+    weights it allocates on the CPU first: from a meta source (fp8_build) that copy must be meta too
+    (a CPU parameter cannot take meta data), and the FP8 bytes replace it right after."""
+    if not on:
+        yield
+        return
+    from deepspeed.moe.ep_experts import GroupedExperts
+
+    original = GroupedExperts.__init__
+
+    def on_meta(self, *args: Any, **kwargs: Any) -> None:
+        with torch.device("meta"):
+            original(self, *args, **kwargs)
+
+    GroupedExperts.__init__ = on_meta
+    try:
+        yield
+    finally:
+        GroupedExperts.__init__ = original
+
+
+@contextmanager
+def experts_stay_fp8(path: str, device: Any = None) -> Iterator[dict[str, int]]:
     """While the engine is built: every MoE block AutoEP replaces keeps its rank's routed experts in FP8
     (`requantize_experts`), right after its replacement. Yields {layer name: FP8 bytes}, filled as the
     layers are replaced. Hooks AutoEP's per-layer replacement (DeepSpeed 0.19.8 auto_ep.py
@@ -245,9 +279,11 @@ def experts_stay_fp8(path: str) -> Iterator[dict[str, int]]:
     with open_shards(path) as shards:
 
         def replace(self, spec, ep_size, ep_rank, collect_sources):
-            replacement, sources = original(self, spec, ep_size, ep_rank, collect_sources)
+            source = self.model.get_submodule(f"{spec.moe_module_name}.{spec.experts_name}")
+            with _grouped_experts_on_meta(any(p.is_meta for p in source.parameters())):
+                replacement, sources = original(self, spec, ep_size, ep_rank, collect_sources)
             done[spec.moe_module_name] = requantize_experts(
-                replacement, spec.moe_module_name, ep_rank=ep_rank, shards=shards, fmt=fmt
+                replacement, spec.moe_module_name, ep_rank=ep_rank, shards=shards, fmt=fmt, device=device
             )
             return replacement, sources
 

@@ -81,8 +81,10 @@ def build_model(
     deepspeed_config: dict[str, Any],
     loss_chunk_tokens: int = 0,
     device: torch.device | None = None,
+    fp8_base: bool = False,
 ):
-    """The model for the plan's ZeRO stage; random init or local weights.
+    """The model for the plan's ZeRO stage; random init or local weights, or (`fp8_base`, ZeRO-1/2)
+    model.path's FP8 checkpoint as a frozen FP8 base built from the meta device (dskit/train/fp8_build.py).
 
     ZeRO-3: under transformers' DeepSpeed integration (`HfDeepSpeedConfig` alive while the model is
     built), every parameter is created inside `deepspeed.zero.Init`: a rank keeps only its 1/world
@@ -114,7 +116,13 @@ def build_model(
         None if deepspeed_config["zero_optimization"]["stage"] == 3 else (device or torch.device("cpu"))
     )
     with init_seeded_by_name(seed):
-        if model_plan.path:
+        if fp8_base:
+            from dskit.train.fp8_build import build_fp8_base
+
+            if whole_on is None:
+                raise SpecError("overrides.zero_stage", "an fp8 base trains under ZeRO-1 or 2; set 1 or 2")
+            model = build_fp8_base(model_plan.path, config=config, dtype=dtype, device=whole_on)
+        elif model_plan.path:
             from dskit.train.weights import load_pretrained
 
             model = load_pretrained(model_plan.path, config=config, dtype=dtype, device=whole_on)
