@@ -80,3 +80,56 @@ def test_the_pick_is_the_fastest_measured(config):
     picked = [r for r in rows if BENCH.forced_overrides(r) == pick]
     assert picked, f"{config}: today's pick {pick} was never measured; rerun bench/plan_bench.py"
     assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest, json.dumps(picked[0]["measured"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# LoRA on an FP8 base beside a bf16 base (bench/fp8_lora_bench.py, issue 28 item 6): the same bounds
+
+
+FP8_BENCH = bench_module("fp8_lora_bench")
+FP8_ROWS = FP8_BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-fp8-lora*.json")))
+#: routed-expert adapters measured off the memory model (docs/planner.md "LoRA"): kept here, strict, so
+#: that the fix of the model turns them into failures to move back among the others
+ROUTED_MISS = "the plan's memory for routed-expert adapters is off on the H200 (docs/planner.md 'LoRA')"
+
+
+def _fp8_id(r: dict) -> str:
+    return f"{r['file'].removesuffix('.json')}:{r['label']}"
+
+
+def _fp8_case(r: dict):
+    routed = any("routed_experts" in s for s in r["sets"])
+    return pytest.param(
+        r, id=_fp8_id(r), marks=[pytest.mark.xfail(strict=True, reason=ROUTED_MISS)] if routed else []
+    )
+
+
+def test_the_fp8_base_runs_cover_both_bases_and_a_full_run():
+    labels = {(r["layers"], r["label"]) for r in FP8_ROWS}
+    assert {(27, "fp8"), (27, "bf16"), (27, "fp8-mb4"), (2, "full"), (2, "bf16")} <= labels
+
+
+@pytest.mark.parametrize("row", [_fp8_case(r) for r in FP8_ROWS])
+def test_fp8_base_prediction_matches_measurement(row, tmp_path):
+    predicted = FP8_BENCH.repredict(row, tmp_path)
+    m = row["measured"]
+    assert predicted["memory_gib"] == pytest.approx(m["peak_reserved_gib"], rel=0.10), row["plan"]
+    assert predicted["tokens_per_s_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"], rel=0.15), row[
+        "plan"
+    ]
+
+
+def test_an_fp8_base_trains_the_loss_curve_of_its_bf16_base():
+    """The same checkpoint, held in FP8 or dequantised to bf16: bit-identical weights, so the curves
+    differ only by kernel order (compiled attention, the dequantising GEMM's operand)."""
+    by = {(r["file"], r["label"]): r["measured"]["losses"] for r in FP8_ROWS}
+    pairs = [(k, (k[0], "bf16")) for k in by if k[1].startswith("fp8") and (k[0], "bf16") in by]
+    assert pairs
+    for a, b in pairs:
+        assert by[a] == pytest.approx(by[b], rel=2e-3), a
+
+
+def test_a_lora_checkpoint_is_a_fraction_of_the_full_runs():
+    """Issue 28's goal (<= 5%), measured at V2-Lite's width: the L2 model's LoRA and full checkpoints."""
+    size = {r["label"]: r["measured"]["checkpoint_bytes"] for r in FP8_ROWS if r["layers"] == 2}
+    assert size["bf16"] <= 0.05 * size["full"]

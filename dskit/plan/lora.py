@@ -112,6 +112,7 @@ class Tuning:
     # fp8: one MoE layer's routed experts being dequantised (all E; the trainer holds E / ep): w1, w2, w3
     # in bf16, the last one also in its two float32 copies
     expert_dequant_bytes: int = 0
+    fp8_linears: int = 0  # fp8: the non-expert linear weights held in FP8 (dequantised every pass)
 
     @property
     def fp8(self) -> bool:
@@ -133,6 +134,11 @@ class Tuning:
     def frozen_weight_bytes(self, ep_size: int) -> float:
         """Frozen bytes a rank holds whole (ZeRO-1/2): the non-expert base and 1/ep of the experts."""
         return self.other_bytes * self.frozen_other + self.expert_bytes * self.frozen_experts / ep_size
+
+    def fp8_weights_local(self, ep_size: int) -> float:
+        """FP8 weights a rank dequantises in each forward and each backward: its FP8 linears and 1/ep of
+        the routed experts (0 for a bf16 base)."""
+        return self.fp8_linears + self.frozen_experts / ep_size if self.fp8 else 0.0
 
     def flops_per_token(self, c: ModelCounts) -> float:
         """Training FLOPs per token: forward 2 and input-gradient 2 per active base weight, no weight-
@@ -224,6 +230,7 @@ def tuning(
         frozen_unkept=unkept,
         dequant_bytes=DEQUANT_PEAK_BYTES * largest_linear if fp8 else 0,
         expert_dequant_bytes=int((BF16_BYTES + 8 / 3) * c.experts_per_layer) if fp8 else 0,
+        fp8_linears=fp8_params,
     )
 
 

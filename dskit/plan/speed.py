@@ -101,6 +101,13 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0080
 #: micro-batch 4, no checkpointing: h200-lora-pick-2026-12-02.json) came within 1.1%
 LORA_COMPUTE_FACTOR = 1.34
 LORA_LAYER_PASS_FACTOR = 0.4
+# An FP8 base (dskit/train/fp8.py `dequantize_blocks`, plain torch per 128 x 128 block) dequantises
+# every FP8 weight a rank holds in each forward and again in each backward: memory traffic, not FLOPs
+# (e4m3 read, float32 blocks written and scaled, bf16 written). Bytes of traffic per weight and pass at
+# the catalog's HBM bandwidth, fitted on one H200 (bench/results/h200-fp8-lora-fp8-2026-12-02.json:
+# full-depth V2-Lite LoRA at micro-batch 4, 18.8k tokens/s on the FP8 base against 24.7k on the bf16
+# one, 0.21 s per micro-step for 15.3 G FP8 weights dequantised twice).
+FP8_DEQUANT_BYTES_PER_WEIGHT = 33.0
 
 # ---- first principles, cited ----
 #: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
@@ -255,12 +262,16 @@ def predict(
         else HOST_LAYER_PASS_UNHOOKED_S
     )
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
+    dequant = 0.0
     if tuning is not None:
         compute *= LORA_COMPUTE_FACTOR
         gpu_pass *= LORA_LAYER_PASS_FACTOR
+        weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
+        dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)
     return StepTime(
         compute_s=grad_accum * compute,
-        layer_gpu_s=grad_accum * gpu_pass * passes,
+        # the per-layer GPU work: launches and small kernels per layer pass, and an FP8 base's dequantising
+        layer_gpu_s=grad_accum * (gpu_pass * passes + dequant),
         collectives_s=grad_accum * per_micro,
         all_to_all_s=grad_accum * a2a,
         host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),

@@ -1,0 +1,31 @@
+#!/bin/bash
+# On the development machine: build the wheel bundle bench/device_setup.sh unpacks on the lent GPU
+# machine (python 3.12, torch 2.11 + cu130 already there; no index reachable from it), split into
+# parts that fit one call's carry (64 MiB). dskit's trainer wheels (DeepSpeed, pydantic, hjson,
+# transformers, tokenizers, safetensors) and FlashAttention-4 with exactly the lock of
+# dskit/catalog/images.yaml `flash_attn_4` go unpacked into site.tar.xz; peft and accelerate as wheels
+# in dsw/. torchtitan's runner (tt.tar.xz, ttw/: shared/reference/torchtitan/README.md) is added only
+# if TT_DIR names a directory holding them.
+#   bash bench/device_bundle.sh OUTDIR     -> OUTDIR/paa, OUTDIR/pab, ...
+set -euo pipefail
+out=${1:?usage: device_bundle.sh OUTDIR}
+pip=${PIP:-pip}
+W=$(mktemp -d)
+trap 'rm -rf "$W"' EXIT
+P=(--only-binary=:all: --python-version 3.12 --implementation cp --no-deps
+   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64
+   --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64)
+# DeepSpeed ships an sdist only: its wheel is pure Python when no op is prebuilt (needs torch here)
+DS_BUILD_OPS=0 "$pip" wheel -q --no-deps --no-build-isolation -w "$W/site-whl" deepspeed==0.19.8
+"$pip" download -q "${P[@]}" -d "$W/site-whl" "pydantic==2.*" pydantic-core annotated-types \
+  typing-inspection hjson transformers==5.24.0 tokenizers safetensors==0.8.0 \
+  flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
+  apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.3.1 cuda-pathfinder
+"$pip" download -q "${P[@]}" -d "$W/b/dsw" peft==0.21.2 accelerate==1.15.0
+"$pip" install -q "${P[@]}" --target "$W/site" "$W"/site-whl/*.whl
+tar cJf "$W/b/site.tar.xz" -C "$W/site" .
+if [ -n "${TT_DIR:-}" ]; then cp -r "$TT_DIR"/tt.tar.xz "$TT_DIR"/ttw "$W/b/"; fi
+mkdir -p "$out"
+tar cf "$W/bundle.tar" -C "$W/b" .
+split -b 47M "$W/bundle.tar" "$out/p"
+ls -la "$out"
