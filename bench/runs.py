@@ -59,7 +59,9 @@ def steady(recs: list[dict], warmup_steps: int) -> dict:
         "step_s": round(statistics.median(r["step_time_s"] for r in after), 4),
         "tokens_per_s_per_gpu": round(statistics.median(r["tokens_per_s_per_gpu"] for r in after)),
         # no MFU where the device has no peak FLOP/s (a CPU dry run)
-        "mfu": None if any(r["mfu"] is None for r in after) else round(statistics.median(r["mfu"] for r in after), 4),
+        "mfu": None
+        if any(r["mfu"] is None for r in after)
+        else round(statistics.median(r["mfu"] for r in after), 4),
         "real_tokens_per_s_per_gpu": round(statistics.median(r["real_tokens_per_s_per_gpu"] for r in after)),
         "packing_efficiency": round(statistics.median(r["packing_efficiency"] for r in after), 4),
         "peak_alloc_gib": max(r["peak_alloc_gib"] for r in recs),
