@@ -407,6 +407,22 @@ def test_the_trainer_refuses_an_fp8_base_under_zero3_in_one_line(tmp_path, twins
     assert not Path(load_plan(f).run.output_dir).exists()
 
 
+def test_the_trainer_refuses_a_model_path_holding_only_the_fp8_config(tmp_path, twins):
+    """A config.json with V3's quantization_config plans an fp8 base (sizing, before the weights are
+    at hand); the trainer needs the weights and says so at start, in one line naming model.path."""
+    from tests.test_train import rank0_alone
+
+    cfg_only = tmp_path / "config-only"
+    cfg_only.mkdir()
+    shutil.copy(twins[0] / "config.json", cfg_only / "config.json")
+    rd = _render(tmp_path, cfg_only)
+    assert load_plan(rd / "run.yaml").finetune.base_precision == "fp8"
+    r = rank0_alone(Path(rd) / "run.yaml")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert r.stderr.startswith("dskit: error: finetune.base_precision: fp8 keeps model.path's FP8"), r.stderr
+    assert "no weights to read (model.path unset, or a config.json alone)" in r.stderr, r.stderr
+
+
 @pytest.mark.train
 def test_zero1_trains_the_fp8_base_from_the_same_first_loss(tmp_path, twins, runs):
     """The other stage an FP8 base trains under: gradients whole per rank, the same first step."""

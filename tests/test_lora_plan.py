@@ -268,7 +268,7 @@ def test_the_trainer_refuses_an_fp8_base_without_an_fp8_checkpoint_in_one_line(t
     r = rank0_alone(Path(rd) / "run.yaml")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "finetune.base_precision: fp8 keeps model.path's FP8 weights" in r.stderr
-    assert "no model.path is set" in r.stderr
+    assert "the run has no weights to read (model.path unset, or a config.json alone)" in r.stderr
 
 
 def test_adapter_only_export_of_a_full_run_is_one_line_and_exit_2(tmp_path):

@@ -236,7 +236,11 @@ def tuning(
 
 def no_fp8_checkpoint(path: str | None) -> SpecError:
     """The one refusal of an fp8 base without DeepSeek-V3's FP8 checkpoint at model.path (plan and trainer)."""
-    where = f"{path} holds none" if path else "no model.path is set"
+    where = (
+        f"{path} holds none"
+        if path
+        else "the run has no weights to read (model.path unset, or a config.json alone)"
+    )
     return SpecError(
         "finetune.base_precision",
         f"fp8 keeps model.path's FP8 weights as the frozen base, and {where} (DeepSeek-V3's format: e4m3 "

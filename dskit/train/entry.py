@@ -96,12 +96,9 @@ def read_contract(*, launcher_env: bool = True):
 def _check_fp8_base(plan) -> None:
     """An fp8 base trains from model.path's FP8 checkpoint under ZeRO-1/2 (dskit/train/fp8_base.py);
     the plan checks both, and run.yaml or the checkpoint may have changed since."""
-    from dskit.hf_checkpoint import fp8_format
-    from dskit.plan.lora import no_fp8_checkpoint
+    from dskit.train.fp8_base import checkpoint_format
 
-    path = plan.model.path
-    if not path or fp8_format(path) is None:
-        raise no_fp8_checkpoint(path)
+    checkpoint_format(plan.model.path)  # the FP8 weights themselves, not a config.json that plans them
     stage = plan.deepspeed["zero_optimization"]["stage"]
     if stage == 3:
         raise SpecError(
