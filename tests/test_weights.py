@@ -141,3 +141,31 @@ def test_a_shard_from_another_model_stops_every_rank_with_exit_2(tmp_path):
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-2000:]
     errors = [x for x in r.stderr.splitlines() if x.startswith("dskit: error: model.path:")]
     assert len(errors) == 2, r.stderr[-3000:]  # one line from each rank
+
+
+def test_a_model_from_model_path_trains_in_train_mode_and_recomputes_its_checkpointed_layers(tmp_path):
+    """transformers' from_pretrained hands back an eval-mode model, in which its checkpointing (and
+    dropout) is off: a run from model.path used to keep every layer's activations. Counted here by the
+    attention forwards: a checkpointed layer runs its forward again in backward."""
+    import torch.distributed as dist
+
+    from dskit.train.model import build_model
+
+    ckpt = save_checkpoint("tiny-v2", tmp_path / "ckpt", train_steps=1)
+    plan = load_plan(render_tiny(tmp_path, None, extra=[f"model.path={ckpt}"]) / "run.yaml")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        m = build_model(
+            plan.model, attention="sdpa", dtype=torch.bfloat16, seed=1, ckpt_every=2,
+            deepspeed_config={"zero_optimization": {"stage": 2}}, device=torch.device("cpu"),
+        )  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert all(x.training for x in m.modules())
+    calls: list[int] = []
+    for i, layer in enumerate(m.model.layers):  # the layer's own hooks stay outside transformers' checkpoint
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: calls.append(i))
+    x = torch.randint(0, 100, (2, 16))
+    m(input_ids=x, labels=x).loss.backward()
+    layers = len(m.model.layers)
+    assert sorted(calls) == sorted([*range(layers), *range(0, layers, 2)])

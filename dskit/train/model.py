@@ -132,6 +132,10 @@ def build_model(
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model._dskit_zero3 = zero3  # keeps transformers' ZeRO-3 switch on while the model lives
+    # from_pretrained returns the model in eval mode: transformers then skips activation checkpointing
+    # (GradientCheckpointingLayer checks self.training) and dropout, so a run from model.path silently
+    # kept every layer's activations until its first eval (measured: 131 GiB where the plan said 47)
+    model.train()
     if ckpt_every:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for i, layer in enumerate(model.model.layers):
