@@ -87,10 +87,22 @@ def test_the_pick_is_the_fastest_measured(config):
 
 
 FP8_BENCH = bench_module("fp8_lora_bench")
-FP8_ROWS = FP8_BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-fp8-lora*.json")))
-#: routed-expert adapters measured off the memory model (docs/planner.md "LoRA"): kept here, strict, so
-#: that the fix of the model turns them into failures to move back among the others
-ROUTED_MISS = "the plan's memory for routed-expert adapters is off on the H200 (docs/planner.md 'LoRA')"
+#: runs from a bf16 model.path with checkpointing, measured before the trainer set train mode on models
+#: from_pretrained returns in eval mode (dskit/train/model.py): they never recomputed a layer
+EVAL_MODE_RUNS = {
+    ("h200-fp8-lora-routed-2026-12-02.json", "bf16"),
+    ("h200-fp8-lora-routed-ckpt-2026-12-02.json", "bf16-ckpt1"),
+}
+FP8_ROWS = [
+    r
+    for r in FP8_BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-fp8-lora*.json")))
+    if (r["file"], r["label"]) not in EVAL_MODE_RUNS
+]
+#: routed-expert adapters: the plan is 10-17% over on the three H200 runs (docs/planner.md "LoRA"); kept
+#: here, strict, so that fixing the model turns them into failures to move back among the others
+ROUTED_MISS = (
+    "the plan's memory for routed-expert adapters is 10-17% high on the H200 (docs/planner.md 'LoRA')"
+)
 
 
 def _fp8_id(r: dict) -> str:
@@ -107,6 +119,11 @@ def _fp8_case(r: dict):
 def test_the_fp8_base_runs_cover_both_bases_and_a_full_run():
     labels = {(r["layers"], r["label"]) for r in FP8_ROWS}
     assert {(27, "fp8"), (27, "bf16"), (27, "fp8-mb4"), (2, "full"), (2, "bf16")} <= labels
+    files = {
+        r["file"]
+        for r in FP8_BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-fp8-lora*.json")))
+    }
+    assert {f for f, _ in EVAL_MODE_RUNS} <= files  # the exclusions name runs that exist
 
 
 @pytest.mark.parametrize("row", [_fp8_case(r) for r in FP8_ROWS])
@@ -120,13 +137,22 @@ def test_fp8_base_prediction_matches_measurement(row, tmp_path):
 
 
 def test_an_fp8_base_trains_the_loss_curve_of_its_bf16_base():
-    """The same checkpoint, held in FP8 or dequantised to bf16: bit-identical weights, so the curves
-    differ only by kernel order (compiled attention, the dequantising GEMM's operand)."""
-    by = {(r["file"], r["label"]): r["measured"]["losses"] for r in FP8_ROWS}
-    pairs = [(k, (k[0], "bf16")) for k in by if k[1].startswith("fp8") and (k[0], "bf16") in by]
-    assert pairs
-    for a, b in pairs:
-        assert by[a] == pytest.approx(by[b], rel=2e-3), a
+    """The same checkpoint, held in FP8 or dequantised to bf16, the same targets and batches: the same
+    bf16 weights, so the curves differ only by kernel order (micro-batch, compiled attention)."""
+
+    def key(r: dict) -> tuple:  # the step count too: it sets the learning-rate schedule
+        targets = next(s for s in r["sets"] if s.startswith("finetune.lora.targets="))
+        return r["layers"], targets, len(r["measured"]["losses"])
+
+    bf16 = {
+        key(r): r["measured"]["losses"]
+        for r in FP8_ROWS
+        if r["label"].startswith("bf16") and r["layers"] == 27
+    }
+    pairs = [(r, bf16[key(r)]) for r in FP8_ROWS if r["label"].startswith("fp8") and key(r) in bf16]
+    assert len({key(r) for r, _ in pairs}) == 2  # default targets and routed experts too
+    for r, want in pairs:
+        assert r["measured"]["losses"] == pytest.approx(want, rel=2e-3), (r["file"], r["label"])
 
 
 def test_a_lora_checkpoint_is_a_fraction_of_the_full_runs():
