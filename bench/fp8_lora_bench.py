@@ -215,9 +215,12 @@ def repredict(row: dict, root: Path, gpu: str = "h200-141gb") -> dict:
         "runtime.kind": "none",
     }
     plan = build_plan(load_spec(sets=[*row["sets"], *pinned], flags=flags))
+    build = plan.memory["construction"]
     return {
         "memory_gib": plan.memory["total_gib"],
         "tokens_per_s_per_gpu": plan.speed["tokens_per_s_per_gpu"],
+        # what construction-rankN.json's peak_alloc_gib measures: the allocator, not the CUDA context
+        "construction_alloc_gib": plan.memory["construction_gib"] - build["overhead_gib"],
     }
 
 

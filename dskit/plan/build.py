@@ -56,8 +56,8 @@ _FP8_ONLY_REFUSALS = ("finetune.base_precision", "overrides.zero_stage")
 def build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     """The plan and every candidate the planner weighed (`dskit plan --explain`). `base_precision: auto`
     resolves to fp8 for DeepSeek-V3's FP8 checkpoints; where an fp8 base cannot be planned (it trains
-    under ZeRO-1/2 only, built whole in bf16 first), auto takes bf16, dequantised while loading, and says
-    so in a warning; an explicit fp8 keeps its refusal."""
+    under ZeRO-1/2 only, each GPU holding the non-expert base whole), auto takes bf16, dequantised while
+    loading, and says so in a warning; an explicit fp8 keeps its refusal."""
     try:
         return _build_plan_searched(spec)
     except SpecError as e:

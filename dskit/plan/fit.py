@@ -195,7 +195,8 @@ def explain_no_fit(
             f"experts, in FP8 ({b.shard_gib:.1f} GiB at EP {least.candidate.ep_size}), over {_gpu_limit(s)}; "
             + _or(
                 _more_nodes(s, fits, ep_for),
-                "finetune.base_precision=bf16 (ZeRO-3 shards a bf16 base, dequantised while loading)",
+                "finetune.base_precision=bf16 (ZeRO-3 shards a bf16 base, dequantised while loading; "
+                "`dskit plan` says whether it fits here)",
             )
         )
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and least.candidate.zero_stage != 3:

@@ -96,16 +96,11 @@ def read_contract(*, launcher_env: bool = True):
 def _check_fp8_base(plan) -> None:
     """An fp8 base trains from model.path's FP8 checkpoint under ZeRO-1/2 (dskit/train/fp8_base.py);
     the plan checks both, and run.yaml or the checkpoint may have changed since."""
-    from dskit.train.fp8_base import checkpoint_format
+    from dskit.train.fp8_base import checkpoint_format, zero3_refusal
 
     checkpoint_format(plan.model.path)  # the FP8 weights themselves, not a config.json that plans them
-    stage = plan.deepspeed["zero_optimization"]["stage"]
-    if stage == 3:
-        raise SpecError(
-            "overrides.zero_stage",
-            "3 cannot hold an fp8 frozen base (ZeRO-3 would keep its FP8 layers whole on every rank, "
-            "unpartitioned); one of: auto, 1, 2 (or finetune.base_precision bf16)",
-        )
+    if plan.deepspeed["zero_optimization"]["stage"] == 3:
+        raise zero3_refusal()
 
 
 def _eval_sampler(plan, data):
@@ -254,6 +249,9 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
             fp8_experts = stack.enter_context(experts_stay_fp8(plan.model.path, device))
         engine = _initialize(plan, model, params, ds_config, stage, fused=deepspeed_config is None)
     if fp8_base:
+        from dskit.train.fp8_base import check_filled
+
+        check_filled(engine.module, fp8_experts)
         log.info(
             "fp8 base: this rank's routed experts of %d MoE layers kept in FP8 (%.3f GiB)",
             len(fp8_experts),

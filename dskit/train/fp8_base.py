@@ -49,6 +49,15 @@ log = logging.getLogger("dskit.train")
 EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
+def zero3_refusal() -> SpecError:
+    """The one refusal of an fp8 base under ZeRO-3 (the trainer's start check and build_model's)."""
+    return SpecError(
+        "overrides.zero_stage",
+        "3 cannot hold an fp8 frozen base (ZeRO-3 would keep its FP8 layers whole on every rank, "
+        "unpartitioned); one of: auto, 1, 2 (or finetune.base_precision bf16)",
+    )
+
+
 def checkpoint_format(path: str | None) -> Fp8Format:
     """model.path's FP8 format, or SpecError: an fp8 base is read from DeepSeek-V3's FP8 checkpoint."""
     from dskit.plan.lora import no_fp8_checkpoint
@@ -292,6 +301,23 @@ def experts_stay_fp8(path: str, device: Any = None) -> Iterator[dict[str, int]]:
             yield done
         finally:
             AutoEP._replace_moe_layer_without_retarget = original
+
+
+def check_filled(model: nn.Module, replaced: dict[str, int]) -> None:
+    """After the engine is built: every MoE layer had its experts read in FP8, and nothing of the meta
+    build is left unfilled (a layer AutoEP did not replace would otherwise fail later, in a copy
+    "out of meta tensor")."""
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+
+    layers = [n for n, m in model.named_modules() if isinstance(m, AutoEPMoELayer)]
+    missed = sorted(set(layers) - set(replaced))
+    stray = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missed or stray or not layers:
+        raise RuntimeError(
+            f"fp8 base: {len(replaced)} of {len(layers)} MoE layers got their experts in FP8"
+            + (f" (not {missed[0]})" if missed else "")
+            + (f"; {len(stray)} tensors left on the meta device, e.g. {stray[0]}" if stray else "")
+        )
 
 
 def held_bytes(module: nn.Module) -> dict[str, int]:

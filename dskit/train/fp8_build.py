@@ -12,7 +12,7 @@ onto this rank's GPU:
   the checkpoint.
 
 So a rank holds, from the first tensor on, what it trains with: the non-expert base in FP8 (bf16 where
-the checkpoint is) and 1/ep of the routed experts in FP8. DeepSeek-V3 on one 8 x H200 node is ~97 GB of
+the checkpoint is) and 1/ep of the routed experts in FP8. DeepSeek-V3 on one 8 x H200 node is ~94 GiB of
 FP8 per GPU; built whole in bf16 first (as ZeRO-1/2 build a bf16 model) it was 1,250 GiB per GPU.
 
 Non-persistent buffers (the rotary embedding's inverse frequencies) are not in a checkpoint: the
@@ -74,16 +74,21 @@ def _load_the_rest(model: nn.Module, path: str, fmt: Any, device: torch.device) 
     from dskit.train.fp8 import dequantize_blocks
     from dskit.train.fp8_weights import open_shards
 
-    wanted = {n: t for n, t in model.state_dict(keep_vars=True).items() if t.is_meta}
-    missing = [n for n in wanted if not FUSED_EXPERTS.search(n)]
+    # tied tensors (an lm_head sharing the embedding) appear under every name: read one, tie the rest
+    aliases: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        if t.is_meta and not FUSED_EXPERTS.search(n):
+            aliases.setdefault(id(t), []).append(n)
+    metas = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+    read = []
     with open_shards(path) as shards:
-        absent = [n for n in missing if n not in shards]
+        absent = [names[0] for names in aliases.values() if not any(n in shards for n in names)]
         if absent:
             raise SpecError(
                 "model.path", f"{path} lacks {len(absent)} of the model's tensors, e.g. {absent[0]}"
             )
-        for name in missing:
-            meta = wanted[name]
+        for key, names in aliases.items():
+            name, meta = next(n for n in names if n in shards), metas[key]
             value = shards[name].get_tensor(name).to(device)
             if name in fmt.weights:
                 scale = fmt.scale_of(name)
@@ -95,7 +100,10 @@ def _load_the_rest(model: nn.Module, path: str, fmt: Any, device: torch.device) 
                     "model.path", f"{path}: {name} is {list(value.shape)}; the model's is {list(meta.shape)}"
                 )
             _assign(model, name, value.to(meta.dtype), requires_grad=meta.requires_grad)
-    return len(missing)
+            read.append(name)
+    if any(len(names) > 1 for names in aliases.values()):
+        model.tie_weights()
+    return len(read)
 
 
 def _assign(model: nn.Module, name: str, value: torch.Tensor, *, requires_grad: bool) -> None:

@@ -120,7 +120,9 @@ def build_model(
             from dskit.train.fp8_build import build_fp8_base
 
             if whole_on is None:
-                raise SpecError("overrides.zero_stage", "an fp8 base trains under ZeRO-1 or 2; set 1 or 2")
+                from dskit.train.fp8_base import zero3_refusal
+
+                raise zero3_refusal()
             model = build_fp8_base(model_plan.path, config=config, dtype=dtype, device=whole_on)
         elif model_plan.path:
             from dskit.train.weights import load_pretrained
