@@ -8,7 +8,7 @@ held-out loss. For each set: trainable parameters (the plan's count, what a chec
 loss drop from the base (step 1, before any update) to the mean of the last 5 steps, and the drop per
 million trainable parameters. Prints a table and writes JSON.
 
-    python bench/lora_targets_bench.py --out bench/results/cpu-lora-targets-DATE.json
+    python bench/lora_targets_bench.py --out bench/results/RESULT.json
 
 A tiny model on CPU is not DeepSeek-V2-Lite: the per-byte ranking is evidence for the default, not a
 measurement of it at scale (that needs a pretrained checkpoint, which no machine here holds).
