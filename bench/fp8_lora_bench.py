@@ -224,6 +224,16 @@ def repredict(row: dict, root: Path, gpu: str = "h200-141gb") -> dict:
     }
 
 
+def variant(text: str) -> tuple[str, str, list[str]]:
+    """--variant LABEL:BASE:SET,SET, checked before anything is written or run."""
+    label, base, sets = (text.split(":", 2) + ["", ""])[:3]
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", label) or base not in ("fp8", "bf16") or "=" not in sets:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: want LABEL:BASE:KEY=VALUE[,KEY=VALUE] (LABEL lowercase letters, digits, '-'; BASE fp8 or bf16)"
+        )
+    return label, base, sets.split(",")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="deepseek-v2-lite", help="catalog preset whose shape is written")
@@ -243,6 +253,7 @@ def main() -> None:
     ap.add_argument(
         "--variant",
         action="append",
+        type=variant,
         default=[],
         metavar="LABEL:BASE:SET,SET",
         help="also a LoRA run on base fp8|bf16 with these overrides, e.g. bf16-ckpt1:bf16:overrides.activation_checkpointing=1",
@@ -276,9 +287,8 @@ def main() -> None:
         jobs.append(
             (f"fp8-mb{a.fp8_micro_batch}", [*jobs[0][1], f"overrides.micro_batch={a.fp8_micro_batch}"])
         )
-    for v in a.variant:
-        label, base, sets = v.split(":", 2)
-        jobs.append((label, [*lora, f"finetune.base_precision={base}", *sets.split(",")]))
+    for label, base, sets in a.variant:
+        jobs.append((label, [*lora, f"finetune.base_precision={base}", *sets]))
     if a.full_too:
         jobs.append(("full", shape))
     for label, sets in jobs:
