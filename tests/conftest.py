@@ -130,3 +130,24 @@ def bench_module(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size, mounted for the test and removed after it."""
+    mounts: list[Path] = []
+
+    def make(size_bytes: int) -> Path:
+        d = tmp_path / f"disk{len(mounts)}"
+        d.mkdir()
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(d)], capture_output=True
+        )
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        mounts.append(d)
+        return d
+
+    yield make
+    for d in mounts:
+        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -192,27 +192,6 @@ def test_retention_counts_only_intact_checkpoints(base, tmp_path):
 # --------------------------------------------------------------------------- a full disk
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of a given size, mounted for the test and removed after it."""
-    mounts: list[Path] = []
-
-    def make(size_bytes: int) -> Path:
-        d = tmp_path / f"disk{len(mounts)}"
-        d.mkdir()
-        r = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(d)], capture_output=True
-        )
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-        mounts.append(d)
-        return d
-
-    yield make
-    for d in mounts:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 @pytest.mark.parametrize("room", ["one checkpoint", "half a checkpoint"])
 def test_a_full_disk_stops_with_74_keeps_the_previous_checkpoint_and_leaves_no_partial_files(
     base, tmp_path, small_disk, room

@@ -160,13 +160,21 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
 
 
 def test_bad_input_in_a_worker_fails_the_job_once_with_its_line(ray_cluster, tmp_path):
-    """A SpecError inside the workers (here: the checkpoint to resume was written by 4 ranks, the run
-    has 2) is exit 2, "do not retry": the job fails at once, not after ray.max_failures attempts, and
+    """A SpecError inside the workers (here: the checkpoint to resume was written under another ZeRO
+    stage) is exit 2, "do not retry": the job fails at once, not after ray.max_failures attempts, and
     `dskit status` shows the worker's one-line reason."""
     rd = render(tmp_path, "raybad", steps=10, every=5)
-    tag = Path(load_plan(rd / "run.yaml").run.checkpoint_dir) / "step00000005"
+    plan = load_plan(rd / "run.yaml")
+    other = 1 if plan.parallel.zero_stage != 1 else 2
+    tag = Path(plan.run.checkpoint_dir) / "step00000005"
     tag.mkdir(parents=True)
-    (tag / "dskit.json").write_text(json.dumps({"step": 5, "world_size": 4, "meta": {"step": 5}}))
+    done = {
+        "step": 5,
+        "world_size": plan.hardware.world_size,
+        "layout": {"zero_stage": other},
+        "meta": {"step": 5},
+    }
+    (tag / "dskit.json").write_text(json.dumps(done))
     r = subprocess.run(
         ["bash", str(rd / "submit.sh")], env=ray_cluster, capture_output=True, text=True, timeout=600
     )
@@ -180,7 +188,10 @@ def test_bad_input_in_a_worker_fails_the_job_once_with_its_line(ray_cluster, tmp
         text=True,
     )
     logs = logs.stdout + logs.stderr
-    reason = f"hardware: checkpoint {tag} was written by world size 4, this run has world size 2"
+    reason = (
+        f"overrides.zero_stage: checkpoint {tag} was written with zero stage {other}, this run has "
+        f"{plan.parallel.zero_stage}"
+    )
     # the driver's own lines (Ray prefixes the workers' and its controller's, and streams them later)
     driver = [ln for ln in logs.strip().splitlines() if not ln.startswith("\x1b[")]
     assert driver[-1].startswith(f"dskit: error: {reason}"), logs[-4000:]

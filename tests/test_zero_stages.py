@@ -4,12 +4,13 @@ ZeRO-1 and 2 keep the 16-bit weights whole on every rank: a different constructi
 zero.Init), other DeepSpeed checkpoint files, other collectives. The random init is drawn per module
 from (seed, name), so all stages start from the same weights: the first loss must be ZeRO-3's, and the
 curve must stay on it. Each stage checkpoints and exports a verified model; ZeRO-2 (the planner's usual
-pick of the two) resumes where ZeRO-3 does; a checkpoint written under another stage or EP size is
-refused.
+pick of the two) resumes where ZeRO-3 does; a checkpoint written under another stage is refused, and
+one written at another world and EP size resumes through its universal copy.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
+from tests.test_reshard import RESHARD_RTOL
 from tests.test_train import assert_same_run, losses, ranks_of, run, start, wait_for_step
 
 pytestmark = pytest.mark.train
@@ -86,17 +88,24 @@ def test_a_checkpoint_of_another_stage_is_refused_with_one_line(runs, tmp_path):
     assert not losses(rd)
 
 
-def test_a_checkpoint_of_another_ep_size_is_refused_with_one_line(runs, tmp_path):
-    ckpt = load_plan(runs[1] / "run.yaml").run.checkpoint_dir
-    extra = [f"storage.checkpoint_dir={ckpt}", f"training.steps={STEPS + 5}", "overrides.ep_size=1"]
-    rd = _render(tmp_path, 1, extra=extra)
-    log = tmp_path / "train.log"
-    assert run(rd, log) == 2, log.read_text()[-3000:]
-    assert (
-        "overrides.ep_size: checkpoint" in log.read_text()
-        and "written with ep size 2, this run has 1" in log.read_text()
+@pytest.mark.parametrize("stage", [2, 1])
+def test_a_checkpoint_resumes_on_one_rank_at_ep_1_on_the_curve(runs, stage, tmp_path):
+    """Step 10 of the 2-rank EP-2 run (the fused step's files), resumed by 1 rank at EP 1 through the
+    universal copy (dskit/train/reshard.py): the rest of the uninterrupted run's curve."""
+    rd = _render(tmp_path, stage, gpus_per_node=1)
+    assert load_plan(rd / "run.yaml").parallel.optimizer_step == "fused"
+    ckpt = Path(load_plan(rd / "run.yaml").run.checkpoint_dir)
+    ckpt.mkdir(parents=True)
+    shutil.copytree(
+        Path(load_plan(runs[stage] / "run.yaml").run.checkpoint_dir) / "step00000010", ckpt / "step00000010"
     )
-    assert not losses(rd)
+    log = tmp_path / "train.log"
+    assert run(rd, log) == 0, log.read_text()[-3000:]
+    assert "resharding step00000010: world size 2 -> 1, ep size 2 -> 1" in log.read_text()
+    got, want = losses(rd), losses(runs[stage])
+    assert sorted(got) == list(range(11, STEPS + 1))
+    for s in got:
+        assert got[s] == pytest.approx(want[s], rel=RESHARD_RTOL), s
 
 
 def test_the_fused_step_trains_as_deepspeeds_with_the_clip_inside_adam(tmp_path):

@@ -415,6 +415,7 @@ def _main() -> int:
         _error_line(e)
         return EXIT_BAD_INPUT
     from dskit.train.checkpoint import DiskFull
+    from dskit.train.reshard import ConversionFailed
 
     try:
         return run(plan, data, sampler, eval_sampler)
@@ -424,6 +425,9 @@ def _main() -> int:
     except DiskFull as e:
         _error_line(e)
         return e.code
+    except ConversionFailed as e:  # rank 0's own exit code (74, or a crash's 1) decides
+        _error_line(e)
+        return FOLLOWED_A_PEER
     except RuntimeError as e:  # DistError is one
         if not collective_failed(e):
             raise

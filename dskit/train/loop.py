@@ -104,6 +104,7 @@ def train(
         beat=watchdog.beat,
         layout=_layout(plan),
         states=AdapterStates(rank, world) if plan.finetune else None,
+        samples_per_step=plan.parallel.grad_accum * plan.parallel.micro_batch * world,
     )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
