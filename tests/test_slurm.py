@@ -203,7 +203,7 @@ def test_expert_parallelism_across_the_two_nodes_with_zero2(cluster, tmp_path):
     assert "verified: exported logits match the trained model" in r.stdout, r.stdout
 
 
-def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(cluster, tmp_path):
+def test_a_lost_node_ends_the_job_and_a_resubmission_on_the_node_left_resumes(cluster, tmp_path):
     rd = render(tmp_path, "nodeloss", steps=40, every=3)
     job = cluster.sbatch(str(rd / "job.sbatch"), cwd=tmp_path)
     wait_step(rd, 7, cluster, job)
@@ -224,11 +224,23 @@ def test_a_lost_node_ends_the_job_and_a_resubmission_resumes(cluster, tmp_path):
     assert "node2" in out.split("rank 1 of 2 on node2")[-1]  # the failure report names the lost host
     ckpt_root = Path(load_plan(rd / "run.yaml").run.checkpoint_dir)
     last = newest_verified_tag(ckpt_root)  # the last complete checkpoint is intact
-    job2 = cluster.sbatch(str(rd / "job.sbatch"), cwd=tmp_path)
+    # resubmitted on the one node left: the 2-rank checkpoint resumes on 1 rank, resharded
+    one = render_tiny(
+        tmp_path,
+        name="nodeloss1",
+        steps=40,
+        nodes=1,
+        gpus_per_node=1,
+        extra=["checkpoint.every=3", "network.interface=eth0", "slurm.partition=debug",
+               f"storage.checkpoint_dir={ckpt_root}"],
+    )  # fmt: skip
+    job2 = cluster.sbatch(str(one / "job.sbatch"), cwd=tmp_path)
     st2 = cluster.wait(job2, 300)
-    out2 = output(tmp_path, "nodeloss", job2)
+    out2 = output(tmp_path, "nodeloss1", job2)
     assert st2["JobState"] == "COMPLETED", out2[-3000:]
-    assert f"resumed from {last}" in out2
+    assert f"resharding {last.name}: world size 2 -> 1" in out2 and f"resumed from {last}" in out2
+    resumed = int(last.name.removeprefix("step"))
+    assert [r["step"] for r in metrics(one)] == list(range(resumed + 1, 41))
 
 
 def test_a_hung_rank_ends_the_job_with_75_and_slurm_requeues_it(cluster, tmp_path):
