@@ -138,15 +138,22 @@ class DeepSpeedStates:
 
 
 def _unshare_steps(optimizer) -> None:
-    """DeepSpeed 0.19.8's universal ZeRO-3 load gives every sub-group's optimizer state one and the same
-    `step` tensor (runtime/zero/stage3.py, `load_hp_checkpoint_state_from_checkpoint_dir_stage3`:
-    `self.optimizer.state[fp32_param]['step'] = state_step`), and torch's AdamW adds 1 to it in place
-    for each sub-group: the step count, and with it Adam's bias correction, ran ahead by the number of
-    sub-groups per step (measured: the resumed curve off by 0.75% after 8 steps, against 2e-4 without)."""
+    """Give each optimizer state its own step counter, where torch's Adam expects it. DeepSpeed 0.19.8's
+    universal loads get both wrong:
+    - ZeRO-3 gives every sub-group's state one and the same `step` tensor (runtime/zero/stage3.py,
+      `load_hp_checkpoint_state_from_checkpoint_dir_stage3`: `self.optimizer.state[fp32_param]['step'] =
+      state_step`), and torch's AdamW adds 1 to it in place for each sub-group: the step count, and with
+      it Adam's bias correction, ran ahead by the number of sub-groups per step (measured on the CPU: the
+      resumed curve off by 0.75% after 8 steps, against 2e-5 with this);
+    - ZeRO-1/2 loads it onto the CPU, where torch's fused AdamW (dskit's fused step) refuses it
+      ("state_steps is on cpu, different from other tensors on cuda:0", seen on an H200): fused and
+      capturable Adam keep the step on the parameter's device, the others on the CPU, as torch makes it."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    for state in inner.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] = state["step"].clone()
+    on_device = any(g.get("fused") or g.get("capturable") for g in inner.param_groups)
+    for param, state in inner.state.items():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            state["step"] = step.detach().to(param.device if on_device else "cpu", copy=True)
 
 
 class Checkpointer:
