@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -31,6 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
 from dskit.hf_checkpoint import INDEX, SINGLE
+from dskit.train import universal
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dskit export --help` stays light
     import torch
@@ -137,22 +136,7 @@ def _to_universal(src: Path, udir: Path) -> Path:
     output goes to a log file that the SpecError names."""
     print(f"dskit: consolidating {src} (deepspeed ds_to_universal)", flush=True)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(src),
-            "--output_folder",
-            str(udir),
-            "--num_extract_workers",
-            "1",
-            "--num_merge_workers",
-            "1",
-        ],
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-        capture_output=True,
-        text=True,
+        universal.command(src, udir), env=universal.environment(), capture_output=True, text=True
     )
     if proc.returncode != 0:
         with tempfile.NamedTemporaryFile(

@@ -26,13 +26,13 @@ import json
 import logging
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from dskit.errors import SpecError
 from dskit.text import escape
+from dskit.train import universal
 
 log = logging.getLogger("dskit.train")
 
@@ -121,19 +121,12 @@ def _run_converter(
     if free < needed_bytes:
         raise disk_full(needed_bytes, free)
     logfile = out / f"convert-{tag}.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.checkpoint.ds_to_universal",
-        "--input_folder",
-        str(src),
-        "--output_folder",
-        str(tmp / tag),
-    ]
     log.info("resharding: converting %s to DeepSpeed's universal layout in %s (log: %s)", src, out, logfile)
     t0 = time.perf_counter()
     with logfile.open("w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            universal.command(src, tmp / tag), env=universal.environment(), stdout=f, stderr=subprocess.STDOUT
+        )
         try:
             while p.poll() is None:
                 beat(f"converting {tag} to the universal layout")
