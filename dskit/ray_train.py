@@ -30,6 +30,7 @@ def _worker(config: dict) -> None:
     import ray.train
 
     from dskit.train.checkpoint import DiskFull
+    from dskit.train.reshard import ConversionFailed
 
     os.environ[Env.RUN_FILE.value] = config["run_file"]
     ctx = ray.train.get_context()
@@ -47,6 +48,8 @@ def _worker(config: dict) -> None:
         raise RankExit(EXIT_BAD_INPUT, str(e)) from None
     except DiskFull as e:
         raise RankExit(e.code, str(e)) from None
+    except ConversionFailed as e:  # a waiting rank's has no code: rank 0's own RankExit carries it
+        raise RankExit(1 if e.code is None else e.code, str(e)) from None
     if code == EXIT_REQUEUE:
         raise RankExit(code, "stopped on request after a checkpoint; a new worker group resumes from it")
     if code != 0:

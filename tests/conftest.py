@@ -12,6 +12,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: a resharded resume against the uninterrupted run: the batch cut into other micro-steps and reduced in
+#: another order. Measured on these tests within 2e-5 (and 2e-4 between fresh 1- and 2-rank runs);
+#: resumed without the Adam moments the curve is off by 7e-3 one step later, with DeepSpeed's shared
+#: step counter (checkpoint.py `_unshare_steps`) by 2e-3 two steps later.
+RESHARD_RTOL = 2e-4
+
 # The CPU training setup every trainer test uses: tiny model, 2 ranks, EP=2, ZeRO-3 on gloo.
 TINY_SETS = [
     "training.seq_len=128",

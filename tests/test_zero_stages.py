@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from dskit.plan.schema import load_plan
-from tests.conftest import dskit, render_tiny
-from tests.test_reshard import RESHARD_RTOL
+from tests.conftest import RESHARD_RTOL, dskit, render_tiny
 from tests.test_train import assert_same_run, losses, ranks_of, run, start, wait_for_step
 
 pytestmark = pytest.mark.train

@@ -72,12 +72,21 @@ class DiskFull(Exception):
 
     code = EXIT_DISK_FULL
 
-    def __init__(self, directory: Path, needed: int | None, free: int, kept: str | None):
+    def __init__(
+        self,
+        directory: Path,
+        needed: int | None,
+        free: int,
+        kept: str | None,
+        *,
+        what: str = "a checkpoint",
+        kept_is: str = "the previous checkpoint",
+    ):
         gib = 2**30
         need = f"about {needed / gib:.2f} GiB" if needed else "more space"
-        previous = f"the previous checkpoint {kept} is intact" if kept else "no earlier checkpoint exists"
+        previous = f"{kept_is} {kept} is intact" if kept else "no earlier checkpoint exists"
         super().__init__(
-            f"storage.checkpoint_dir: {escape(str(directory))} is full: a checkpoint needs {need}, {free / gib:.2f} GiB "
+            f"storage.checkpoint_dir: {escape(str(directory))} is full: {what} needs {need}, {free / gib:.2f} GiB "
             f"free; {previous}. Free space or point storage.checkpoint_dir at a bigger disk, then resubmit"
         )
 
@@ -168,18 +177,15 @@ class Checkpointer:
         beat: Callable[[int, str], None] | None = None,
         layout: dict[str, int | str] | None = None,
         states=None,
-        samples_per_step: int | None = None,
     ):
         """`layout`: what a checkpoint's files depend on besides the world size (the ZeRO stage, the EP
         size, the finetune method); recorded in dskit.json. A resume at another world or EP size is
         resharded where the files allow it (dskit/train/reshard.py); other differences are refused.
         `states`: who writes and reads the model and optimizer files: DeepSpeed (the default), or
-        AdapterStates for a LoRA run (dskit/train/adapter_state.py). `samples_per_step`: the global
-        batch; a checkpoint written at another is refused (the data position is step x batch)."""
+        AdapterStates for a LoRA run (dskit/train/adapter_state.py)."""
         self.root = Path(root)
         self.keep, self.rank, self.world, self.device = keep, rank, world, device
         self.layout = layout or {}
-        self.samples_per_step = samples_per_step
         self.states = states or DeepSpeedStates()
         # the watchdog's: verifying and loading checkpoints (a fallback reads several) takes a while
         self.beat = beat or (lambda step, phase: None)
@@ -205,27 +211,6 @@ class Checkpointer:
             "the checkpoint (hardware.nodes x hardware.gpus_per_node), or point storage.checkpoint_dir at "
             "an empty dir to start fresh",
         )
-
-    def _refuse_other_batch(self, d: Path, done: dict[str, Any]) -> None:
-        """A resume reads step s's samples at s x global batch (dskit/data/sampler.py `sample_index`):
-        under another batch it would skip or repeat data."""
-        samples, step = (done.get("meta") or {}).get("samples"), done.get("step")
-        if (
-            self.samples_per_step is None
-            or not isinstance(samples, int)
-            or not isinstance(step, int)
-            or not step
-        ):
-            return
-        if samples != step * self.samples_per_step:
-            was = samples // step
-            raise SpecError(
-                "training.global_batch",
-                f"checkpoint {d} was written at a global batch of {was} sequences, this run has "
-                f"{self.samples_per_step}: set training.global_batch={was} to resume it (a resume finds "
-                "its place in the data as step x batch), or point storage.checkpoint_dir at an empty dir "
-                "to start fresh",
-            )
 
     def _refuse_other_layout(self, d: Path, done: dict[str, Any], *, resharded: bool = False) -> None:
         """DeepSpeed cannot load a checkpoint written under another ZeRO stage or optimizer (the files
@@ -337,8 +322,9 @@ class Checkpointer:
 
     def load_latest(self, engine) -> dict[str, Any] | None:
         """Load the newest checkpoint that verifies everywhere; returns its metadata, or None to start
-        fresh (no checkpoint yet). SpecError when checkpoints exist but none can be trusted, or when the
-        newest good one was written by another world size."""
+        fresh (no checkpoint yet); under another world or EP size through its universal copy. SpecError
+        when checkpoints exist but none can be trusted, or when the newest good one was written under a
+        layout this run cannot load (another ZeRO stage; a LoRA run's of another world or EP size)."""
         tags = complete_tags(self.root)
         # all ranks must walk the same list: take rank 0's view of the shared directory
         holder = [tags]
@@ -355,7 +341,6 @@ class Checkpointer:
                 change = []  # another EP size alone: refused below, naming overrides.ep_size
             if done is not None:
                 self._refuse_other_layout(d, done, resharded=bool(change))
-                self._refuse_other_batch(d, done)
             if done is not None and not isinstance(done.get("meta"), dict):
                 problem = f"{DONE} has no meta (the loop state)"
             # each rank checks its share of the writers' files (under another world: every world-th one)
@@ -389,6 +374,7 @@ class Checkpointer:
                 self._load_resharded(engine, tag, change)
             else:
                 self.states.load(engine, self.root, tag)
+            if done["world_size"] == self.world:  # the same ranks (another EP size at most): their RNG
                 _set_rng_state(torch.load(d / f"dskit-rng-rank{self.rank}.pt", weights_only=False))
             log.info("resumed from %s (step %d)", d, done["step"])
             return done["meta"]
@@ -401,8 +387,9 @@ class Checkpointer:
         return None
 
     def _load_resharded(self, engine, tag: str, change: list[str]) -> None:
-        """Load `tag` under this run's world and EP size through its universal copy. The per-rank RNG
-        states do not carry over (the ranks are others): each rank keeps the seeded state it started with."""
+        """Load `tag` under this run's world and EP size through its universal copy. Under another world
+        the per-rank RNG states do not carry over (the ranks are others): each rank keeps the seeded
+        state it started with."""
         if self.rank == 0:
             log.warning(
                 "resharding %s: %s; loading it through DeepSpeed's universal layout", tag, ", ".join(change)
@@ -417,7 +404,14 @@ class Checkpointer:
             free_bytes=lambda: shutil.disk_usage(self.root).free,
             # the converter writes its extracted fragments, then the merged files: about twice the tag
             needed_bytes=2 * _dir_bytes(src),
-            disk_full=lambda needed, free: DiskFull(reshard.universal_root(self.root), needed, free, tag),
+            disk_full=lambda needed, free: DiskFull(
+                reshard.universal_root(self.root),
+                needed,
+                free,
+                tag,
+                what=f"the universal copy of {tag} (for resharding)",
+                kept_is="the checkpoint",
+            ),
         )
         self.beat(0, f"loading {tag} resharded")
         self.states.load(engine, universal, tag, universal=True)

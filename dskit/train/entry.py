@@ -425,9 +425,9 @@ def _main() -> int:
     except DiskFull as e:
         _error_line(e)
         return e.code
-    except ConversionFailed as e:  # rank 0's own exit code (74, or a crash's 1) decides
+    except ConversionFailed as e:  # rank 0 says 1; a waiting rank leaves the verdict to rank 0's code
         _error_line(e)
-        return FOLLOWED_A_PEER
+        return FOLLOWED_A_PEER if e.code is None else e.code
     except RuntimeError as e:  # DistError is one
         if not collective_failed(e):
             raise

@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -104,14 +105,14 @@ def train(
         beat=watchdog.beat,
         layout=_layout(plan),
         states=AdapterStates(rank, world) if plan.finetune else None,
-        samples_per_step=plan.parallel.grad_accum * plan.parallel.micro_batch * world,
     )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()
     profiler = StepProfiler(run.profile_steps, opt.steps, run.output_dir, rank, device)
 
     # ---------------------------------------------------------------- resume
-    start = _resume(ckpt, engine, watchdog)
+    position = _resume(ckpt, engine, watchdog, plan.parallel.global_batch)
+    start = position.step
     if start >= opt.steps:
         log.info("all %d steps already done", opt.steps)
         _mark_complete(run.output_dir, rank)
@@ -119,12 +120,14 @@ def train(
     log.info("training steps %d..%d", start + 1, opt.steps)
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
     evals = _evaluator(plan, eval_sampler, window, watchdog, rank=rank, world=world, device=device)
-    save = _Saver(plan, engine, ckpt, watchdog, window, reporter, world=world)
+    save = _Saver(plan, engine, ckpt, watchdog, window, reporter, position=position)
 
     # ---------------------------------------------------------------- loop
     for step in range(start, opt.steps):
         lr = _set_lr(engine, plan, step)
-        _micro_steps(plan, engine, tap, sampler, window, step, rank=rank, world=world, device=device)
+        _micro_steps(
+            plan, engine, tap, sampler, window, step, position, rank=rank, world=world, device=device
+        )
         done = step + 1
         watchdog.beat(done)
         profiler.after_step(done)
@@ -171,12 +174,37 @@ def _layout(plan: Plan) -> dict[str, int | str]:
     return layout
 
 
-def _resume(ckpt: Checkpointer, engine, watchdog: Watchdog) -> int:
-    """The newest verified checkpoint loaded into the engine (if any); returns the step it ends."""
+@dataclass(frozen=True)
+class DataPosition:
+    """Where each step's samples begin: `samples` consumed by the end of step `step`, then `batch` per
+    step (Megatron's consumed_samples). A resume at another global batch (the default rounds it to
+    the world size, so another node count may change it) continues at the next unseen sample: none
+    skipped, none repeated. The uninterrupted run's is (0, 0, batch): sample_index's step x batch."""
+
+    step: int
+    samples: int
+    batch: int
+
+    def first(self, step: int) -> int:
+        """Samples consumed before `step` (0-based) begins."""
+        return self.samples + (step - self.step) * self.batch
+
+
+def _resume(ckpt: Checkpointer, engine, watchdog: Watchdog, batch: int) -> DataPosition:
+    """The newest verified checkpoint loaded into the engine (if any); returns where it left the data."""
     meta = ckpt.load_latest(engine)
     start = meta["step"] if meta else 0
+    samples = meta.get("samples") if meta else 0
+    if not isinstance(samples, int) or samples < 0:  # checkpoints that did not record it: this batch
+        samples = start * batch
+    if samples != start * batch:
+        log.warning(
+            "the checkpoint of step %d was written at %d samples (a global batch of %g); this run's batch is "
+            "%d: the data continues from sample %d, none skipped or repeated",
+            start, samples, samples / max(start, 1), batch, samples,
+        )  # fmt: skip
     watchdog.begin(start)  # the first step carries compiles and warm-up
-    return start
+    return DataPosition(start, samples, batch)
 
 
 def _evaluator(
@@ -210,15 +238,13 @@ class _Saver:
         window: LogWindow,
         reporter: Callable[[dict], None] | None,
         *,
-        world: int,
+        position: DataPosition,
     ):
         self.plan, self.engine, self.ckpt, self.watchdog = plan, engine, ckpt, watchdog
-        self.window, self.reporter, self.world = window, reporter, world
+        self.window, self.reporter, self.position = window, reporter, position
 
     def __call__(self, step: int, extra: dict | None = None) -> None:
-        par = self.plan.parallel
-        samples = step * par.grad_accum * par.micro_batch * self.world
-        info = {"step": step, "samples": samples, "plan": self.plan.name}
+        info = {"step": step, "samples": self.position.first(step), "plan": self.plan.name}
         self.watchdog.beat(step, "checkpoint save")
         path = self.ckpt.save(self.engine, step, info, extra=extra)
         self.watchdog.beat(step, "step")
@@ -246,6 +272,7 @@ def _micro_steps(
     sampler: Sampler | Mixture,
     window: LogWindow,
     step: int,
+    position: DataPosition,
     *,
     rank: int,
     world: int,
@@ -255,8 +282,8 @@ def _micro_steps(
     engine.step() updates the weights at the accumulation boundary)."""
     par = plan.parallel
     for micro in range(par.grad_accum):
-        first = sample_index(
-            step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
+        first = position.first(step) + sample_index(
+            0, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
         )
         batch = sampler.get(first, par.micro_batch)
         inputs, labels, extra = _to_device(batch, device)
