@@ -137,7 +137,11 @@ def remove(root: Path) -> None:
     if not out.exists():
         return
     trash = root / TRASH.format(pid=os.getpid())
-    os.rename(out, trash)
+    try:
+        os.rename(out, trash)
+    except OSError as e:  # the checkpoint just saved is whole; the copy only costs disk until next time
+        log.warning("could not remove the universal copies in %s: %s", out, e)
+        return
     threading.Thread(target=shutil.rmtree, args=(trash,), kwargs={"ignore_errors": True}, daemon=True).start()
 
 
