@@ -90,20 +90,64 @@ CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
         ),
     },
 }
+#: model slices a configuration may train (`model.path={slice:NAME}` in its sets): a catalog model with
+#: some of its config replaced, written to a config.json where both machines find it (`_resolve`)
+SLICES: dict[str, tuple[str, dict]] = {
+    # DeepSeek-V3's layers as EP 8 gives each GPU of the full model: 256 / 8 = 32 routed experts (top-8,
+    # group-limited as V3: 8 groups, 4 of them per token), all-MoE, V3's width and vocabulary
+    "v3-ep8-3l": (
+        "deepseek-v3",
+        {"num_hidden_layers": 3, "n_routed_experts": 32, "first_k_dense_replace": 0},
+    ),
+}
+CONFIGS["V3"] = {
+    # issue 26: the planner's compute and per-layer-pass terms at V3's width (hidden 7168, 128 heads,
+    # top-8 of 2048-wide experts), fitted on V2-Lite only; micro-steps of one sequence as a pipeline
+    # stage would run them (bench/pipeline_what_if.py)
+    "V3s L3 s4096 gb8": (
+        ["model.path={slice:v3-ep8-3l}", "training.seq_len=4096", "training.global_batch=8"],
+        1,
+    ),
+    "V3s L3 s4096 gb2": (
+        ["model.path={slice:v3-ep8-3l}", "training.seq_len=4096", "training.global_batch=2"],
+        1,
+    ),
+}
 COMMON = ["training.steps=10", "training.log_every=1", "checkpoint.every=1000", "checkpoint.final=false"]
 WARMUP_STEPS = 3
 MAX_RUNS_PER_CONFIG = 3  # the chosen + the fastest rejected fits (offload only if it is among them)
 
 
-def _flags(gpus: int, name: str, work: Path) -> dict:
-    return {
+def _flags(gpus: int, name: str, work: Path, sets: list[str] = ()) -> dict:
+    """The spec flags of a run: V2-Lite unless its sets name a model.path (a slice)."""
+    flags = {
         "hardware.gpu": "h200-141gb",
         "hardware.gpus_per_node": gpus,
-        "model.preset": "deepseek-v2-lite",
         "runtime.kind": "none",
         "storage.root": str(work / "storage"),
         "name": name,
     }
+    if not any(x.startswith("model.path=") for x in sets):
+        flags["model.preset"] = "deepseek-v2-lite"
+    return flags
+
+
+def _resolve(sets: list[str]) -> list[str]:
+    """Sets with each `{slice:NAME}` replaced by the path of that slice's config.json, written on first
+    use under the temp dir: the rows keep the placeholder, so `repredict` rebuilds the same model here."""
+    from dskit import catalog
+
+    out = []
+    for x in sets:
+        m = re.fullmatch(r"model\.path=\{slice:([\w-]+)\}", x)
+        if m:
+            model, changes = SLICES[m.group(1)]
+            path = Path(tempfile.gettempdir()) / "dskit-bench-slices" / m.group(1) / "config.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({**catalog.model(model).config, **changes}, indent=1))
+            x = f"model.path={path}"
+        out.append(x)
+    return out
 
 
 def candidates(
@@ -116,8 +160,8 @@ def candidates(
 
     stage = [f"overrides.zero_stage={zero_stage}"] if zero_stage else []
     spec = load_spec(
-        sets=[*COMMON, *sets, f"overrides.compile={compile_choice}", *stage],
-        flags=_flags(gpus, "probe", work),
+        sets=_resolve([*COMMON, *sets, f"overrides.compile={compile_choice}", *stage]),
+        flags=_flags(gpus, "probe", work, sets),
     )
     plan, found = build_plan_searched(spec)
     out = []
@@ -193,7 +237,9 @@ def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[i
 
     values = "-".join(o.split("=")[1] for o in cand["overrides"])  # stage-ep-mb-ckpt-offload
     name = re.sub(r"[^a-z0-9]+", "-", f"{config} {values}".lower()).strip("-")[-52:].strip("-")
-    spec = load_spec(sets=[*COMMON, *sets, *cand["overrides"]], flags=_flags(gpus, name, work))
+    spec = load_spec(
+        sets=_resolve([*COMMON, *sets, *cand["overrides"]]), flags=_flags(gpus, name, work, sets)
+    )
     run = render_run(spec, "slurm", work / name)
     plan, run_dir = run.plan, run.out
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices))}
@@ -350,7 +396,7 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
         f"overrides.compile={o['overrides.compile']}",
         f"overrides.optimizer_step={o['overrides.optimizer_step']}",
     ]
-    _, found = build_plan_searched(load_spec(sets=sets, flags=_flags(row["gpus"], "x", work)))
+    _, found = build_plan_searched(load_spec(sets=_resolve(sets), flags=_flags(row["gpus"], "x", work, sets)))
     want = Candidate(
         zero_stage=int(o["overrides.zero_stage"]),
         ep_size=int(o["overrides.ep_size"]),
@@ -373,7 +419,8 @@ def planner_pick(row: dict) -> list[str]:
     compiled = next(x for x in forced if x.startswith("overrides.compile=")).split("=", 1)[1]
     step = next(x for x in forced if x.startswith("overrides.optimizer_step="))
     sets = [*COMMON, *row["sets"], f"overrides.compile={compiled}", step]
-    p = build_plan(load_spec(sets=sets, flags=_flags(row["gpus"], "x", Path("/nonexistent")))).parallel
+    flags = _flags(row["gpus"], "x", Path("/nonexistent"), sets)
+    p = build_plan(load_spec(sets=_resolve(sets), flags=flags)).parallel
     return _forced(
         p.ep_size,
         p.micro_batch,

@@ -13,6 +13,8 @@ fails in CI (no GPU needed, nothing outside the repository read):
   the 2-GPU kind (issue "Multi-GPU validation").
 - LoRA runs (`h200-lora-*.json`, `bench/plan_bench.py --set LORA` / `LORA-CAL`) are held to the same
   bounds; their picks are checked where more than one candidate of a configuration was measured.
+- DeepSeek-V3's width (`h200-v3-width-*.json`, `--set V3`): the same bounds, the known ZeRO-1/2 misses
+  marked as strict expected failures (bench/README.md "DeepSeek-V3's width").
 """
 
 from __future__ import annotations
@@ -80,6 +82,56 @@ def test_the_pick_is_the_fastest_measured(config):
     picked = [r for r in rows if BENCH.forced_overrides(r) == pick]
     assert picked, f"{config}: today's pick {pick} was never measured; rerun bench/plan_bench.py"
     assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest, json.dumps(picked[0]["measured"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# DeepSeek-V3's width (bench/plan_bench.py --set V3, issue 26): the same goals, with today's known misses
+# kept strict, so that the refit they call for turns them into failures to move back among the others
+
+V3_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-v3-width-2*.json")))
+#: the runs today's model misses at V3's width on one GPU (bench/README.md "DeepSeek-V3's width"): its
+#: ZeRO-1/2 per-step optimizer term is 5x low (0.021 s against 0.10-0.11), which shows at accumulation 2,
+#: and ZeRO-2's memory is 12.4% under the peak reserved
+V3_MISSES = {
+    "V3s L3 s4096 gb8:2-1-1-0-none-on-auto": "ZeRO-2's memory 12.4% under the peak reserved",
+    "V3s L3 s4096 gb2:2-1-1-0-none-on-auto": "ZeRO-2's memory 12.4% low; the per-step term 5x low: 20% fast",
+    "V3s L3 s4096 gb2:1-1-1-0-none-on-auto": "the ZeRO-1/2 per-step term 5x low: tokens/s 16% high",
+}
+#: the plan calls ZeRO-1 and ZeRO-2 even on one GPU and takes ZeRO-2, measured 6.4% slower at gb 8
+V3_PICK_MISS = "ZeRO-2 picked over ZeRO-1 at V3's width, measured 6.4% slower (bench/README.md)"
+
+
+def _v3_case(r: dict):
+    why = V3_MISSES.get(_id(r))
+    return pytest.param(
+        r, id=_id(r), marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=why)] if why else []
+    )
+
+
+def test_the_v3_width_runs_cover_every_zero_stage():
+    assert {BENCH.forced_overrides(r)[0] for r in V3_ROWS} == {f"overrides.zero_stage={z}" for z in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("row", [_v3_case(r) for r in V3_ROWS])
+def test_v3_width_prediction_matches_measurement(row):
+    test_prediction_matches_measurement(row)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(c, marks=[pytest.mark.xfail(strict=True, raises=AssertionError, reason=V3_PICK_MISS)])
+        if "gb8" in c
+        else c
+        for c in sorted({BENCH.config_key(r) for r in V3_ROWS})
+    ],
+)
+def test_v3_width_pick_is_the_fastest_measured(config):
+    rows = [r for r in V3_ROWS if BENCH.config_key(r) == config]
+    pick = BENCH.planner_pick(rows[0])
+    picked = [r for r in rows if BENCH.forced_overrides(r) == pick]
+    assert picked, f"{config}: today's pick {pick} was never measured"
+    assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * BENCH.fastest_fitting(rows)
 
 
 # ---------------------------------------------------------------------------------------------------
