@@ -99,9 +99,21 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     args = ap.parse_args()
-    stages = [int(s) for s in args.stages.split(",")]
-    if any(s not in (1, 2, 3) for s in stages):
+    from dskit import catalog
+    from dskit.errors import SpecError
+
+    parts = [s.strip() for s in args.stages.split(",")]
+    stages = [int(s) for s in parts if s in ("1", "2", "3")]
+    if not parts or len(stages) != len(parts):
         ap.error(f"--stages: {args.stages!r}; each one of 1, 2, 3")
+    for flag, check in (
+        ("--gpu", lambda: catalog.gpu(args.gpu)),
+        ("--model", lambda: catalog.model(args.model)),
+    ):
+        try:
+            check()
+        except SpecError as e:
+            ap.error(f"{flag}: {e.message}")
     args.work.mkdir(parents=True, exist_ok=True)
     result = {**runs.header(), "steps": STEPS, "resumed_at": AT, "rows": []}
     print(

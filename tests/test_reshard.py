@@ -146,15 +146,17 @@ def test_another_global_batch_continues_the_data_at_the_next_unseen_sample(base,
 
 
 def test_the_data_position_is_step_times_batch_until_a_resume_moves_it():
-    from dskit.data.sampler import sample_index
-    from dskit.train.loop import DataPosition
+    from dskit.data.sampler import DataPosition, sample_index
 
+    layout = {"grad_accum": 2, "world": 2, "micro_batch": 2}
     fresh = DataPosition(0, 0, 8)
-    assert [fresh.first(s) for s in range(3)] == [
-        sample_index(s, 0, 0, grad_accum=2, world=2, micro_batch=2) for s in range(3)
+    every = [(s, m, r) for s in range(3) for m in range(2) for r in range(2)]
+    assert [fresh.micro_batch_start(s, m, r, **layout) for s, m, r in every] == [
+        sample_index(s, m, r, **layout) for s, m, r in every
     ]
     moved = DataPosition(4, 32, 4)
     assert [moved.first(s) for s in (4, 5, 6)] == [32, 36, 40]
+    assert moved.micro_batch_start(5, 1, 1, grad_accum=2, world=2, micro_batch=1) == 36 + 3
 
 
 def test_a_lora_runs_checkpoint_of_another_world_size_is_refused_in_one_line(tmp_path):

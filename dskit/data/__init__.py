@@ -9,7 +9,7 @@ Offline, `dskit data prepare` (outside the container's trainer):
 
 At run time (the trainer imports only these):
 - `shards`: the shard format, written (`ShardWriter`) and read (`TokenData`).
-- `sampler`: `Sampler`, `Mixture`, `sample_index`: which samples a step reads.
+- `sampler`: `Sampler`, `Mixture`, `sample_index`, `DataPosition`: which samples a step reads.
 - `tokenizers`, `corpus`: the byte tokenizer and the embedded corpus, tokenized at start when a run
   gives no data (and the Hugging Face tokenizer, for prepare).
 

@@ -252,3 +252,27 @@ def _widen(b: Batch, width: int, eos_id: int) -> Batch:
 def sample_index(step: int, micro: int, rank: int, *, grad_accum: int, world: int, micro_batch: int) -> int:
     """Global number of the first sample of (optimizer step, micro step, rank)."""
     return ((step * grad_accum + micro) * world + rank) * micro_batch
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where each step's samples begin: `samples` consumed by the end of step `step`, then `batch` per
+    step (Megatron's consumed_samples). A resume at another global batch (the default rounds it to
+    the world size, so another node count may change it) continues at the next unseen sample: none
+    skipped, none repeated. An uninterrupted run's is (0, 0, batch), which is `sample_index`."""
+
+    step: int
+    samples: int
+    batch: int
+
+    def first(self, step: int) -> int:
+        """Samples consumed before `step` (0-based) begins."""
+        return self.samples + (step - self.step) * self.batch
+
+    def micro_batch_start(
+        self, step: int, micro: int, rank: int, *, grad_accum: int, world: int, micro_batch: int
+    ) -> int:
+        """Global number of the first sample of (optimizer step, micro step, rank): the step's start,
+        then `sample_index`'s order within the step."""
+        within = sample_index(0, micro, rank, grad_accum=grad_accum, world=world, micro_batch=micro_batch)
+        return self.first(step) + within

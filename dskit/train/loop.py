@@ -8,7 +8,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.data import IGNORE_INDEX
-from dskit.data.sampler import Mixture, Sampler, sample_index
+from dskit.data.sampler import DataPosition, Mixture, Sampler
 from dskit.plan.schema import Plan
 from dskit.train.adapter_state import AdapterStates
 from dskit.train.attention import packed_rows, rows_of
@@ -174,22 +173,6 @@ def _layout(plan: Plan) -> dict[str, int | str]:
     return layout
 
 
-@dataclass(frozen=True)
-class DataPosition:
-    """Where each step's samples begin: `samples` consumed by the end of step `step`, then `batch` per
-    step (Megatron's consumed_samples). A resume at another global batch (the default rounds it to
-    the world size, so another node count may change it) continues at the next unseen sample: none
-    skipped, none repeated. The uninterrupted run's is (0, 0, batch): sample_index's step x batch."""
-
-    step: int
-    samples: int
-    batch: int
-
-    def first(self, step: int) -> int:
-        """Samples consumed before `step` (0-based) begins."""
-        return self.samples + (step - self.step) * self.batch
-
-
 def _resume(ckpt: Checkpointer, engine, watchdog: Watchdog, batch: int) -> DataPosition:
     """The newest verified checkpoint loaded into the engine (if any); returns where it left the data."""
     meta = ckpt.load_latest(engine)
@@ -282,8 +265,8 @@ def _micro_steps(
     engine.step() updates the weights at the accumulation boundary)."""
     par = plan.parallel
     for micro in range(par.grad_accum):
-        first = position.first(step) + sample_index(
-            0, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
+        first = position.micro_batch_start(
+            step, micro, rank, grad_accum=par.grad_accum, world=world, micro_batch=par.micro_batch
         )
         batch = sampler.get(first, par.micro_batch)
         inputs, labels, extra = _to_device(batch, device)
