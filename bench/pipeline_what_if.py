@@ -19,16 +19,19 @@ A pipeline stage is modelled as a shallower model trained by world / pp ranks:
 - FLOPs per token: the whole model's / L per layer, times the stage's layers (embedding and head left
   out: balanced stages are what a partitioner aims for).
 
-The memory and time terms are `dskit/plan/memory.py` and `dskit/plan/speed.py` unchanged; only the
-composition above is new. Fabric terms are extrapolated from `fabrics.yaml` as in bench/scale_table.py.
+The memory and time terms are `dskit/plan/memory.py` and `dskit/plan/speed.py` unchanged, with the
+plan's own settings for a ZeRO-1 candidate (regional compile, compiled attention, the fused step);
+only the composition above is new. Fabric terms are extrapolated from `fabrics.yaml` as in bench/scale_table.py.
 
 That DeepSpeed 0.19.8 can run it at all was checked on the CPU (gloo): PipelineModule over the HF
 decoder layers, AutoEP (with `moe_layer_pattern` for the stage's module names) and ZeRO-1 gave the
 plain model's losses to 1e-6 over 5 steps at PP 2 x EP 1 (2 ranks) and PP 2 x EP 2 (4 ranks)
 (docs/planner.md "Pipeline parallelism, on paper").
 
-    python bench/pipeline_what_if.py --model deepseek-v3 --gpu h100-80gb --nodes 32 \
-        --out bench/results/pipeline-what-if-2026-12-02.json
+    python bench/pipeline_what_if.py --gpu h100-80gb --out bench/results/pipeline-what-if-v3-h100-2026-12-02.json
+    python bench/pipeline_what_if.py --gpu h200-141gb --out bench/results/pipeline-what-if-v3-h200-2026-12-02.json
+    python bench/pipeline_what_if.py --set training.global_batch=4096 \
+        --out bench/results/pipeline-what-if-v3-h100-gb4096-2026-12-02.json
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ sys.path.insert(0, str(REPO))
 #: of the stored layers of every in-flight micro-batch, which this composition does not model)
 CKPTS = (0, 1)
 PP_SIZES = (2, 4, 8, 16, 32)
-#: layouts over the memory limit kept in the JSON, the least memory first
+#: layouts over the memory limit kept in the JSON: this many needing the least memory, and the fastest
 NEAR_MISSES = 10
 
 
@@ -63,6 +66,7 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
     from dskit.plan.build import build_plan_searched, resolve_fabric
     from dskit.plan.fit import GPU_MEMORY_MARGIN
     from dskit.plan.model_math import counts, flops_per_token
+    from dskit.plan.parallel import attention_compile
     from dskit.spec import load_spec
 
     flags = {
@@ -80,6 +84,10 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
     full = counts(cfg, seq)
     fpt_layer = flops_per_token(full) / L
     limit = gpu.usable_memory_gib * (1 - GPU_MEMORY_MARGIN)
+    # what the planner would time a ZeRO-1 candidate with (dskit/plan/parallel.py): the fused step and
+    # each attention block compiled, unless the spec turns them off
+    fused = spec.overrides.optimizer_step != "deepspeed"
+    attention = attention_compile(spec.overrides.compile, gpu)
     tokens_per_gpu = plan.parallel.global_batch * seq / world
     rows = []
     for pp in PP_SIZES:
@@ -127,6 +135,8 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
                         offload=False,
                         compiled=plan.parallel.compile_regions,
                         zero_stage=1,
+                        fused_step=fused,
+                        compiled_attention=attention,
                     )
                     slot = max(t.gpu_s, t.host_s) / m
                     spans = dp >= per_node  # a stage of a node or more: its neighbour is on another node
@@ -171,14 +181,21 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
         "limit_gib": round(limit, 1),
         "today": {
             "pick": found.chosen.candidate.describe(),
+            "short": _short(found.chosen.candidate),
             "tokens_per_s_per_gpu": plan.speed["tokens_per_s_per_gpu"] if plan.speed else None,
         },
-        # every layout that fits, fastest first, then the NEAR_MISSES that need the least memory
-        "rows": sorted((r for r in rows if r["fits"]), key=lambda r: -r["tokens_per_s_per_gpu"])
-        + sorted(
-            (r for r in rows if not r["fits"]), key=lambda r: max(r["memory_gib"], r["construction_gib"])
-        )[:NEAR_MISSES],
+        # every layout that fits, fastest first, then those over the limit: the NEAR_MISSES that need the
+        # least memory and the NEAR_MISSES fastest (what memory costs)
+        "rows": _kept(rows),
     }
+
+
+def _kept(rows: list[dict]) -> list[dict]:
+    fits = sorted((r for r in rows if r["fits"]), key=lambda r: -r["tokens_per_s_per_gpu"])
+    over = [r for r in rows if not r["fits"]]
+    least = sorted(over, key=lambda r: max(r["memory_gib"], r["construction_gib"]))[:NEAR_MISSES]
+    fastest = sorted(over, key=lambda r: -r["tokens_per_s_per_gpu"])[:NEAR_MISSES]
+    return fits + least + [r for r in fastest if r not in least]
 
 
 def markdown(result: dict, top: int) -> str:
@@ -207,28 +224,24 @@ def markdown(result: dict, top: int) -> str:
 def summary(result: dict, label: str) -> str:
     """The row of docs/planner.md's "Pipeline parallelism, on paper" table for this result."""
     today = result["today"]
-    pick = today["pick"]
+    pick = today["short"]
     fits = [r for r in result["rows"] if r["fits"]]
     if not fits:
-        return f"| {label} | {_short(pick)}: {today['tokens_per_s_per_gpu']:,} | none fits | - | - |"
+        return f"| {label} | {pick}: {today['tokens_per_s_per_gpu']:,} | none fits | - | - |"
     b = fits[0]
     layout = f"PP {b['pp']} x EP {b['ep']}, mb {b['micro_batch']} x {b['micro_batches']}"
     layout += ", ckpt" if b["ckpt_every"] else ""
     return (
-        f"| {label} | {_short(pick)}: {today['tokens_per_s_per_gpu']:,} | {layout} "
+        f"| {label} | {pick}: {today['tokens_per_s_per_gpu']:,} | {layout} "
         f"| {b['tokens_per_s_per_gpu']:,} | {b['no_per_pass_cost_tokens_per_s_per_gpu']:,} |"
     )
 
 
-def _short(describe: str) -> str:
-    """'ZeRO-3, EP 8, micro-batch 4, activation checkpointing every 1, optimizer offload' ->
-    'ZeRO-3 EP 8 mb 4, ckpt, offload'."""
-    zero, ep, mb, ckpt, off = (p.strip() for p in describe.split(","))
-    short = f"{zero} {ep} mb {mb.split()[-1]}"
-    short += (
-        "" if ckpt.startswith("no") else ", ckpt" if ckpt.endswith(" 1") else f", ckpt/{ckpt.split()[-1]}"
-    )
-    return short + (", offload" if off == "optimizer offload" else "")
+def _short(c) -> str:
+    """A candidate (`fit.Candidate`) as the docs' table names it: 'ZeRO-3 EP 8 mb 4, ckpt, offload'."""
+    short = f"ZeRO-{c.zero_stage} EP {c.ep_size} mb {c.micro_batch}"
+    short += "" if not c.ckpt_every else ", ckpt" if c.ckpt_every == 1 else f", ckpt/{c.ckpt_every}"
+    return short + (", offload" if c.offload else "")
 
 
 def main() -> None:

@@ -143,8 +143,12 @@ def _resolve(sets: list[str]) -> list[str]:
         if m:
             model, changes = SLICES[m.group(1)]
             path = Path(tempfile.gettempdir()) / "dskit-bench-slices" / m.group(1) / "config.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({**catalog.model(model).config, **changes}, indent=1))
+            text = json.dumps({**catalog.model(model).config, **changes}, indent=1)
+            if not path.exists() or path.read_text() != text:  # written whole: other processes read it
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".config-{os.getpid()}.json")
+                tmp.write_text(text)
+                os.replace(tmp, path)
             x = f"model.path={path}"
         out.append(x)
     return out

@@ -104,7 +104,7 @@ def main() -> None:
 
     parts = [s.strip() for s in args.stages.split(",")]
     stages = [int(s) for s in parts if s in ("1", "2", "3")]
-    if not parts or len(stages) != len(parts):
+    if len(stages) != len(parts):
         ap.error(f"--stages: {args.stages!r}; each one of 1, 2, 3")
     for flag, check in (
         ("--gpu", lambda: catalog.gpu(args.gpu)),
