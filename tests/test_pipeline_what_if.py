@@ -80,3 +80,19 @@ def test_the_micro_step_the_verdict_rests_on_was_measured_at_v3s_width(stage):
     measured = (long["measured"]["step_s"] - short["measured"]["step_s"]) / 6
     predicted = (PLAN_BENCH.repredict(long)[0]["step_s"] - PLAN_BENCH.repredict(short)[0]["step_s"]) / 6
     assert abs(predicted / measured - 1) <= MICRO_STEP_TOLERANCE, (predicted, measured)
+
+
+@pytest.mark.parametrize(
+    "name,gpu,sets",
+    [
+        ("pipeline-what-if-v3-h100-2026-12-02.json", "h100-80gb", []),
+        ("pipeline-what-if-v3-h200-2026-12-02.json", "h200-141gb", []),
+        ("pipeline-what-if-v3-h100-gb4096-2026-12-02.json", "h100-80gb", ["training.global_batch=4096"]),
+    ],
+)
+def test_the_committed_results_are_todays_script(name, gpu, sets):
+    import json
+
+    committed = json.loads((REPO / "bench" / "results" / name).read_text())
+    now = WHAT_IF.what_if("deepseek-v3", gpu, 32, 8, sets)
+    assert committed["rows"] == now["rows"] and committed["today"] == now["today"]
