@@ -33,13 +33,13 @@ LAYOUTS = ((2, 1, 2), (2, 2, 4))
 
 def _model():
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from dskit import catalog
+    from dskit.train.model import hf_config
 
-    cfg = dict(catalog.model("tiny-v3").config)
-    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
-    config._attn_implementation, config.use_cache = "sdpa", False
+    config = hf_config(catalog.model("tiny-v3").config, "sdpa")  # the trainer's own config builder
+    config.use_cache = False
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.train(), config
