@@ -164,6 +164,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="JSON file to write")
     ap.add_argument("--worker", nargs=3, type=str, help=argparse.SUPPRESS)  # pp ep out-file (torchrun)
     a = ap.parse_args()
+    if a.steps < 1:
+        ap.error(f"--steps: {a.steps}; at least 1")
     if a.worker:
         worker(int(a.worker[0]), int(a.worker[1]), a.steps, Path(a.worker[2]))
         return

@@ -259,7 +259,8 @@ def main() -> None:
     try:
         result = what_if(a.model, a.gpu, a.nodes, a.gpus_per_node, a.set)
     except SpecError as e:
-        sys.exit(f"pipeline_what_if: {e.field}: {e.message}")
+        print(f"pipeline_what_if: {e.field}: {e.message}", file=sys.stderr)
+        sys.exit(2)
     print(markdown(result, a.top))
     print("\ndocs/planner.md row:\n" + summary(result, f"{result['gpus']} x {a.gpu.split('-')[0].upper()}"))
     if a.out:
