@@ -305,7 +305,7 @@ def measure(
     only: list[str] | None = None,
     picks_only: bool = False,
     compile_choice: str = "auto",
-    zero_stage: int | None = None,
+    zero_stages: list[int] | None = None,
 ) -> None:
     import torch
 
@@ -331,8 +331,9 @@ def measure(
         for config, (sets, gpus) in CONFIGS[s].items():
             if only and not any(o in config for o in only):
                 continue
-            for cand in candidates(sets, gpus, work, compile_choice, zero_stage)[: 1 if picks_only else None]:
-                jobs.append((config, sets, gpus, cand))
+            for stage in zero_stages or [None]:  # side by side per configuration: a cut budget keeps pairs
+                for cand in candidates(sets, gpus, work, compile_choice, stage)[: 1 if picks_only else None]:
+                    jobs.append((config, sets, gpus, cand))
     free = list(range(n_gpus))
     cond = threading.Condition()
     threads = []
@@ -575,7 +576,13 @@ def main() -> None:
         help="overrides.compile of every run (auto: on, as on GPUs; regions: attention eager; off: eager "
         "runs, which --fit refits)",
     )
-    ap.add_argument("--zero-stage", type=int, choices=[1, 2, 3], help="search only this ZeRO stage")
+    ap.add_argument(
+        "--zero-stage",
+        type=int,
+        action="append",
+        choices=[1, 2, 3],
+        help="search only this ZeRO stage (repeat it: each stage's runs of a configuration side by side)",
+    )
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
