@@ -12,7 +12,7 @@ crosses the fabric (ZeRO collectives over the expert-data-parallel and dense gro
 when EP spans nodes) is extrapolated from the fabric catalog's bandwidth (`fabrics.yaml`, 50 GB/s per
 GPU for InfiniBand NDR) with the on-node efficiencies.
 
-    python bench/scale_table.py --out bench/results/scale-table-2026-12-01.json
+    python bench/scale_table.py --out bench/results/scale-table-2026-12-02.json
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ def _where(c: dict | None) -> str:
         ("compute", s.get("compute_s", 0)),
         ("layers", s.get("layer_gpu_s", 0)),
         ("ZeRO", s.get("collectives_s", 0) + s.get("boundary_s", 0)),
+        ("grad copies", s.get("grad_copy_s", 0)),
         ("a2a", s.get("all_to_all_s", 0)),
         ("optim", s.get("optimizer_s", 0)),
     ]

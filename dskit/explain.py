@@ -174,6 +174,7 @@ def step_breakdown(s) -> str:
         ("compute", s.compute_s),
         ("per-layer GPU", s.layer_gpu_s),
         ("ZeRO collectives", s.collectives_s),
+        ("ZeRO-1/2 gradient copies", s.grad_copy_s),
         ("all-to-all", s.all_to_all_s),
         ("optimizer", s.optimizer_s),
         ("once-per-step collectives", s.boundary_s),

@@ -441,8 +441,11 @@ def test_zero12_plans_take_the_fused_step_and_compile_attention_zero3_keeps_deep
 
 
 def test_the_fused_step_is_counted_and_a_forced_one_that_cannot_apply_is_named():
-    fused, ds = (plan_for(*H200_MB2, f"overrides.optimizer_step={s}", **H200) for s in ("auto", "deepspeed"))
-    assert ds.parallel.optimizer_step == "deepspeed"
+    fused, ds = (
+        plan_for(*H200_MB2, "overrides.zero_stage=2", f"overrides.optimizer_step={s}", **H200)
+        for s in ("auto", "deepspeed")
+    )
+    assert ds.parallel.optimizer_step == "deepspeed" and fused.parallel.optimizer_step == "fused"
     assert fused.speed["optimizer_s"] < ds.speed["optimizer_s"]
     z3 = plan_for(*H200_MB2, "overrides.zero_stage=3", "overrides.optimizer_step=fused", **H200)
     assert z3.parallel.optimizer_step == "deepspeed"

@@ -12,9 +12,12 @@ Then accumulation: the seed post warns that long accumulation hurts MoE converge
 micro-step is the same work in fewer, larger kernels. Then the ZeRO stage: in all 11 pairs measured on
 one H200 (bench/results/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
 candidate), ZeRO-2 ran from 1% slower to 21% faster than ZeRO-3, 3% faster in the median, where the model
-calls GPU-bound shapes even (ZeRO-3's per-parameter passes and gathered-weight copies, not modelled
-apart). ZeRO-1's speed was not measured, so it gets no such preference. Then memory: less of it is less
-risk. A plan
+then called GPU-bound shapes even (the refit of 2026-12-02 gives ZeRO-1/2 a smaller GPU cost per layer
+pass than ZeRO-3's, which separates most of them; the preference stays for the rest). ZeRO-1 gets no
+such preference: beside ZeRO-2 on ten one-GPU configurations, each pair in one call
+(bench/results/h200-zero12-*-2026-12-02.json), the two ran within 1.6% of each other on nine and 4.1%
+apart on the tenth, either way, at one or two micro-steps per step; where they accumulate longer, the
+model's gradient-copy term tells them apart. Then memory: less of it is less risk. A plan
 with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
 
 Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of

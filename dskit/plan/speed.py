@@ -5,7 +5,7 @@ derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 
-    GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all)
+    GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all) + grad_copy
     host = grad_accum x (HOST_LAYER_PASS_S x layer passes + HOST_MICRO_STEP_S)
     step = max(GPU, host) + optimizer + boundary
 
@@ -25,11 +25,13 @@ side by side, because the host enqueues kernels ahead of the GPU:
   module hooks. Stage 2 reduce-scatters the gradients every micro-step, overlapped with the backward
   like ZeRO-3's; stage 1 once per step, at the accumulation boundary. Both all-gather the updated
   weights once per step after the optimizer, exposed. Their host and GPU cost per layer pass are
-  HOST_LAYER_PASS_UNHOOKED_S and GPU_LAYER_PASS_UNHOOKED_S.
+  HOST_LAYER_PASS_UNHOOKED_S and GPU_LAYER_PASS_UNHOOKED_S. grad_copy: they copy the gradients into
+  reduce buckets and the rank's partition, stage 2 in every micro-step, stage 1 once per step (on one
+  GPU that is all that tells them apart).
 - all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
   backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
 - optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
-  bandwidth on the GPU; with offload, DeepSpeed's CPU Adam on the host plus the PCIe round trip of
+  bandwidth on the GPU, at each engine's own measured rate; with offload, DeepSpeed's CPU Adam on the host plus the PCIe round trip of
   gradients and weights.
 
 Small micro-steps lose to the fixed and per-layer costs; long accumulation multiplies them; activation
@@ -59,36 +61,60 @@ HOST_LAYER_PASS_S = 0.0115
 #: host time per micro-step besides the layers (the engine's forward/backward entry, the loss, the
 #: balance statistics), seconds
 HOST_MICRO_STEP_S = 0.055
-#: bytes FusedAdam reads and writes per parameter (bf16 weight and grad, fp32 master, m, v, and the
-#: ZeRO-3 flat-buffer copies): 18.5 ms for 2.26 B parameters at 4.8 TB/s in the H200 profile
-ADAM_BYTES_PER_PARAM = 39.0
+#: ZeRO-3's optimizer step per parameter of this rank's shard, as bytes at the GPU's bandwidth: FusedAdam
+#: (bf16 weight and grad, fp32 master, m, v) and the flat-buffer copies, the norm and the clip around it.
+#: FusedAdam's kernel alone moves 39 (18.5 ms for 2.26 B parameters in the V2-Lite H200 profile), which
+#: is what this was until the step was measured whole: at V3's width on one H200 (6.8 B parameters,
+#: accumulation 8 and 2, bench/results/h200-v3-width-2026-12-02{,b}.json) the per-step part took
+#: 0.146 s, 103 bytes. Fitted to the worst error over the 62 ZeRO-3 runs of both widths, one and two
+#: GPUs, with SYNC_LAYER_PASS_S (the per-pass constants above kept): 12.4%, from 25% at 39 bytes
+ADAM_BYTES_PER_PARAM = 80.0
 #: what `overrides.optimizer_step=fused` takes off a ZeRO-1/2 step, per parameter and step, as bytes at the
 #: GPU's bandwidth. In theory 24: DeepSpeed's norm copies each bf16 gradient to fp64 and reads that back
 #: (2 + 8 + 8 bytes; the fused step reads the 2 only), and its clip pass reads and writes the fp32
 #: gradient (8). Measured on one H200 (4-layer V2-Lite, micro-batch 2, 2.26 B parameters): 0.1387 and
 #: 0.1425 s per step -> 0.1313 s, 20 bytes at 4.8 TB/s (bench/results/h200-small-batch-2026-12-01.json);
 #: in a second call 0.147 -> 0.132 and 0.134 s, 30 bytes (h200-small-batch-fused-2026-12-01.json).
-#: A fitted difference against ADAM_BYTES_PER_PARAM, which was fitted on ZeRO-3's whole step, not the
-#: bytes the fused kernel moves (at least 32). With `training.grad_clip: 0` DeepSpeed skips its clip pass
-#: too, and the saving is the norm's 16 bytes; the model keeps 24 there (over by ~2% of such a step).
+#: The theory's 24, added to ZERO12_STEP_BYTES_PER_PARAM for DeepSpeed's own step. With
+#: `training.grad_clip: 0` DeepSpeed skips its clip pass too, and the saving is the norm's 16 bytes; the
+#: model keeps 24 there (over by ~2% of such a step).
 FUSED_STEP_SAVED_BYTES_PER_PARAM = 24.0
+#: ZeRO-1/2's optimizer step with the fused AdamW kernel (`overrides.optimizer_step=fused`), per
+#: parameter of this rank's shard, as bytes at the GPU's bandwidth: the kernel (66 ms for 6.8 B
+#: parameters in the V3-width profile: bench/results/h200-v3-width-profile-zero2-2026-12-02.json), the
+#: fp32 weights cast back to bf16, the gradient scaling and the copies around them. The two accumulation
+#: lengths at V3's width give stage 2's per-step part as 0.098 s, 69 bytes; fitted with
+#: GPU_LAYER_PASS_UNHOOKED_S to the worst error over the 46 one-GPU ZeRO-1/2 runs of both widths
+#: (V2-Lite's and V3's, bench/results/h200-planner-Z2*, h200-zero1-*, h200-zero12-*, h200-v3-width-*): 8.7%
+ZERO12_STEP_BYTES_PER_PARAM = 60.0
+#: ZeRO-1/2 copy every gradient a rank holds into a reduce bucket (bf16 read and written: 4 bytes) and
+#: the rank's partition of it into the fp32 gradient the optimizer reads (2 read, 4 written: 6), stage 2
+#: in every micro-step, stage 1 once per step. On one H200 at V3's width (6.8 B parameters) stage 2's
+#: micro-step took 14 ms longer than stage 1's and its step's fixed part 13 ms less
+#: (bench/results/h200-v3-width-2026-12-02.json): 10 bytes per parameter at 4.8 TB/s
+ZERO12_BUCKET_BYTES_PER_PARAM = 4.0
+ZERO12_PARTITION_BYTES_PER_PARAM = 6.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
-#: fitted on 2 x H200 (NVLink) runs of the same file, seconds
-SYNC_LAYER_PASS_S = 0.004
+#: fitted on 2 x H200 (NVLink) runs of the same file, seconds (0.004 before ADAM_BYTES_PER_PARAM was
+#: refitted with it)
+SYNC_LAYER_PASS_S = 0.0025
 
-#: ZeRO-1/2 (no ZeRO-3 module hooks): host time per layer pass. Every ZeRO-2 run on one H200 was
-#: GPU-bound (bench/results/h200-planner-Z2-2026-12-01.json: 4-layer V2-Lite at micro-batch 2 took 0.144 s
-#: with the GPU timeline at 0.141 s), which bounds this from above only: the largest value consistent
-#: with those runs is taken, so a host-bound ZeRO-1/2 step is never predicted faster than it can be
-HOST_LAYER_PASS_UNHOOKED_S = 0.0105
-#: ZeRO-1/2's GPU time per layer pass: the same as ZeRO-3's within the fit (the four ZeRO-2 runs of
-#: that file are within -7%..+2% with GPU_LAYER_PASS_S, -13%..0% with none of ZeRO-3's copies removed)
-GPU_LAYER_PASS_UNHOOKED_S = GPU_LAYER_PASS_S
+#: ZeRO-1/2 (no ZeRO-3 module hooks): host time per layer pass. The ZeRO-1/2 runs on one H200 are
+#: GPU-bound or close to it (bench/results/h200-planner-Z2-2026-12-01.json: 4-layer V2-Lite at
+#: micro-batch 2 took 0.144 s), which bounds this from above only: the largest value consistent with
+#: those runs under the refitted optimizer (within 2%) is taken, so a host-bound ZeRO-1/2 step is never
+#: predicted faster than it can be
+HOST_LAYER_PASS_UNHOOKED_S = 0.0065
+#: ZeRO-1/2's GPU time per layer pass: below ZeRO-3's GPU_LAYER_PASS_S, which copies gathered weights
+#: in and out; fitted with ZERO12_STEP_BYTES_PER_PARAM (it was set equal to ZeRO-3's while the ZeRO-1/2
+#: optimizer was counted at 15 bytes, and absorbed the difference at V2-Lite's width)
+GPU_LAYER_PASS_UNHOOKED_S = 0.0050
 #: ZeRO-1/2 with each attention block compiled (one graph instead of ~30 eager launches per block): the
 #: same kind of upper bound, from the 4-layer V2-Lite micro-batch-2 runs on one H200 that compiled them:
-#: 0.124-0.133 s per step (bench/results/h200-small-batch-fused-2026-12-01.json, h200-vs-torchtitan-2026-12-01b.json)
-HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0080
+#: 0.119-0.133 s per step (bench/results/h200-zero1-2026-12-02.json, h200-zero12-A-2026-12-02.json),
+#: which the refitted GPU timeline already reaches
+HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/lora.py) take this much longer than GEMM_EFFICIENCY says (each adapted
@@ -162,6 +188,7 @@ class StepTime:
     compute_s: float  # GPU timeline: FLOPs at GEMM_EFFICIENCY
     layer_gpu_s: float  # GPU timeline: per layer pass beyond FLOPs
     collectives_s: float  # GPU timeline: ZeRO-3 gathers/reduce-scatters (exposed) and their synchronisation
+    grad_copy_s: float  # GPU timeline: ZeRO-1/2's gradient copies into buckets and partitions
     all_to_all_s: float  # GPU timeline: AutoEP dispatch and combine
     host_s: float  # host timeline: hooks and launches, overlapped with the GPU's
     optimizer_s: float
@@ -173,7 +200,7 @@ class StepTime:
 
     @property
     def gpu_s(self) -> float:
-        return self.compute_s + self.layer_gpu_s + self.collectives_s + self.all_to_all_s
+        return self.compute_s + self.layer_gpu_s + self.collectives_s + self.grad_copy_s + self.all_to_all_s
 
     @property
     def bound(self) -> str:
@@ -262,7 +289,10 @@ def predict(
         else HOST_LAYER_PASS_UNHOOKED_S
     )
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
-    dequant = 0.0
+    dequant = grad_copy = 0.0
+    if zero_stage < 3:  # stage 2 copies each micro-step's gradients, stage 1 the accumulated ones once
+        grads = _trained_grads(c, layout, tuning)
+        grad_copy = (grad_accum if zero_stage == 2 else 1) * _grad_copy_s(*grads, layout, gpu)
     if tuning is not None:
         compute *= LORA_COMPUTE_FACTOR
         gpu_pass *= LORA_LAYER_PASS_FACTOR
@@ -273,6 +303,7 @@ def predict(
         # the per-layer GPU work: launches and small kernels per layer pass, and an FP8 base's dequantising
         layer_gpu_s=grad_accum * (gpu_pass * passes + dequant),
         collectives_s=grad_accum * per_micro,
+        grad_copy_s=grad_copy,
         all_to_all_s=grad_accum * a2a,
         host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
         optimizer_s=_optimizer_s(
@@ -280,7 +311,8 @@ def predict(
             layout,
             gpu,
             offload,
-            fused_step and zero_stage < 3,
+            zero_stage,
+            fused_step,
         ),
         tokens_per_step=grad_accum * T,
         flops_per_token=flops_per_token,
@@ -288,6 +320,15 @@ def predict(
         unknown=tuple(dict.fromkeys(unknown)),
         boundary_s=per_step,
     )
+
+
+def _trained_grads(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[float, float]:
+    """The gradients a rank holds: (reduced over all ranks, its routed experts' share), of every
+    parameter or of a LoRA run's trainable ones."""
+    if t is None:
+        experts = c.experts_per_layer * c.moe_layers
+        return c.total - experts, experts / layout.ep_size
+    return t.trainable - t.routed_adapters, t.routed_adapters / layout.ep_size
 
 
 def _compute_s(
@@ -390,10 +431,12 @@ def _all_to_all_s(
     return moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
 
 
-def _optimizer_s(optimized: int, layout: Layout, gpu: GPU, offload: bool, fused: bool = False) -> float:
+def _optimizer_s(
+    optimized: int, layout: Layout, gpu: GPU, offload: bool, zero_stage: int = 3, fused: bool = False
+) -> float:
     """Adam over this rank's shard of every trained parameter (`optimized`: all of them, or a LoRA
     run's trainable ones): GPU memory bandwidth, or with offload the host's CPU Adam plus the PCIe
-    round trip. `fused` (ZeRO-1/2): without DeepSpeed's clip and fp64-norm passes."""
+    round trip. ZeRO-1/2 step at their own rate; `fused`: without DeepSpeed's clip and fp64-norm passes."""
     local_params = optimized / layout.world  # every stage shards the optimizer states
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
@@ -401,5 +444,16 @@ def _optimizer_s(optimized: int, layout: Layout, gpu: GPU, offload: bool, fused:
             local_params * layout.per_node / 1e9 * CPU_ADAM_S_PER_BPARAM_NODE
             + local_params * OFFLOAD_BYTES_PER_PARAM / (pcie * GB)
         )
-    saved = FUSED_STEP_SAVED_BYTES_PER_PARAM if fused else 0.0
-    return local_params * (ADAM_BYTES_PER_PARAM - saved) / (gpu.memory_bw_gbs * GB)
+    if zero_stage == 3:
+        return local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
+    deepspeeds = 0.0 if fused else FUSED_STEP_SAVED_BYTES_PER_PARAM  # its clip and fp64-norm passes
+    return local_params * (ZERO12_STEP_BYTES_PER_PARAM + deepspeeds) / (gpu.memory_bw_gbs * GB)
+
+
+def _grad_copy_s(dense: float, routed: float, layout: Layout, gpu: GPU) -> float:
+    """ZeRO-1/2's copies of this rank's gradients (`dense`: reduced over all ranks; `routed`: its
+    experts', over the expert-data-parallel group) into the reduce buckets, and of its partition of them
+    into the 32-bit gradient that the optimizer steps on."""
+    partition = dense / layout.world + routed / layout.expert_dp
+    copied = (dense + routed) * ZERO12_BUCKET_BYTES_PER_PARAM + partition * ZERO12_PARTITION_BYTES_PER_PARAM
+    return copied / (gpu.memory_bw_gbs * GB)
