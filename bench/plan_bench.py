@@ -112,6 +112,11 @@ CONFIGS["V3"] = {
         ["model.path={slice:v3-ep8-3l}", "training.seq_len=4096", "training.global_batch=2"],
         1,
     ),
+    # held out from the refit of the optimizer terms at both widths (predicted before it ran)
+    "V3s L3 s4096 gb4": (
+        ["model.path={slice:v3-ep8-3l}", "training.seq_len=4096", "training.global_batch=4"],
+        1,
+    ),
 }
 COMMON = ["training.steps=10", "training.log_every=1", "checkpoint.every=1000", "checkpoint.final=false"]
 WARMUP_STEPS = 3
