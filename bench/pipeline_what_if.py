@@ -138,16 +138,15 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
                         fused_step=fused,
                         compiled_attention=attention,
                     )
-                    slot = max(t.gpu_s - t.grad_copy_s, t.host_s) / m  # ZeRO-1 copies once per step
+                    slot = max(t.gpu_s, t.host_s) / m
                     spans = dp >= per_node  # a stage of a node or more: its neighbour is on another node
                     bw = fabric.gbs_per_gpu if spans else gpu.interconnect_gbs
                     p2p = 2 * mb * seq * cfg["hidden_size"] * speed.WIRE_BYTES / (bw * speed.GB)
-                    step = (m + pp - 1) * (slot + p2p) + t.grad_copy_s + t.optimizer_s + t.boundary_s
+                    step = (m + pp - 1) * (slot + p2p) + t.optimizer_s + t.boundary_s
                     # the same with no fixed cost per layer pass (GPU_LAYER_PASS_S, SYNC_LAYER_PASS_S) and
                     # no host timeline: a bound, to show what the pipeline's many small micro-steps cost
                     floor = (
                         (m + pp - 1) * ((t.compute_s + t.all_to_all_s) / m + p2p)
-                        + t.grad_copy_s
                         + t.optimizer_s
                         + t.boundary_s
                     )

@@ -174,10 +174,10 @@ def step_breakdown(s) -> str:
         ("compute", s.compute_s),
         ("per-layer GPU", s.layer_gpu_s),
         ("ZeRO collectives", s.collectives_s),
-        ("ZeRO-1/2 gradient copies", s.grad_copy_s),
+        ("ZeRO-2 gradient copies", s.grad_copy_s),
         ("all-to-all", s.all_to_all_s),
         ("optimizer", s.optimizer_s),
-        ("once-per-step collectives", s.boundary_s),
+        ("once-per-step collectives and copies", s.boundary_s),
     ]
     gpu = ", ".join(f"{n} {v:.3f} s" for n, v in terms if v)
     return f"{gpu}; host {s.host_s:.3f} s beside the GPU's {s.gpu_s:.3f} s ({s.bound}-bound); step {s.step_s:.3f} s"

@@ -327,3 +327,44 @@ def test_a_lora_run_refuses_a_checkpoint_of_another_rank_or_target_set():
     Checkpointer._refuse_other_layout(SimpleNamespace(layout=layout()), Path("c"), ckpt)
     older = {"layout": {k: v for k, v in ckpt["layout"].items() if not k.startswith("lora_")}}
     Checkpointer._refuse_other_layout(routed, Path("c"), older)  # written before the adapters were recorded
+
+
+def test_a_lora_step_copies_only_the_trainable_gradients():
+    """ZeRO-2's per-micro-step gradient copies are over what trains: the adapters (routed ones too,
+    1/ep of them per rank), not the frozen base."""
+    from dskit.plan import speed
+
+    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
+    c = counts(cfg, 4096)
+    t = lora.tuning(
+        cfg,
+        c,
+        targets=["attention", "shared_experts", "routed_experts"],
+        r=16,
+        dropout=0.0,
+        base_precision="bf16",
+    )
+    layout = speed.Layout(world=8, per_node=8, ep_size=4)
+    gpu = catalog.gpu("h200-141gb")
+    step = speed.predict(
+        cfg,
+        c,
+        t.flops_per_token(c),
+        gpu=gpu,
+        peak_tflops=989,
+        fabric_gbs=None,
+        layout=layout,
+        micro_batch=2,
+        grad_accum=3,
+        seq_len=4096,
+        ckpt_every=0,
+        offload=False,
+        zero_stage=2,
+        tuning=t,
+    )
+    dense, routed = t.trainable - t.routed_adapters, t.routed_adapters / 4
+    want = (dense + routed) * speed.ZERO12_BUCKET_BYTES_PER_PARAM + (dense / 8 + routed / 2) * (
+        speed.ZERO12_PARTITION_BYTES_PER_PARAM
+    )
+    assert t.routed_adapters > 0 and t.trainable < 0.05 * c.total
+    assert step.grad_copy_s == pytest.approx(3 * want / (gpu.memory_bw_gbs * speed.GB))

@@ -264,3 +264,60 @@ def test_explain_works_for_every_catalog_model_and_gpu(model, gpu, nodes):
     assert text.splitlines()[0] == plan.summary() and "chosen" in text
     assert json.dumps([row_dict(r) for r in found.rows])
     assert (plan.speed is None) == (gpu == "cpu")
+
+
+def _v2_lite_step(zero_stage: int, grad_accum: int, layout: speed.Layout, **kw) -> speed.StepTime:
+    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
+    c = counts(cfg, 4096)
+    return speed.predict(
+        cfg,
+        c,
+        flops_per_token(c),
+        gpu=catalog.gpu("h200-141gb"),
+        peak_tflops=989,
+        fabric_gbs=None,
+        layout=layout,
+        micro_batch=2,
+        grad_accum=grad_accum,
+        seq_len=4096,
+        ckpt_every=0,
+        offload=False,
+        zero_stage=zero_stage,
+        fused_step=True,
+        **kw,
+    )
+
+
+def test_zero2_copies_gradients_every_micro_step_zero1_once_per_step():
+    """On one GPU the copies are all that tell the stages apart: stage 2 pays them in each micro-step,
+    on the GPU timeline; stage 1 once, after the last backward, with its boundary."""
+    one = speed.Layout(world=1, per_node=1, ep_size=1)
+    z2, z1, z3 = (_v2_lite_step(z, 4, one) for z in (2, 1, 3))
+    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
+    c = counts(cfg, 4096)
+    copy = (
+        c.total
+        * (speed.ZERO12_BUCKET_BYTES_PER_PARAM + speed.ZERO12_PARTITION_BYTES_PER_PARAM)
+        / (catalog.gpu("h200-141gb").memory_bw_gbs * speed.GB)
+    )
+    assert z2.grad_copy_s == pytest.approx(4 * copy) and z2.boundary_s == 0.0
+    assert z1.grad_copy_s == 0.0 and z1.boundary_s == pytest.approx(copy)
+    assert z3.grad_copy_s == 0.0 and z3.boundary_s == 0.0
+    assert z1.step_s < z2.step_s
+    assert _v2_lite_step(1, 1, one).step_s == pytest.approx(_v2_lite_step(2, 1, one).step_s)
+
+
+def test_the_gradient_copy_buckets_every_held_gradient_and_partitions_each_over_its_group():
+    """8 ranks, EP 4: every gradient a rank holds (the dense ones, its quarter of the experts) goes through
+    a bucket; the fp32 copy is of its partition, the dense over 8 ranks, the experts over 8 / 4 = 2."""
+    layout = speed.Layout(world=8, per_node=8, ep_size=4)
+    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
+    c = counts(cfg, 4096)
+    experts = c.experts_per_layer * c.moe_layers
+    dense, routed = c.total - experts, experts / 4
+    bw = catalog.gpu("h200-141gb").memory_bw_gbs * speed.GB
+    want = (
+        (dense + routed) * speed.ZERO12_BUCKET_BYTES_PER_PARAM
+        + (dense / 8 + routed / 2) * speed.ZERO12_PARTITION_BYTES_PER_PARAM
+    ) / bw
+    assert _v2_lite_step(2, 3, layout).grad_copy_s == pytest.approx(3 * want)

@@ -13,11 +13,14 @@ micro-step is the same work in fewer, larger kernels. Then the ZeRO stage: in al
 one H200 (bench/results/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
 candidate), ZeRO-2 ran from 1% slower to 21% faster than ZeRO-3, 3% faster in the median, where the model
 then called GPU-bound shapes even (the refit of 2026-12-02 gives ZeRO-1/2 a smaller GPU cost per layer
-pass than ZeRO-3's, which separates most of them; the preference stays for the rest). ZeRO-1 gets no
-such preference: beside ZeRO-2 on ten one-GPU configurations, each pair in one call
-(bench/results/h200-zero12-*-2026-12-02.json), the two ran within 1.6% of each other on nine and 4.1%
-apart on the tenth, either way, at one or two micro-steps per step; where they accumulate longer, the
-model's gradient-copy term tells them apart. Then memory: less of it is less risk. A plan
+pass than ZeRO-3's, which separates most of them; the preference stays for the rest). Over ZeRO-1 the
+preference has no measurement behind it, only history (every calibration run of a tie was ZeRO-2 or
+ZeRO-3): beside each other on ten one-GPU configurations, each pair in one call
+(bench/results/h200-zero12-*-2026-12-02.json), the two ran within 1.6% on nine and 4.1% apart on the
+tenth, either way, at one or two micro-steps per step, so a tie between them costs at most that; at
+V3's width ZeRO-1 ran 3-6% faster, which the model's gradient-copy term puts outside the tie where the
+micro-steps add up. Moving the preference changes picks that were measured under older defaults
+(compiled regions, DeepSpeed's step, and LoRA) to ZeRO-1 runs that were not, so it waits for them. Then memory: less of it is less risk. A plan
 with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
 
 Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of
@@ -235,8 +238,10 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
         why = "the winner recomputes less"
     elif row.grad_accum > best.grad_accum:
         why = "the winner accumulates fewer micro-steps"
-    elif c.zero_stage != 2 and b.zero_stage == 2:
+    elif c.zero_stage == 3 and b.zero_stage == 2:
         why = "the winner is ZeRO-2 (measured 1% slower to 21% faster than ZeRO-3 where predicted even)"
+    elif c.zero_stage == 1 and b.zero_stage == 2:
+        why = "the winner is ZeRO-2, the tie's order (measured within 4.1% of ZeRO-1 either way on one GPU)"
     elif row.fit.steady.total_gib > best.fit.steady.total_gib:
         why = f"the winner needs less memory ({best.fit.steady.total_gib:.1f} GiB)"
     else:

@@ -5,7 +5,7 @@ derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 
-    GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all) + grad_copy
+    GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all + ZeRO-2's grad_copy)
     host = grad_accum x (HOST_LAYER_PASS_S x layer passes + HOST_MICRO_STEP_S)
     step = max(GPU, host) + optimizer + boundary
 
@@ -26,8 +26,8 @@ side by side, because the host enqueues kernels ahead of the GPU:
   like ZeRO-3's; stage 1 once per step, at the accumulation boundary. Both all-gather the updated
   weights once per step after the optimizer, exposed. Their host and GPU cost per layer pass are
   HOST_LAYER_PASS_UNHOOKED_S and GPU_LAYER_PASS_UNHOOKED_S. grad_copy: they copy the gradients into
-  reduce buckets and the rank's partition, stage 2 in every micro-step, stage 1 once per step (on one
-  GPU that is all that tells them apart).
+  reduce buckets and the rank's partition, stage 2 in every micro-step (on the GPU timeline), stage 1
+  once per step, exposed with its boundary (on one GPU that is all that tells them apart).
 - all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
   backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
 - optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
@@ -48,8 +48,9 @@ from dskit.catalog import GPU
 from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
 
-# ---- measured: fitted to the worst relative error over 24 one-GPU runs on H200 (bench/plan_bench.py
-# --fit bench/results/h200x2-planner-{A,C}-2026-11-30.json: 11.0%) ----
+# ---- measured: the first four fitted to the worst relative error over 24 one-GPU runs on H200
+# (bench/plan_bench.py --fit bench/results/h200x2-planner-{A,C}-2026-11-30.json: 11.0%) with
+# ADAM_BYTES_PER_PARAM at 39; kept when the optimizer terms were refitted (bench/optimizer_refit.py) ----
 #: achieved fraction of the GPU's peak on the model's training FLOPs
 GEMM_EFFICIENCY = 0.45
 #: GPU time per layer pass beyond its FLOPs (ZeRO-3's copies of gathered and released weights, the
@@ -66,8 +67,9 @@ HOST_MICRO_STEP_S = 0.055
 #: FusedAdam's kernel alone moves 39 (18.5 ms for 2.26 B parameters in the V2-Lite H200 profile), which
 #: is what this was until the step was measured whole: at V3's width on one H200 (6.8 B parameters,
 #: accumulation 8 and 2, bench/results/h200-v3-width-2026-12-02{,b}.json) the per-step part took
-#: 0.146 s, 103 bytes. Fitted to the worst error over the 62 ZeRO-3 runs of both widths, one and two
-#: GPUs, with SYNC_LAYER_PASS_S (the per-pass constants above kept): 12.4%, from 25% at 39 bytes
+#: 0.146 s, 103 bytes. Fitted with SYNC_LAYER_PASS_S to the worst error over the 63 ZeRO-3 runs of
+#: both widths, one and two GPUs (the per-pass constants above kept; bench/optimizer_refit.py): 12.4%,
+#: from 25% at 39 bytes
 ADAM_BYTES_PER_PARAM = 80.0
 #: what `overrides.optimizer_step=fused` takes off a ZeRO-1/2 step, per parameter and step, as bytes at the
 #: GPU's bandwidth. In theory 24: DeepSpeed's norm copies each bf16 gradient to fp64 and reads that back
@@ -84,9 +86,10 @@ FUSED_STEP_SAVED_BYTES_PER_PARAM = 24.0
 #: parameters in the V3-width profile: bench/results/h200-v3-width-profile-zero2-2026-12-02.json), the
 #: fp32 weights cast back to bf16, the gradient scaling and the copies around them. The two accumulation
 #: lengths at V3's width give stage 2's per-step part as 0.098 s, 69 bytes; fitted with
-#: GPU_LAYER_PASS_UNHOOKED_S to the worst error over the 46 one-GPU ZeRO-1/2 runs of both widths
-#: (V2-Lite's and V3's, bench/results/h200-planner-Z2*, h200-zero1-*, h200-zero12-*, h200-v3-width-*): 8.7%
-ZERO12_STEP_BYTES_PER_PARAM = 60.0
+#: GPU_LAYER_PASS_UNHOOKED_S to the worst error over the 48 one-GPU ZeRO-1/2 runs of both widths
+#: (V2-Lite's and V3's, bench/results/h200-planner-Z2*, h200-zero1-*, h200-zero12-*, h200-v3-width-*;
+#: bench/optimizer_refit.py): 8.6%
+ZERO12_STEP_BYTES_PER_PARAM = 54.0
 #: ZeRO-1/2 copy every gradient a rank holds into a reduce bucket (bf16 read and written: 4 bytes) and
 #: the rank's partition of it into the fp32 gradient the optimizer reads (2 read, 4 written: 6), stage 2
 #: in every micro-step, stage 1 once per step. On one H200 at V3's width (6.8 B parameters) stage 2's
@@ -96,37 +99,40 @@ ZERO12_BUCKET_BYTES_PER_PARAM = 4.0
 ZERO12_PARTITION_BYTES_PER_PARAM = 6.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
-#: fitted on 2 x H200 (NVLink) runs of the same file, seconds (0.004 before ADAM_BYTES_PER_PARAM was
-#: refitted with it)
-SYNC_LAYER_PASS_S = 0.0025
+#: fitted with ADAM_BYTES_PER_PARAM (it was 0.004 before, fitted on the 2 x H200 NVLink runs alone),
+#: seconds
+SYNC_LAYER_PASS_S = 0.0020
 
 #: ZeRO-1/2 (no ZeRO-3 module hooks): host time per layer pass. The ZeRO-1/2 runs on one H200 are
 #: GPU-bound or close to it (bench/results/h200-planner-Z2-2026-12-01.json: 4-layer V2-Lite at
-#: micro-batch 2 took 0.144 s), which bounds this from above only: the largest value consistent with
-#: those runs under the refitted optimizer (within 2%) is taken, so a host-bound ZeRO-1/2 step is never
-#: predicted faster than it can be
+#: micro-batch 2 took 0.144 s), which bounds this from above only: the largest value at which the host
+#: timeline predicts none of those runs more than 2% slower than measured is taken
+#: (bench/optimizer_refit.py), so a host-bound ZeRO-1/2 step is never predicted faster than it can be
 HOST_LAYER_PASS_UNHOOKED_S = 0.0065
 #: ZeRO-1/2's GPU time per layer pass: below ZeRO-3's GPU_LAYER_PASS_S, which copies gathered weights
 #: in and out; fitted with ZERO12_STEP_BYTES_PER_PARAM (it was set equal to ZeRO-3's while the ZeRO-1/2
 #: optimizer was counted at 15 bytes, and absorbed the difference at V2-Lite's width)
-GPU_LAYER_PASS_UNHOOKED_S = 0.0050
+GPU_LAYER_PASS_UNHOOKED_S = 0.0055
 #: ZeRO-1/2 with each attention block compiled (one graph instead of ~30 eager launches per block): the
 #: same kind of upper bound, from the 4-layer V2-Lite micro-batch-2 runs on one H200 that compiled them:
-#: 0.119-0.133 s per step (bench/results/h200-zero1-2026-12-02.json, h200-zero12-A-2026-12-02.json),
-#: which the refitted GPU timeline already reaches
+#: 0.119-0.133 s per step (bench/results/h200-zero1-2026-12-02.json, h200-zero12-A-2026-12-02.json);
+#: where the GPU timeline alone is already slower than measured, the host may not add to it
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/lora.py) take this much longer than GEMM_EFFICIENCY says (each adapted
 #: linear adds memory-bound passes over its input and output: A's input read again, B's output scaled
 #: and added, their gradients; the frozen GEMMs' input-gradient-only backward), and a layer pass this
-#: fraction of GPU_LAYER_PASS_S (no weight gradients to copy into ZeRO's buckets). Fitted to the worst
+#: fraction of its stage's per-pass cost (no weight gradients to copy into ZeRO's buckets). Fitted to the worst
 #: relative error over the six LoRA runs on one H200 (4, 12 and 27 layers, micro-batch 8-32, with and
 #: without checkpointing: bench/results/h200-lora-cal-2026-12-02.json, h200-lora-2026-12-02.json):
 #: 9.2% (with neither factor the plan was 9-27% fast); held out, the pick they lead to (27 layers,
-#: micro-batch 4, no checkpointing: h200-lora-pick-2026-12-02.json) came within 1.1%
+#: micro-batch 4, no checkpointing: h200-lora-pick-2026-12-02.json) came within 1.1%. The layer-pass
+#: factor was 0.4 of ZeRO-3's 6.5 ms; refitted with ZeRO-1/2's own per-pass cost (the optimizer refit,
+#: docs/planner.md "The optimizer step at both widths") over those seven and the eight FP8-bench runs:
+#: 0.55 of 5.5 ms (bench/optimizer_refit.py), worst error 9.4%, the once-held-out pick 2.5%
 LORA_COMPUTE_FACTOR = 1.34
-LORA_LAYER_PASS_FACTOR = 0.4
+LORA_LAYER_PASS_FACTOR = 0.55
 # An FP8 base (dskit/train/fp8.py `dequantize_blocks`, plain torch per 128 x 128 block) dequantises
 # every FP8 weight a rank holds in each forward and again in each backward: memory traffic, not FLOPs
 # (e4m3 read, float32 blocks written and scaled, bf16 written). Bytes of traffic per weight and pass at
@@ -188,7 +194,7 @@ class StepTime:
     compute_s: float  # GPU timeline: FLOPs at GEMM_EFFICIENCY
     layer_gpu_s: float  # GPU timeline: per layer pass beyond FLOPs
     collectives_s: float  # GPU timeline: ZeRO-3 gathers/reduce-scatters (exposed) and their synchronisation
-    grad_copy_s: float  # GPU timeline: ZeRO-1/2's gradient copies into buckets and partitions
+    grad_copy_s: float  # GPU timeline: ZeRO-2's gradient copies into buckets and partitions
     all_to_all_s: float  # GPU timeline: AutoEP dispatch and combine
     host_s: float  # host timeline: hooks and launches, overlapped with the GPU's
     optimizer_s: float
@@ -196,7 +202,9 @@ class StepTime:
     flops_per_token: float
     peak_tflops: float
     unknown: tuple[str, ...]  # terms left out for want of a bandwidth (named in --explain)
-    boundary_s: float = 0.0  # ZeRO-1/2: collectives once per step, after the backward (not overlapped)
+    boundary_s: float = (
+        0.0  # ZeRO-1/2: once per step, after the backward (not overlapped): collectives, ZeRO-1's copies
+    )
 
     @property
     def gpu_s(self) -> float:
@@ -291,8 +299,11 @@ def predict(
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
     dequant = grad_copy = 0.0
     if zero_stage < 3:  # stage 2 copies each micro-step's gradients, stage 1 the accumulated ones once
-        grads = _trained_grads(c, layout, tuning)
-        grad_copy = (grad_accum if zero_stage == 2 else 1) * _grad_copy_s(*grads, layout, gpu)
+        copy = _grad_copy_s(*_trained_grads(c, layout, tuning), layout, gpu)
+        if zero_stage == 2:
+            grad_copy = grad_accum * copy
+        else:  # after the last backward, with nothing left to hide it behind: exposed, as its reduce
+            per_step += copy
     if tuning is not None:
         compute *= LORA_COMPUTE_FACTOR
         gpu_pass *= LORA_LAYER_PASS_FACTOR

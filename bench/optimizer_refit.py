@@ -1,0 +1,192 @@
+"""The optimizer refit of 2026-12-02 (docs/planner.md "The optimizer step at both widths"), redone
+from the committed H200 runs: each group of `dskit/plan/speed.py` constants on its grid, scored by the
+worst relative tokens/s error of today's plan (`plan_bench.repredict`) over the runs it governs.
+
+- ZeRO-1/2: ZERO12_STEP_BYTES_PER_PARAM x GPU_LAYER_PASS_UNHOOKED_S over every one-GPU ZeRO-1/2 run
+  of both widths (V2-Lite and the V3-width slice);
+- their host bounds: the largest HOST_LAYER_PASS_UNHOOKED_S (runs with attention eager) and
+  HOST_LAYER_PASS_COMPILED_ATTENTION_S (attention compiled) at which the host timeline makes no run's
+  predicted step slower than both its measurement (by 2%) and what the GPU timeline alone predicts;
+- ZeRO-3: ADAM_BYTES_PER_PARAM x SYNC_LAYER_PASS_S over every ZeRO-3 run, one and two GPUs;
+- LoRA: LORA_LAYER_PASS_FACTOR over the LoRA calibration runs and the FP8-bench runs.
+The gradient-copy bytes are not fitted (4 + 6 bytes by count, 10 measured at V3's width). Each group
+is fitted with the others at speed.py's values. Prints the fits beside speed.py's; exits 1 if one
+differs (`--near`: each grid only the committed value and its two neighbours, for the test).
+
+    python bench/optimizer_refit.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import fp8_lora_bench  # noqa: E402  (bench/, beside this script)
+import plan_bench  # noqa: E402
+
+from dskit.plan import speed  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+GRIDS: dict[str, tuple[float, ...]] = {
+    "ZERO12_STEP_BYTES_PER_PARAM": (48.0, 54.0, 60.0, 66.0, 72.0, 78.0),
+    "GPU_LAYER_PASS_UNHOOKED_S": (0.0035, 0.004, 0.0045, 0.005, 0.0055, 0.006),
+    "HOST_LAYER_PASS_UNHOOKED_S": tuple(round(0.004 + 0.0005 * i, 4) for i in range(13)),
+    "HOST_LAYER_PASS_COMPILED_ATTENTION_S": tuple(round(0.004 + 0.0005 * i, 4) for i in range(13)),
+    "ADAM_BYTES_PER_PARAM": (56.0, 64.0, 72.0, 80.0, 88.0, 96.0),
+    "SYNC_LAYER_PASS_S": (0.002, 0.0025, 0.003, 0.0035, 0.004),
+    "LORA_LAYER_PASS_FACTOR": (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7),
+}
+#: how much slower than measured a host bound may make a run's prediction
+HOST_SLACK = 0.02
+#: FP8-bench runs measured before the trainer set train mode (tests/test_plan_calibration.py)
+EVAL_MODE_RUNS = {
+    ("h200-fp8-lora-routed-2026-12-02.json", "bf16"),
+    ("h200-fp8-lora-routed-ckpt-2026-12-02.json", "bf16-ckpt1"),
+}
+
+
+def _rows(*globs: str) -> list[dict]:
+    return plan_bench.load_rows([f for g in globs for f in sorted(RESULTS.glob(g))])
+
+
+def _stage(r: dict) -> int:
+    return int(plan_bench.forced_overrides(r)[0].split("=")[1])
+
+
+def _attention_compiled(r: dict) -> bool:
+    return "overrides.compile=on" in plan_bench.forced_overrides(r)
+
+
+@contextmanager
+def constants(**values: float) -> Iterator[None]:
+    old = {k: getattr(speed, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(speed, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(speed, k, v)
+
+
+def _error(r: dict, tmp: Path) -> float:
+    p = fp8_lora_bench.repredict(r, tmp) if "file" in r else plan_bench.repredict(r)[0]
+    return p["tokens_per_s_per_gpu"] / r["measured"]["tokens_per_s_per_gpu"] - 1
+
+
+def worst(rows: list[dict], tmp: Path) -> float:
+    return max(abs(_error(r, tmp)) for r in rows)
+
+
+def _grid(name: str, near: bool) -> tuple[float, ...]:
+    g = GRIDS[name]
+    if not near:
+        return g
+    i = min(range(len(g)), key=lambda k: abs(g[k] - getattr(speed, name)))
+    return g[max(0, i - 1) : i + 2]
+
+
+def fit_pair(a: str, b: str, rows: list[dict], tmp: Path, near: bool) -> tuple[float, float, float]:
+    """The (a, b) of the grid with the smallest worst error over `rows`, and that error."""
+    best = None
+    for x in _grid(a, near):
+        for y in _grid(b, near):
+            with constants(**{a: x, b: y}):
+                err = worst(rows, tmp)
+            if best is None or err < best[2] - 1e-12:
+                best = (x, y, err)
+    assert best is not None
+    return best
+
+
+def _step(r: dict) -> float:
+    return plan_bench.repredict(r)[0]["step_s"]
+
+
+def host_bound(name: str, rows: list[dict], near: bool) -> float:
+    """The largest host cost per pass at which no run is predicted slower than both its measurement
+    (by HOST_SLACK) and its GPU timeline alone (the host bound at zero)."""
+    with constants(**{name: 0.0}):
+        gpu_only = [_step(r) for r in rows]
+    ok = 0.0
+    for h in _grid(name, near):
+        with constants(**{name: h}):
+            steps = [_step(r) for r in rows]
+        if all(
+            s <= max(r["measured"]["step_s"] * (1 + HOST_SLACK), g) + 1e-9
+            for s, r, g in zip(steps, rows, gpu_only, strict=True)
+        ):
+            ok = h
+        else:
+            break
+    return ok
+
+
+def refit(near: bool = False) -> list[tuple[str, float, float, str]]:
+    """(constant, fitted, speed.py's, what it was scored on) for every constant of the refit."""
+    tmp = Path(tempfile.mkdtemp(prefix="dskit-refit-"))
+    planner = _rows(
+        "h200*-planner-*.json", "h200-v3-width-2*.json", "h200-zero1-*.json", "h200-zero12-*.json"
+    )
+    zero12 = [r for r in planner if _stage(r) < 3 and r["gpus"] == 1]
+    zero3 = [r for r in planner if _stage(r) == 3]
+    host = [r for r in zero12 if r["config"] == "L4 s4096 gb2"]  # the host-bound shape
+    lora = _rows("h200-lora-*.json") + [
+        r
+        for r in fp8_lora_bench.load_rows(sorted(RESULTS.glob("h200-fp8-lora*.json")))
+        if (r["file"], r["label"]) not in EVAL_MODE_RUNS
+    ]
+    out: list[tuple[str, float, float, str]] = []
+
+    def put(name: str, value: float, how: str) -> None:
+        out.append((name, value, getattr(speed, name), how))
+
+    b, g, e = fit_pair("ZERO12_STEP_BYTES_PER_PARAM", "GPU_LAYER_PASS_UNHOOKED_S", zero12, tmp, near)
+    put("ZERO12_STEP_BYTES_PER_PARAM", b, f"worst {e:.1%} over {len(zero12)} one-GPU ZeRO-1/2 runs")
+    put("GPU_LAYER_PASS_UNHOOKED_S", g, "with it")
+    eager = [r for r in host if not _attention_compiled(r)]
+    compiled = [r for r in host if _attention_compiled(r)]
+    put(
+        "HOST_LAYER_PASS_UNHOOKED_S",
+        host_bound("HOST_LAYER_PASS_UNHOOKED_S", eager, near),
+        f"bound, {len(eager)} runs",
+    )
+    name = "HOST_LAYER_PASS_COMPILED_ATTENTION_S"
+    put(name, host_bound(name, compiled, near), f"bound, {len(compiled)} runs")
+    a, s, e = fit_pair("ADAM_BYTES_PER_PARAM", "SYNC_LAYER_PASS_S", zero3, tmp, near)
+    put("ADAM_BYTES_PER_PARAM", a, f"worst {e:.1%} over {len(zero3)} ZeRO-3 runs")
+    put("SYNC_LAYER_PASS_S", s, "with it")
+    best = min(_grid("LORA_LAYER_PASS_FACTOR", near), key=lambda f: _with(f, lambda: worst(lora, tmp)))
+    put(
+        "LORA_LAYER_PASS_FACTOR",
+        best,
+        f"worst {_with(best, lambda: worst(lora, tmp)):.1%} over {len(lora)} LoRA runs",
+    )
+    return out
+
+
+def _with(factor: float, f: Callable[[], float]) -> float:
+    with constants(LORA_LAYER_PASS_FACTOR=factor):
+        return f()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--near", action="store_true", help="each grid only around speed.py's value (quick)")
+    fits = refit(ap.parse_args().near)
+    print(f"{'constant':38s} {'fitted':>8s} {'speed.py':>8s}  scored on")
+    for name, fitted, committed, how in fits:
+        print(f"{name:38s} {fitted:8g} {committed:8g}  {how}" + ("" if fitted == committed else "  DIFFERS"))
+    sys.exit(0 if all(f == c for _, f, c, _ in fits) else 1)
+
+
+if __name__ == "__main__":
+    main()
