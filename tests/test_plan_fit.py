@@ -150,3 +150,21 @@ def test_checkpointing_every_2nd_layer_keeps_the_others_activations():
     assert at[2] * memory.GIB == pytest.approx(
         4 * moe + 5 * kept, rel=1e-6
     )  # 4 stored layers, 4 inputs + final
+
+
+def test_a_gpu_too_small_for_every_stage_is_told_how_many_nodes_not_to_try_zero3():
+    """ZeRO-2 builds less on one GPU than ZeRO-3 gathers (29.3 against 33.8 GiB for V2-Lite), but only
+    ZeRO-3's shard shrinks with more GPUs: the refusal names that, not the ZeRO-2 refusal's 'use
+    overrides.zero_stage=3', which would fail as well."""
+    spec = load_spec(
+        sets=["training.seq_len=2048", "training.global_batch=8"],
+        flags={
+            "model.preset": "deepseek-v2-lite",
+            "hardware.gpu": "rtx4090-24gb",
+            "hardware.gpus_per_node": 1,
+        },
+    )
+    with pytest.raises(SpecError) as e:
+        build_plan(spec)
+    assert e.value.field == "hardware.nodes", e.value
+    assert "use at least" in e.value.message and "zero_stage" not in e.value.message

@@ -199,12 +199,16 @@ def explain_no_fit(
                 "`dskit plan` says whether it fits here)",
             )
         )
-    if s.gpu_limit is not None and b.total_gib > s.gpu_limit and least.candidate.zero_stage != 3:
+    sharded = [f for f in fits if f.candidate.zero_stage == 3]
+    if s.gpu_limit is not None and b.total_gib > s.gpu_limit and not sharded:
         # only ZeRO-1/2 were searched (overrides.zero_stage): more nodes never shrink the whole model
         return "overrides.zero_stage", (
             f"{s.where} cannot be built under ZeRO-{least.candidate.zero_stage}: it builds the whole 16-bit model "
             f"({b.shard_gib:.1f} GiB) on each GPU, over {_gpu_limit(s)}; use overrides.zero_stage=3"
         )
+    if sharded:  # what more nodes shrink: ZeRO-3's shard (ZeRO-1/2 build the whole model on every GPU)
+        least = min(sharded, key=lambda f: f.construction.total_gib)
+        b = least.construction
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit:
         return "hardware.nodes", (
             f"{s.where} cannot be built: construction peaks at {b.total_gib:.1f} GiB/GPU ({b.shard_gib:.1f} weight "
