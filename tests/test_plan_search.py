@@ -62,26 +62,35 @@ def test_recompute_is_chosen_only_when_it_pays():
     assert all(r.candidate.micro_batch < deep.parallel.micro_batch for r in plain)
 
 
-def test_small_micro_steps_are_host_bound_large_ones_gpu_bound():
+ONE_GPU = speed.Layout(world=1, per_node=1, ep_size=1)
+
+
+def _v2_lite_step(
+    micro_batch: int = 2, grad_accum: int = 1, layout: speed.Layout = ONE_GPU, zero_stage: int = 3
+) -> speed.StepTime:
+    """4-layer V2-Lite at seq 4096 on H200, as the calibration runs were (ZeRO-1/2 with the fused step)."""
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
     c = counts(cfg, 4096)
+    return speed.predict(
+        cfg,
+        c,
+        flops_per_token(c),
+        gpu=catalog.gpu("h200-141gb"),
+        peak_tflops=989,
+        fabric_gbs=None,
+        layout=layout,
+        micro_batch=micro_batch,
+        grad_accum=grad_accum,
+        seq_len=4096,
+        ckpt_every=0,
+        offload=False,
+        zero_stage=zero_stage,
+        fused_step=zero_stage < 3,
+    )
 
-    def at(mb: int) -> speed.StepTime:
-        return speed.predict(
-            cfg,
-            c,
-            flops_per_token(c),
-            gpu=catalog.gpu("h200-141gb"),
-            peak_tflops=989,
-            fabric_gbs=None,
-            layout=speed.Layout(world=1, per_node=1, ep_size=1),
-            micro_batch=mb,
-            grad_accum=1,
-            seq_len=4096,
-            ckpt_every=0,
-            offload=False,
-        )
 
+def test_small_micro_steps_are_host_bound_large_ones_gpu_bound():
+    at = _v2_lite_step
     assert at(1).bound == "host" and at(16).bound == "GPU"
     assert at(16).tokens_per_s > 1.5 * at(1).tokens_per_s
 
@@ -266,33 +275,10 @@ def test_explain_works_for_every_catalog_model_and_gpu(model, gpu, nodes):
     assert (plan.speed is None) == (gpu == "cpu")
 
 
-def _v2_lite_step(zero_stage: int, grad_accum: int, layout: speed.Layout, **kw) -> speed.StepTime:
-    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
-    c = counts(cfg, 4096)
-    return speed.predict(
-        cfg,
-        c,
-        flops_per_token(c),
-        gpu=catalog.gpu("h200-141gb"),
-        peak_tflops=989,
-        fabric_gbs=None,
-        layout=layout,
-        micro_batch=2,
-        grad_accum=grad_accum,
-        seq_len=4096,
-        ckpt_every=0,
-        offload=False,
-        zero_stage=zero_stage,
-        fused_step=True,
-        **kw,
-    )
-
-
 def test_zero2_copies_gradients_every_micro_step_zero1_once_per_step():
     """On one GPU the copies are all that tell the stages apart: stage 2 pays them in each micro-step,
     on the GPU timeline; stage 1 once, after the last backward, with its boundary."""
-    one = speed.Layout(world=1, per_node=1, ep_size=1)
-    z2, z1, z3 = (_v2_lite_step(z, 4, one) for z in (2, 1, 3))
+    z2, z1, z3 = (_v2_lite_step(grad_accum=4, zero_stage=z) for z in (2, 1, 3))
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
     c = counts(cfg, 4096)
     copy = (
@@ -304,7 +290,7 @@ def test_zero2_copies_gradients_every_micro_step_zero1_once_per_step():
     assert z1.grad_copy_s == 0.0 and z1.boundary_s == pytest.approx(copy)
     assert z3.grad_copy_s == 0.0 and z3.boundary_s == 0.0
     assert z1.step_s < z2.step_s
-    assert _v2_lite_step(1, 1, one).step_s == pytest.approx(_v2_lite_step(2, 1, one).step_s)
+    assert _v2_lite_step(zero_stage=1).step_s == pytest.approx(_v2_lite_step(zero_stage=2).step_s)
 
 
 def test_the_gradient_copy_buckets_every_held_gradient_and_partitions_each_over_its_group():
@@ -320,4 +306,4 @@ def test_the_gradient_copy_buckets_every_held_gradient_and_partitions_each_over_
         (dense + routed) * speed.ZERO12_BUCKET_BYTES_PER_PARAM
         + (dense / 8 + routed / 2) * speed.ZERO12_PARTITION_BYTES_PER_PARAM
     ) / bw
-    assert _v2_lite_step(2, 3, layout).grad_copy_s == pytest.approx(3 * want)
+    assert _v2_lite_step(grad_accum=3, layout=layout, zero_stage=2).grad_copy_s == pytest.approx(3 * want)
