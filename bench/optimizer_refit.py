@@ -168,7 +168,7 @@ def refit(near: bool = False) -> list[tuple[str, float, float, str]]:
     put(
         "LORA_LAYER_PASS_FACTOR",
         best,
-        f"worst {_with(best, lambda: worst(lora, tmp)):.1%} over {len(lora)} LoRA runs",
+        f"worst {_with(best, lambda: worst(lora, tmp)):.1%} over {len(lora)} LoRA-bench runs",
     )
     return out
 

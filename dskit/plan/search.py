@@ -13,7 +13,7 @@ micro-step is the same work in fewer, larger kernels. Then the ZeRO stage: in al
 one H200 (bench/results/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
 candidate), ZeRO-2 ran from 1% slower to 21% faster than ZeRO-3, 3% faster in the median, where the model
 then called GPU-bound shapes even (the refit of 2026-12-02 gives ZeRO-1/2 a smaller GPU cost per layer
-pass than ZeRO-3's, which separates most of them; the preference stays for the rest). Over ZeRO-1 the
+pass than ZeRO-3's, yet eight of the eleven pairs are still within the tie, so the preference stays). Over ZeRO-1 the
 preference has no measurement behind it, only history (every calibration run of a tie was ZeRO-2 or
 ZeRO-3): beside each other on ten one-GPU configurations, each pair in one call
 (bench/results/h200-zero12-*-2026-12-02.json), the two ran within 1.6% on nine and 4.1% apart on the

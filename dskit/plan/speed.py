@@ -115,7 +115,7 @@ HOST_LAYER_PASS_UNHOOKED_S = 0.0065
 GPU_LAYER_PASS_UNHOOKED_S = 0.0055
 #: ZeRO-1/2 with each attention block compiled (one graph instead of ~30 eager launches per block): the
 #: same kind of upper bound, from the 4-layer V2-Lite micro-batch-2 runs on one H200 that compiled them:
-#: 0.119-0.133 s per step (bench/results/h200-zero1-2026-12-02.json, h200-zero12-A-2026-12-02.json);
+#: 0.119-0.130 s per step (bench/results/h200-zero1-2026-12-02.json, h200-zero12-A-2026-12-02.json);
 #: where the GPU timeline alone is already slower than measured, the host may not add to it
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 
@@ -129,7 +129,8 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 #: 9.2% (with neither factor the plan was 9-27% fast); held out, the pick they lead to (27 layers,
 #: micro-batch 4, no checkpointing: h200-lora-pick-2026-12-02.json) came within 1.1%. The layer-pass
 #: factor was 0.4 of ZeRO-3's 6.5 ms; refitted with ZeRO-1/2's own per-pass cost (the optimizer refit,
-#: docs/planner.md "The optimizer step at both widths") over those seven and the eight FP8-bench runs:
+#: docs/planner.md "The optimizer step at both widths") over those seven and the eight FP8-bench runs (two
+#: of the fifteen full fine-tuning, beside them):
 #: 0.55 of 5.5 ms (bench/optimizer_refit.py), worst error 9.4%, the once-held-out pick 2.5%
 LORA_COMPUTE_FACTOR = 1.34
 LORA_LAYER_PASS_FACTOR = 0.55
