@@ -115,6 +115,7 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
                         loss=spec.overrides.loss,
                         compiled=plan.parallel.compile_regions,
                         zero_stage=1,
+                        grad_accum=m,
                     )
                     one = memory.estimate(stage, sc, **common)
                     held = memory.estimate(_stage_cfg(cfg, layers * inflight), sc, **common)

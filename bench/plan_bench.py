@@ -160,16 +160,30 @@ def _resolve(sets: list[str]) -> list[str]:
 
 
 def candidates(
-    sets: list[str], gpus: int, work: Path, compile_choice: str = "auto", zero_stage: int | None = None
+    sets: list[str],
+    gpus: int,
+    work: Path,
+    compile_choice: str = "auto",
+    zero_stage: int | None = None,
+    optimizer_step: str = "auto",
 ) -> list[dict]:
     """The planner's fitting candidates for a configuration, chosen first, as override lists
-    (`zero_stage`: the search narrowed to that ZeRO stage)."""
+    (`zero_stage`: the search narrowed to that ZeRO stage; `optimizer_step`: deepspeed plans and runs
+    them as the calibration set's compiled rows ran, before the fused step)."""
     from dskit.plan.build import build_plan_searched
     from dskit.spec import load_spec
 
     stage = [f"overrides.zero_stage={zero_stage}"] if zero_stage else []
     spec = load_spec(
-        sets=_resolve([*COMMON, *sets, f"overrides.compile={compile_choice}", *stage]),
+        sets=_resolve(
+            [
+                *COMMON,
+                *sets,
+                f"overrides.compile={compile_choice}",
+                f"overrides.optimizer_step={optimizer_step}",
+                *stage,
+            ]
+        ),
         flags=_flags(gpus, "probe", work, sets),
     )
     plan, found = build_plan_searched(spec)
@@ -186,6 +200,7 @@ def candidates(
                     c.offload,
                     _compile_value(plan.parallel.compile_regions, compile_choice),
                     c.zero_stage,
+                    f"overrides.optimizer_step={optimizer_step}",
                 ),
             }
         )
@@ -311,6 +326,7 @@ def measure(
     picks_only: bool = False,
     compile_choice: str = "auto",
     zero_stages: list[int] | None = None,
+    optimizer_step: str = "auto",
 ) -> None:
     import torch
 
@@ -337,7 +353,9 @@ def measure(
             if only and not any(o in config for o in only):
                 continue
             for stage in zero_stages or [None]:  # side by side per configuration: a cut budget keeps pairs
-                for cand in candidates(sets, gpus, work, compile_choice, stage)[: 1 if picks_only else None]:
+                for cand in candidates(sets, gpus, work, compile_choice, stage, optimizer_step)[
+                    : 1 if picks_only else None
+                ]:
                     jobs.append((config, sets, gpus, cand))
     free = list(range(n_gpus))
     cond = threading.Condition()
@@ -588,6 +606,12 @@ def main() -> None:
         choices=[1, 2, 3],
         help="search only this ZeRO stage (repeat it: each stage's runs of a configuration side by side)",
     )
+    ap.add_argument(
+        "--optimizer-step",
+        choices=["auto", "deepspeed"],
+        default="auto",
+        help="overrides.optimizer_step of every run (deepspeed: as the calibration set's compiled rows ran)",
+    )
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
@@ -602,7 +626,17 @@ def main() -> None:
         if not (a.set and a.out):
             ap.error("--set and --out are needed to measure")
         with tempfile.TemporaryDirectory(dir=a.work) as tmp:
-            measure(a.set, a.out, Path(tmp), a.budget_s, a.only, a.picks_only, a.compile, a.zero_stage)
+            measure(
+                a.set,
+                a.out,
+                Path(tmp),
+                a.budget_s,
+                a.only,
+                a.picks_only,
+                a.compile,
+                a.zero_stage,
+                a.optimizer_step,
+            )
 
 
 if __name__ == "__main__":

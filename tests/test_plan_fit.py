@@ -77,6 +77,7 @@ def test_every_plan_fits_or_refuses(model, gpu):
             loss="chunked" if par.loss_chunk_tokens else "full",
             compiled=par.compile_regions,
             zero_stage=par.zero_stage,
+            grad_accum=par.grad_accum,
         ).total_gib
         build = memory.construction(
             c, world=world, ep_size=par.ep_size, on_gpu=True, zero_stage=par.zero_stage

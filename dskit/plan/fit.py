@@ -77,6 +77,7 @@ class Shape:
     loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
     compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
     tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/lora.py)
+    per_rank: int = 1  # sequences per rank and optimizer step: micro-batch x accumulation
 
     @property
     def world(self) -> int:
@@ -152,6 +153,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         compiled=s.compiled,
         zero_stage=c.zero_stage,
         tuning=s.tuning,
+        grad_accum=max(1, s.per_rank // c.micro_batch),
     )
     build = memory.construction(
         s.counts,

@@ -14,6 +14,8 @@ allocator reserved on every H200 run of bench/results/h200*-planner-*.json. What
   momentum and variance (12 bytes) are sharded in both (DeepSpeed 0.19.8 stage_1_and_2.py: the flat
   bf16 gradient partition, `single_partition_of_fp32_groups`, the Adam states). At one rank the states
   equal ZeRO-3's, and ZeRO-3's gathered layers are the difference (docs/planner.md "ZeRO stages").
+- ZeRO-1/2 with gradient accumulation hold a second 16-bit copy of the rank's gradient partition in
+  the boundary micro-step's backward, while its activations are alive (`boundary_grad_copy`).
 - the gathered working set: ZeRO-3 materialises about two layers' bf16 weights at once (the current and
   the prefetched one), plus gradient buckets. A MoE layer's local experts (1/ep of them) are part of
   its gathered weights whenever ZeRO-3 shards them, i.e. when the expert-data-parallel group
@@ -190,6 +192,21 @@ def construction(
     )
 
 
+def boundary_grad_copy(trained: float, world: int, zero_stage: int, grad_accum: int) -> float:
+    """Bytes of the second 16-bit gradient partition ZeRO-1/2 hold in the backward of an accumulation
+    boundary: DeepSpeed 0.19.8 (stage_1_and_2.py `copy_grads_in_partition`) copies the rank's partition
+    of the reduced gradients into a contiguous buffer of its own while the gradients accumulated so far
+    (ZeRO-1: the parameters' own; ZeRO-2: the previous micro-steps' buffer, which they still view) are
+    alive, and it starts with the first gradient reduced, so most activations are alive too. Without
+    accumulation the parameters' gradients are made one at a time and moved into the buffer as they
+    come: no second copy. Measured on one H200 (bench/results/h200-memory-peak-2026-12-03.json: V3's
+    width, accumulation 2): two 12.6 GiB gradient copies live at the peak, for ZeRO-1 and ZeRO-2 alike.
+    `trained`: the parameters with gradients (all, or a LoRA run's trainable ones)."""
+    if zero_stage == 3 or grad_accum <= 1:
+        return 0.0
+    return BF16_BYTES * trained / world
+
+
 def lora_states(
     c: ModelCounts, t: Tuning, world: int, ep_size: int, offload: bool, zero_stage: int
 ) -> tuple[float, float]:
@@ -267,8 +284,10 @@ def estimate(
     compiled: bool = False,
     zero_stage: int = 3,
     tuning: Tuning | None = None,
+    grad_accum: int = 1,
 ) -> MemoryEstimate:
-    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/lora.py`); None: full fine-tuning."""
+    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/lora.py`); None: full fine-tuning.
+    `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`)."""
     if tuning is not None:
         states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)
     elif zero_stage == 3:
@@ -285,6 +304,8 @@ def estimate(
         grads = 2 * (local if zero_stage == 1 else c.total / world)
         states = 2 * local + grads + 12 * c.total / world
         working = 2 * 2 * min(REDUCE_BUCKET_ELEMENTS, local)  # two 16-bit reduce buckets in flight
+    trained = c.total if tuning is None else tuning.trainable
+    working += boundary_grad_copy(trained, world, zero_stage, grad_accum)
     tokens = micro_batch * seq_len
     L, dense_layers = cfg["num_hidden_layers"], c.dense_layers
     # ACTIVATION_SLACK scales what the eager layers keep (fitted on eager runs); the compiled saving is

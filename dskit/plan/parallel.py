@@ -48,7 +48,9 @@ def plan_parallel(
         _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
     gb, per_rank = _batch_split(spec, world)
     compiled = _compiled(spec, gpu, warnings)
-    shape = dataclasses.replace(_shape(spec, model, model_counts, gpu, hardware, compiled), tuning=tuning)
+    shape = dataclasses.replace(
+        _shape(spec, model, model_counts, gpu, hardware, compiled), tuning=tuning, per_rank=per_rank
+    )
     seq_len = spec.training.seq_len
     fused = spec.overrides.optimizer_step != "deepspeed"
     attention = attention_compile(spec.overrides.compile, gpu)
