@@ -203,9 +203,8 @@ class StepTime:
     flops_per_token: float
     peak_tflops: float
     unknown: tuple[str, ...]  # terms left out for want of a bandwidth (named in --explain)
-    boundary_s: float = (
-        0.0  # ZeRO-1/2: once per step, after the backward (not overlapped): collectives, ZeRO-1's copies
-    )
+    #: ZeRO-1/2, once per step after the backward, not overlapped: collectives and ZeRO-1's copies
+    boundary_s: float = 0.0
 
     @property
     def gpu_s(self) -> float:
@@ -371,12 +370,10 @@ def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tupl
     ranks, so it spans every node, as the dense group does. A LoRA run (`t`) still gathers every frozen
     weight per pass under ZeRO-3 (in the base's precision), but reduces only the trainable parameters
     (the dense group; routed-expert adapters the expert-data-parallel group)."""
-    if t is None:
-        dense = WIRE_BYTES * (c.total - c.experts_per_layer * c.moe_layers)
-        experts = WIRE_BYTES * c.experts_per_layer * c.moe_layers / layout.ep_size
-        return (dense, dense, layout.world), (experts, experts, layout.expert_dp)
-    trained = WIRE_BYTES * (t.trainable - t.routed_adapters)
-    routed = WIRE_BYTES * t.routed_adapters / layout.ep_size  # reduced over the experts' own group
+    dense, routed = (WIRE_BYTES * n for n in _trained_grads(c, layout, t))
+    if t is None:  # every weight is trained: gathered and reduced alike
+        return (dense, dense, layout.world), (routed, routed, layout.expert_dp)
+    trained = dense  # the routed adapters are reduced over the experts' own group
     return (
         (t.other_bytes * t.frozen_other + trained, trained, layout.world),
         (t.expert_bytes * t.frozen_experts / layout.ep_size + routed, routed, layout.expert_dp),
