@@ -6,7 +6,7 @@ peaks, and the allocations live at the peak grouped by the code that made them (
 Writes them to one JSON file. For a memory term that misses its measurement (docs/planner.md).
 
     python3 bench/memory_peak.py --set V3 --only gb2 --zero-stage 2 --zero-stage 1 --work /tmp/mp \
-        --out $OUT/h200-memory-peak-2026-12-03.json
+        --out $OUT/h200-memory-peak.json
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def main() -> None:
             cand = {"verdict": "memory peak", "overrides": forced}
             tag = f"{name} z{stage} mb{a.micro_batch} ck{a.ckpt}"
             snap = a.work / "snap" / tag.replace(" ", "-")
+            shutil.rmtree(snap, ignore_errors=True)  # no file of an earlier invocation is read as this run's
             os.environ["DSKIT_MEMSNAP_OUT"] = str(snap)
             row = plan_bench.run_one(
                 tag, [*sets, f"training.steps={STEPS}", *a.extra], gpus, cand, [0], a.work

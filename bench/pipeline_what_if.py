@@ -114,8 +114,10 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
                         on_gpu=True,
                         loss=spec.overrides.loss,
                         compiled=plan.parallel.compile_regions,
+                        # no grad_accum: the pipeline engine reduces once, after the last backward
+                        # (pipe/schedule.py ReduceGrads), when the activations are freed, so ZeRO-1's
+                        # second gradient copy (memory.boundary_grad_copy) never meets them
                         zero_stage=1,
-                        grad_accum=m,
                     )
                     one = memory.estimate(stage, sc, **common)
                     held = memory.estimate(_stage_cfg(cfg, layers * inflight), sc, **common)

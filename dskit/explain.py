@@ -85,8 +85,9 @@ def table(plan: Plan, found: Search) -> str:
         + (f"{shape.gpu_limit:.1f} GiB" if shape.gpu_limit else "none (cpu)")
         + ", host limit "
         + (f"{shape.host_limit:.0f} GiB/node" if shape.host_limit else "unknown"),
-        "memory in GiB per GPU (states, gathered working set, activations, loss, total; build = construction "
-        "peak); host = RAM per node; step time predicted by dskit/plan/speed.py",
+        "memory in GiB per GPU (states, working set: ZeRO-3's gathered layers, ZeRO-1/2's buckets and boundary "
+        "gradient copy; activations, loss, total; build = construction peak); host = RAM per node; step time "
+        "predicted by dskit/plan/speed.py",
         *lora_terms(plan, shape.tuning),
         "",
     ]

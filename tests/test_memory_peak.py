@@ -58,3 +58,9 @@ def test_reserved_follows_segments_and_expandable_mappings():
     ]
     r = m.analyse(trace, start=0)
     assert r["reserved_at_peak_gib"] == 12.0 and r["peak_reserved_gib"] == 12.0
+
+
+def test_a_process_that_allocated_nothing_after_the_mark_reports_nothing():
+    m = _memsnap()
+    assert m.analyse([], start=0) is None
+    assert m.analyse([_alloc(1, 2, DS), _free(1, 2)], start=2) is None

@@ -18,6 +18,7 @@ OUT = os.environ.get("DSKIT_MEMSNAP_OUT")
 #: frames from these packages name an allocation's site; the first (innermost) that matches is its key
 SITES = ("/dskit/", "/deepspeed/", "/transformers/", "/peft/", "/torch/optim/", "/torch/_dynamo/")
 GIB = 2**30
+MAX_ENTRIES = 4_000_000
 #: the allocator's statistics count a block free when it is asked for (a block another stream still
 #: uses is reusable only later, at free_completed): so does the replay, to meet max_memory_allocated
 FREES = ("free_requested", "free_completed")
@@ -33,18 +34,19 @@ def _site(frames: list[dict]) -> str:
     return " < ".join(f"{f['filename'].split('site-packages/')[-1]}:{f['line']}:{f['name']}" for f in pick)
 
 
-def analyse(trace: list[dict], start: int) -> dict:
-    """Peak of allocated bytes over trace[start:], with the allocations live at it grouped by site."""
-    live: dict[int, tuple[int, str]] = {}
+def analyse(trace: list[dict], start: int) -> dict | None:
+    """Peak of allocated bytes over trace[start:], with the allocations live at it grouped by site;
+    None where nothing was allocated there."""
+    sizes: dict[int, int] = {}
     allocated = reserved = 0
     peak = peak_at = peak_reserved = reserved_at_peak = 0
     for i, e in enumerate(trace):
         a = e["action"]
         if a == "alloc":
-            live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
+            sizes[e["addr"]] = e["size"]
             allocated += e["size"]
-        elif a in FREES and e["addr"] in live:
-            allocated -= live.pop(e["addr"])[0]
+        elif a in FREES and e["addr"] in sizes:
+            allocated -= sizes.pop(e["addr"])
         elif a in GROWS:
             reserved += e["size"]
         elif a in SHRINKS:
@@ -53,8 +55,10 @@ def analyse(trace: list[dict], start: int) -> dict:
             peak_reserved = max(peak_reserved, reserved)
             if allocated > peak:
                 peak, peak_at, reserved_at_peak = allocated, i, reserved
+    if peak == 0:
+        return None
     # replay to the peak again, keeping the live set there
-    live = {}
+    live: dict[int, tuple[int, str]] = {}
     for e in trace[: peak_at + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = (e["size"], _site(e.get("frames", [])))
@@ -86,7 +90,7 @@ def _install() -> None:
 
     if not torch.cuda.is_available():
         return
-    torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
     mark = {"at": 0}
     reset = torch.cuda.reset_peak_memory_stats
 
@@ -97,13 +101,19 @@ def _install() -> None:
     torch.cuda.reset_peak_memory_stats = marked_reset
 
     def dump() -> None:
-        snap = torch.cuda.memory._snapshot()
-        trace = snap["device_traces"][torch.cuda.current_device()]
+        if not torch.cuda.is_initialized():  # a launcher or compile worker: it never used the GPU
+            return
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+        if len(trace) >= MAX_ENTRIES:  # the ring wrapped: the mark and the early blocks are gone
+            raise SystemExit(f"memsnap: over {MAX_ENTRIES} allocator events; record fewer steps")
         result = analyse(trace, mark["at"])
+        if result is None:
+            return
         result["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
         result["max_memory_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 3)
         os.makedirs(OUT, exist_ok=True)
-        with open(os.path.join(OUT, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        name = f"rank{os.environ.get('RANK', '0')}-pid{os.getpid()}.json"  # every process writes its own
+        with open(os.path.join(OUT, name), "w") as f:
             json.dump(result, f, indent=1)
 
     atexit.register(dump)

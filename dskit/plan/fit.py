@@ -75,13 +75,16 @@ class Shape:
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
     loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
+    per_rank: int  # sequences per rank and optimizer step: micro-batch x accumulation
     compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
     tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/lora.py)
-    per_rank: int = 1  # sequences per rank and optimizer step: micro-batch x accumulation
 
     @property
     def world(self) -> int:
         return self.nodes * self.per_node
+
+    def grad_accum(self, c: Candidate) -> int:
+        return self.per_rank // c.micro_batch
 
     @property
     def where(self) -> str:
@@ -153,7 +156,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         compiled=s.compiled,
         zero_stage=c.zero_stage,
         tuning=s.tuning,
-        grad_accum=max(1, s.per_rank // c.micro_batch),
+        grad_accum=s.grad_accum(c),
     )
     build = memory.construction(
         s.counts,
@@ -292,7 +295,8 @@ def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], list[int]]) -
     cands = {dataclasses.replace(f.candidate, ep_size=0) for f in fits}
 
     def ok(nodes: int) -> bool:
-        t = dataclasses.replace(s, nodes=nodes)
+        # the same global batch over more ranks: fewer sequences each, at least one
+        t = dataclasses.replace(s, nodes=nodes, per_rank=max(1, s.per_rank * s.world // (nodes * s.per_node)))
         return any(
             (f := evaluate(t, dataclasses.replace(c, ep_size=ep))).gpu_ok and f.host_ok
             for ep in ep_for(nodes * s.per_node)

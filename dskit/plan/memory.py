@@ -193,15 +193,18 @@ def construction(
 
 
 def boundary_grad_copy(trained: float, world: int, zero_stage: int, grad_accum: int) -> float:
-    """Bytes of the second 16-bit gradient partition ZeRO-1/2 hold in the backward of an accumulation
-    boundary: DeepSpeed 0.19.8 (stage_1_and_2.py `copy_grads_in_partition`) copies the rank's partition
-    of the reduced gradients into a contiguous buffer of its own while the gradients accumulated so far
-    (ZeRO-1: the parameters' own; ZeRO-2: the previous micro-steps' buffer, which they still view) are
-    alive, and it starts with the first gradient reduced, so most activations are alive too. Without
-    accumulation the parameters' gradients are made one at a time and moved into the buffer as they
-    come: no second copy. Measured on one H200 (bench/results/h200-memory-peak-2026-12-03.json: V3's
-    width, accumulation 2): two 12.6 GiB gradient copies live at the peak, for ZeRO-1 and ZeRO-2 alike.
-    `trained`: the parameters with gradients (all, or a LoRA run's trainable ones)."""
+    """Bytes of the second 16-bit gradient partition ZeRO-1/2 hold in a backward after the first of an
+    optimizer step: DeepSpeed 0.19.8 (stage_1_and_2.py `copy_grads_in_partition`) allocates a contiguous
+    buffer for the rank's partition of the reduced gradients at the first gradient reduced, so most
+    activations are alive, while the gradients accumulated so far are too: ZeRO-1's in the parameters'
+    own `.grad` (reduced only at the boundary), ZeRO-2's in the previous micro-step's buffer, which
+    `all_grad_tensors` still holds after `_release_ipg_buffers` dropped it. Without accumulation the
+    parameters' gradients are made one at a time and moved into the buffer as they come: no second copy.
+    Measured on one H200 (bench/results/h200-memory-peak-2026-12-03.json: V3's width, accumulation 2):
+    two 12.6 GiB gradient copies live at the peak, for ZeRO-1 and ZeRO-2 alike. On several GPUs this is
+    a floor: the buffer holds every parameter that reaches into the partition whole, so one straddling a
+    partition's edge counts in full. `trained`: the parameters with gradients (all, or a LoRA run's
+    trainable ones)."""
     if zero_stage == 3 or grad_accum <= 1:
         return 0.0
     return BF16_BYTES * trained / world

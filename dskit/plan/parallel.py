@@ -49,7 +49,7 @@ def plan_parallel(
     gb, per_rank = _batch_split(spec, world)
     compiled = _compiled(spec, gpu, warnings)
     shape = dataclasses.replace(
-        _shape(spec, model, model_counts, gpu, hardware, compiled), tuning=tuning, per_rank=per_rank
+        _shape(spec, model, model_counts, gpu, hardware, compiled, per_rank), tuning=tuning
     )
     seq_len = spec.training.seq_len
     fused = spec.overrides.optimizer_step != "deepspeed"
@@ -75,7 +75,7 @@ def plan_parallel(
         ep_size=c.ep_size,
         expert_dp_size=world // c.ep_size,
         micro_batch=c.micro_batch,
-        grad_accum=per_rank // c.micro_batch,
+        grad_accum=shape.grad_accum(c),
         global_batch=gb,
         seq_len=seq_len,
         activation_checkpointing=c.ckpt_every,
@@ -184,6 +184,7 @@ def _shape(
     gpu: catalog.GPU,
     hardware: HardwarePlan,
     compiled: bool,
+    per_rank: int,
 ) -> fit.Shape:
     """What every candidate's fit depends on besides the candidate."""
     host_gib, host_from = host.node_memory(spec.hardware.host_memory_gib, gpu, spec.hardware.gpus_per_node)
@@ -199,6 +200,7 @@ def _shape(
         host_memory_from=host_from,
         loads_weights=model.path is not None,
         loss=spec.overrides.loss,
+        per_rank=per_rank,
         compiled=compiled,
     )
 
@@ -273,7 +275,6 @@ def _search(
         pinned,
         free=free,
         forced=forced,
-        per_rank=per_rank,
         speed_of=speed_of,
         ep_for=_ep_at(shape.cfg["n_routed_experts"], shape.per_node, o.ep_size),
     )

@@ -254,13 +254,13 @@ def _fastest(rows: list[Row]) -> Row:
     return min((r for r in rows if r.speed.tokens_per_s >= top * (1 - SPEED_TIE)), key=_rank_key)  # type: ignore[union-attr]
 
 
-def rank(shape: fit.Shape, candidates: list[fit.Candidate], per_rank: int, speed_of: SpeedOf) -> list[Row]:
+def rank(shape: fit.Shape, candidates: list[fit.Candidate], speed_of: SpeedOf) -> list[Row]:
     """Every candidate evaluated; the winner first (fits, fastest, tie-broken), then the rest.
 
     Speed ranks only where every fitting candidate is fully timed: a term left out for an unknown
     bandwidth (network.fabric tcp across nodes) would make the candidates that use it look free, so
     then the fit order decides, as for the cpu profile."""
-    rows = [Row(fit.evaluate(shape, c), speed_of(c), per_rank // c.micro_batch, "") for c in candidates]
+    rows = [Row(fit.evaluate(shape, c), speed_of(c), shape.grad_accum(c), "") for c in candidates]
     ok = [r for r in rows if r.fits]
     if not ok:
         return rows
@@ -287,15 +287,14 @@ def search(
     *,
     free: Axes,
     forced: list[str],
-    per_rank: int,
     speed_of: SpeedOf,
     ep_for: Callable[[int], list[int]],
 ) -> Search:
     """The ranked candidates of `pinned` (`free` narrowed by the overrides named in `forced`), or
     SpecError (exit 2) saying why none fits. With overrides, `free` is ranked too: the planner's own
     pick, to name a slower forced choice and to tell a bad override from a small cluster."""
-    rows = rank(shape, pinned.candidates(), per_rank, speed_of)
-    free_rows = rank(shape, free.candidates(), per_rank, speed_of) if forced else None
+    rows = rank(shape, pinned.candidates(), speed_of)
+    free_rows = rank(shape, free.candidates(), speed_of) if forced else None
     own = free_rows[0] if free_rows and free_rows[0].fits else None
     if not rows[0].fits:
         field, message = fit.explain_no_fit(
