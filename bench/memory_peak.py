@@ -44,6 +44,22 @@ def main() -> None:
     configs = {n: c for s in a.sets for n, c in plan_bench.CONFIGS[s].items() if a.only in n}
     if not configs:
         ap.error(f"--only {a.only!r} matches no configuration of {', '.join(a.sets)}")
+    from dskit.errors import SpecError
+    from dskit.plan.build import build_plan
+    from dskit.spec import load_spec
+
+    for name, (sets, gpus) in configs.items():  # a bad --with is one line before anything runs or is written
+        for stage in a.zero_stage:
+            forced = plan_bench._forced(1, a.micro_batch, a.ckpt, False, True, stage)
+            every = [*plan_bench.COMMON, *sets, *a.extra, *forced]
+            try:
+                build_plan(
+                    load_spec(
+                        sets=plan_bench._resolve(every), flags=plan_bench._flags(gpus, "x", a.work, sets)
+                    )
+                )
+            except SpecError as e:
+                ap.error(f"{name}, ZeRO-{stage}: {e}")
     a.work.mkdir(parents=True, exist_ok=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     result = {**runs.header(), "steps": STEPS, "runs": []}
