@@ -5,8 +5,11 @@ recorded (bench/memsnap/sitecustomize.py) and prints, per run, the plan's memory
 peaks, and the allocations live at the peak grouped by the code that made them (largest first).
 Writes them to one JSON file. For a memory term that misses its measurement (docs/planner.md).
 
-    python3 bench/memory_peak.py --set V3 --only gb2 --zero-stage 2 --zero-stage 1 --work /tmp/mp \
-        --out $OUT/h200-memory-peak.json
+    python3 bench/memory_peak.py --set V3 --only gb2 --zero-stage 2 --zero-stage 1 --micro-batch 2 --ckpt 2 \
+        --work /tmp/mp --out $OUT/h200-memory-peak.json
+
+A candidate is trained as `dskit train` would run it: one the plan refuses (over its memory limit) is
+refused here too, in one line.
 """
 
 from __future__ import annotations
