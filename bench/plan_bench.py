@@ -118,6 +118,43 @@ CONFIGS["V3"] = {
         1,
     ),
 }
+#: issue 26: ZeRO-3's optimizer offload, which the V2 and V3 cluster picks use, whole and in part
+#: (DeepSpeed's `ratio`), beside the same candidate resident: the rate of DeepSpeed's CPU Adam was the
+#: ZeRO-Offload paper's until these ran. The lent machine's host: 16 cores (OMP_NUM_THREADS 16 for the
+#: one rank), 128 GiB of RAM.
+_HOST = ["hardware.cpus_per_node=16", "hardware.host_memory_gib=125"]
+_Z3 = ["overrides.zero_stage=3", "overrides.ep_size=1", "overrides.activation_checkpointing=0"]
+_OFFLOADS = {
+    "offload": ["overrides.offload_optimizer=cpu", "overrides.offload_ratio=1"],
+    "half": ["overrides.offload_optimizer=cpu", "overrides.offload_ratio=0.5"],
+    "resident": ["overrides.offload_optimizer=none"],
+}
+CONFIGS["OFFLOAD"] = {
+    f"{name} {where}": ([*shape, *_HOST, *_Z3, f"overrides.micro_batch={mb}", *_OFFLOADS[where]], 1)
+    for name, shape, mb, wheres in (
+        ("L4 s4096 gb16", _L4, 8, ("offload", "half", "resident")),
+        (
+            "L8 s4096 gb8",
+            ["model.num_layers=8", "training.seq_len=4096", "training.global_batch=8"],
+            4,
+            ("offload", "half", "resident"),
+        ),
+        (
+            "L4 s4096 gb2",
+            ["model.num_layers=4", "training.seq_len=4096", "training.global_batch=2"],
+            2,
+            ("offload", "resident"),
+        ),
+        # V3's width, 6.8 B parameters: all of its states would not fit the host's 125 GiB
+        (
+            "V3s L3 s4096 gb4",
+            ["model.path={slice:v3-ep8-3l}", "training.seq_len=4096", "training.global_batch=4"],
+            1,
+            ("half", "resident"),
+        ),
+    )
+    for where in wheres
+}
 COMMON = ["training.steps=10", "training.log_every=1", "checkpoint.every=1000", "checkpoint.final=false"]
 WARMUP_STEPS = 3
 MAX_RUNS_PER_CONFIG = 3  # the chosen + the fastest rejected fits (offload only if it is among them)
@@ -216,13 +253,13 @@ def _forced(
     ep: int,
     micro_batch: int,
     ckpt_every: int,
-    offload: bool,
+    offload: float,
     compiled: bool | str,
     zero_stage: int = 3,
     optimizer_step: str = "overrides.optimizer_step=auto",
 ) -> list[str]:
     """A candidate as the overrides that force it, regional compile included (not searched: a plan-wide
-    setting, on by default on GPUs since issue 13)."""
+    setting, on by default on GPUs since issue 13); `offload`: its host share, recorded last."""
     return [
         f"overrides.zero_stage={zero_stage}",
         f"overrides.ep_size={ep}",
@@ -231,7 +268,16 @@ def _forced(
         f"overrides.offload_optimizer={'cpu' if offload else 'none'}",
         f"overrides.compile={compiled if isinstance(compiled, str) else 'on' if compiled else 'off'}",
         optimizer_step,
+        *([f"overrides.offload_ratio={offload:g}"] if offload else []),
     ]
+
+
+def host_share(overrides: list[str]) -> float:
+    """The share of the optimizer states a run offloaded: rows from before partial offload offloaded all."""
+    o = dict(x.split("=", 1) for x in overrides)
+    if o.get("overrides.offload_optimizer") != "cpu":
+        return 0.0
+    return float(o.get("overrides.offload_ratio", 1))
 
 
 def forced_overrides(row: dict) -> list[str]:
@@ -291,8 +337,11 @@ def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[i
         row["error"] = (proc.stdout + proc.stderr)[-2500:]
         return row
     recs = runs.step_records(run_dir)
+    built = Path(plan.run.output_dir) / "construction-rank0.json"
     row["measured"] = {
         **runs.steady(recs, WARMUP_STEPS),
+        # host RSS once the engine was built: offload's pinned states and gradient buffers are in it
+        "construction": json.loads(built.read_text()) if built.is_file() else None,
         "step_s_all": [round(r["step_time_s"], 4) for r in recs],
     }
     return row
@@ -430,7 +479,7 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
         ep_size=int(o["overrides.ep_size"]),
         micro_batch=int(o["overrides.micro_batch"]),
         ckpt_every=int(o["overrides.activation_checkpointing"]),
-        offload=o["overrides.offload_optimizer"] == "cpu",
+        offload=host_share(forced_overrides(row)),
     )
     r = next(x for x in found.rows if x.candidate == want)
     speed = r.speed.as_dict() if r.speed else {}
@@ -453,7 +502,7 @@ def planner_pick(row: dict) -> list[str]:
         p.ep_size,
         p.micro_batch,
         p.activation_checkpointing,
-        p.offload_optimizer,
+        p.offload_share if p.offload_optimizer else 0.0,
         compiled,
         p.zero_stage,
         step,

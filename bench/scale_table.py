@@ -12,7 +12,7 @@ crosses the fabric (ZeRO collectives over the expert-data-parallel and dense gro
 when EP spans nodes) is extrapolated from the fabric catalog's bandwidth (`fabrics.yaml`, 50 GB/s per
 GPU for InfiniBand NDR) with the on-node efficiencies.
 
-    python bench/scale_table.py --out bench/results/scale-table-2026-12-02.json
+    python bench/scale_table.py --out bench/results/scale-table-2026-12-03.json
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def _cell(plan) -> dict:
         "global_batch": p.global_batch,
         "activation_checkpointing": p.activation_checkpointing,
         "offload_optimizer": p.offload_optimizer,
+        "offload_share": p.offload_share if p.offload_optimizer else 0.0,
         "memory_gib": plan.memory["total_gib"],
         "speed": s,
     }
@@ -116,13 +117,20 @@ def table() -> list[dict]:
     return rows
 
 
+def share_fraction(share: float) -> str:
+    from dskit.plan.schema import share_fraction as words
+
+    return words(share)
+
+
 def _pick(c: dict | None) -> str:
     if not c:
         return "does not fit"
     if "refused" in c:
         return "does not fit"
     ck = {0: "no ckpt", 1: "ckpt"}.get(c["activation_checkpointing"], f"ckpt/{c['activation_checkpointing']}")
-    off = ", offload" if c["offload_optimizer"] else ""
+    share = c.get("offload_share", 1.0)
+    off = ", offload" + ("" if share >= 1 else f" {share_fraction(share)}") if c["offload_optimizer"] else ""
     return f"ZeRO-{c['zero_stage']} EP {c['ep_size']} mb {c['micro_batch']}x{c['grad_accum']} {ck}{off}"
 
 

@@ -298,7 +298,7 @@ def launch_env(
 ) -> dict[str, str]:
     """The launch contract every target exports (dskit/contract.py), minus RUN_FILE."""
     per_node = spec.hardware.gpus_per_node
-    omp = spec.hardware.cpus_per_node // per_node if spec.hardware.cpus_per_node else (1 if gpu.is_cpu else 8)
+    omp = host.threads_per_rank(spec.hardware.cpus_per_node, per_node, gpu.is_cpu)
     env = {
         Env.GPU_PROFILE.value: gpu.name,
         Env.CHECKPOINT_DIR.value: run.checkpoint_dir,
@@ -310,7 +310,7 @@ def launch_env(
         # MoE token counts change the shapes every step: expandable segments stop the fragmentation
         # that shows up as reserved >> allocated (58.5 vs 51.7 GiB in the baseline).
         Env.PYTORCH_CUDA_ALLOC_CONF.value: "expandable_segments:True",
-        Env.OMP_NUM_THREADS.value: str(max(1, omp)),
+        Env.OMP_NUM_THREADS.value: str(omp),
         **fabric.env,
     }
     if spec.network.interface:
