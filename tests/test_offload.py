@@ -9,14 +9,13 @@ verified model.
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
-from tests.test_train import assert_same_run, losses, ranks_of, run, start, wait_for_step
+from tests.test_train import assert_same_run, losses, run, stop_with_sigterm
 
 pytestmark = pytest.mark.train
 STEPS = 20
@@ -66,15 +65,7 @@ def test_first_loss_is_the_resident_runs_and_the_curve_stays_on_it(runs, how):
 
 def test_a_partial_offload_resumes_on_its_curve_and_exports(runs, tmp_path):
     rd = _render(tmp_path, "half")
-    p = start(rd, tmp_path / "a.log")
-    try:
-        wait_for_step(rd, p, 12)
-        ranks_of(p)[0].send_signal(signal.SIGTERM)
-        p.wait(timeout=300)
-    finally:
-        p.kill()
-    assert "exiting with 75 (requeue)" in (tmp_path / "a.log").read_text()
-    stopped = max(losses(rd))
+    stopped = stop_with_sigterm(rd, tmp_path / "a.log", 12)
     assert run(rd, tmp_path / "b.log", timeout=900) == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "b.log").read_text()
     assert_same_run(losses(rd), losses(runs["half"]), exact_until=stopped)

@@ -260,6 +260,21 @@ RESUME_RTOL = 1e-3
 CHUNKED_LOSS_RTOL = 2e-2
 
 
+def stop_with_sigterm(run_dir: Path, log: Path, at_step: int, rank: int = 0) -> int:
+    """Start the run, send SIGTERM to one rank once `at_step` is logged, and return the last step
+    logged: the trainer must checkpoint and exit 75 (requeue)."""
+    p = start(run_dir, log)
+    try:
+        wait_for_step(run_dir, p, at_step)
+        ranks_of(p)[rank].send_signal(signal.SIGTERM)
+        p.wait(timeout=300)
+    finally:
+        p.kill()
+    text = log.read_text()
+    assert "exiting with 75 (requeue)" in text, text[-3000:]
+    return max(losses(run_dir))
+
+
 def assert_same_run(got: dict[int, float], want: dict[int, float], exact_until: int) -> None:
     assert sorted(got) == sorted(want)
     for s in want:
@@ -277,16 +292,8 @@ def test_sigterm_then_resume_continues_the_uninterrupted_run(reference, tmp_path
     ref = reference["tiny-v2"]
     ref_ckpt = Path(load_plan(ref / "run.yaml").run.checkpoint_dir)
     rd = render_tiny(tmp_path, "tiny-v2", steps=STEPS, extra=["checkpoint.every=10"])
-    p = start(rd, tmp_path / "a.log")
-    try:
-        wait_for_step(rd, p, 15)
-        ranks_of(p)[-1].send_signal(signal.SIGTERM)  # one rank only: the stop must reach all of them
-        p.wait(timeout=300)
-    finally:
-        p.kill()
-    log_a = (tmp_path / "a.log").read_text()
-    assert "exiting with 75 (requeue)" in log_a, log_a[-3000:]
-    stopped = max(losses(rd))
+    # one rank only: the stop must reach all of them
+    stopped = stop_with_sigterm(rd, tmp_path / "a.log", 15, rank=-1)
     plan = load_plan(rd / "run.yaml")
     saved = Path(plan.run.checkpoint_dir) / f"step{stopped:08d}"
     assert (saved / "dskit.json").is_file() and stopped < STEPS  # at most the current step is lost

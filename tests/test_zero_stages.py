@@ -11,14 +11,13 @@ one written at another world and EP size resumes through its universal copy.
 from __future__ import annotations
 
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 
 from dskit.plan.schema import load_plan
 from tests.conftest import RESHARD_RTOL, dskit, render_tiny
-from tests.test_train import assert_same_run, losses, ranks_of, run, start, wait_for_step
+from tests.test_train import assert_same_run, losses, run, stop_with_sigterm
 
 pytestmark = pytest.mark.train
 STEPS = 20
@@ -61,15 +60,7 @@ def test_export_of_each_stage_is_verified(runs, stage, tmp_path):
 
 def test_zero2_sigterm_then_resume_continues_the_uninterrupted_run(runs, tmp_path):
     rd = _render(tmp_path, 2)
-    p = start(rd, tmp_path / "a.log")
-    try:
-        wait_for_step(rd, p, 12)
-        ranks_of(p)[0].send_signal(signal.SIGTERM)
-        p.wait(timeout=300)
-    finally:
-        p.kill()
-    assert "exiting with 75 (requeue)" in (tmp_path / "a.log").read_text()
-    stopped = max(losses(rd))
+    stopped = stop_with_sigterm(rd, tmp_path / "a.log", 12)
     assert run(rd, tmp_path / "b.log") == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "b.log").read_text()
     assert_same_run(losses(rd), losses(runs[2]), exact_until=stopped)
