@@ -64,7 +64,6 @@ def _cell(plan) -> dict:
         "global_batch": p.global_batch,
         "activation_checkpointing": p.activation_checkpointing,
         "offload_optimizer": p.offload_optimizer,
-        "offload_share": p.offload_share if p.offload_optimizer else 0.0,
         "memory_gib": plan.memory["total_gib"],
         "speed": s,
     }
@@ -117,20 +116,13 @@ def table() -> list[dict]:
     return rows
 
 
-def share_fraction(share: float) -> str:
-    from dskit.plan.schema import share_fraction as words
-
-    return words(share)
-
-
 def _pick(c: dict | None) -> str:
     if not c:
         return "does not fit"
     if "refused" in c:
         return "does not fit"
     ck = {0: "no ckpt", 1: "ckpt"}.get(c["activation_checkpointing"], f"ckpt/{c['activation_checkpointing']}")
-    share = c.get("offload_share", 1.0)
-    off = ", offload" + ("" if share >= 1 else f" {share_fraction(share)}") if c["offload_optimizer"] else ""
+    off = ", offload" if c["offload_optimizer"] else ""
     return f"ZeRO-{c['zero_stage']} EP {c['ep_size']} mb {c['micro_batch']}x{c['grad_accum']} {ck}{off}"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dskit.plan.lora import Tuning
-from dskit.plan.schema import Plan, share_fraction
+from dskit.plan.schema import Plan
 from dskit.plan.search import Row, Search
 
 COLUMNS = (
@@ -62,7 +62,7 @@ def _cells(r: Row) -> list[str]:
         str(c.micro_batch),
         str(r.grad_accum),
         str(c.ckpt_every) if c.ckpt_every else "-",
-        ("cpu" if c.offload >= 1 else share_fraction(c.offload)) if c.offload else "-",
+        "cpu" if c.offload else "-",
         f"{e.states_gib:.1f}",
         f"{e.working_set_gib:.1f}",
         f"{e.activations_gib:.1f}",

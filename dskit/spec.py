@@ -258,17 +258,7 @@ class PlanOverrides(_Section):
     )
     offload_optimizer: Literal["auto", "none", "cpu"] = Field(
         "auto",
-        description="ZeRO optimizer-state offload (ZeRO-3 only). cpu: the optimizer states of the least share of "
-        "each rank's parameters that lets the plan fit go to host RAM and DeepSpeed's CPU Adam, the rest stay "
-        "on the GPU (DeepSpeed's partial offload, `offload_optimizer.ratio`). auto: whichever the predicted "
-        "fastest candidate that fits uses.",
-    )
-    offload_ratio: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="With optimizer offload: the share of each rank's optimizer states held on the host, "
-        "pinned (1: all of them). Default: the least of 1/8, 2/8, ... 1 with which the plan fits.",
+        description="ZeRO optimizer-state offload. auto: whichever the predicted fastest candidate that fits uses.",
     )
     compile: Literal["auto", "off", "regions", "on"] = Field(
         "auto",

@@ -201,8 +201,8 @@ def test_issue_examples():
                 *sets, model__preset="deepseek-v2-lite", hardware__gpu="h200-141gb", hardware__gpus_per_node=1
             )
         assert e.value.field == "hardware.host_memory_gib"
-        assert "needs 239.9 GiB of host RAM per node" in e.value.message
-        assert "nodes of 1 (hardware.nodes), or hosts with at least 267 GiB" in e.value.message
+        assert "needs 271.0 GiB of host RAM per node" in e.value.message
+        assert "nodes of 1 (hardware.nodes), or hosts with at least 301 GiB" in e.value.message
 
 
 def test_overrides_that_do_not_fit_are_refused():

@@ -281,10 +281,16 @@ def test_a_lora_checkpoint_is_a_fraction_of_the_full_runs():
 
 
 # ---------------------------------------------------------------------------------------------------
-# ZeRO-3's optimizer offload, whole and half, beside the same run resident (`plan_bench.py --set
-# OFFLOAD`, issue 26): the CPU Adam rate per core was fitted on the two whole-offload rows
+# ZeRO-3's optimizer offload beside the same run resident (`plan_bench.py --set OFFLOAD`, issue 26): the
+# CPU Adam rate per core was fitted on the two whole-offload rows. The call's two runs of DeepSpeed's
+# partial offload are kept in the file and out of these tests: the plan does not take it (docs/planner.md
+# "Optimizer offload, measured")
 
-OFFLOAD_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-offload-*.json")))
+OFFLOAD_ROWS = [
+    r
+    for r in BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-offload-*.json")))
+    if not BENCH.partial_offload(r)
+]
 #: the fully offloaded 8-layer run is 12% under the plan's memory; the 4-layer shape is 8% under both
 #: resident and offloaded: the activations the model counts at these shapes (docs/planner.md
 #: "Optimizer offload, measured")
@@ -293,9 +299,9 @@ OFFLOAD_MEMORY_MISS = {
 }
 
 
-def test_the_offload_runs_cover_whole_half_and_resident():
-    shares = {BENCH.host_share(BENCH.forced_overrides(r)) for r in OFFLOAD_ROWS}
-    assert shares == {0.0, 0.5, 1.0} and all(r["gpus"] == 1 for r in OFFLOAD_ROWS)
+def test_the_offload_runs_cover_offloaded_and_resident():
+    offloaded = {"overrides.offload_optimizer=cpu" in r["overrides"] for r in OFFLOAD_ROWS}
+    assert offloaded == {True, False} and len(OFFLOAD_ROWS) >= 3 and all(r["gpus"] == 1 for r in OFFLOAD_ROWS)
 
 
 @pytest.mark.parametrize("row", OFFLOAD_ROWS, ids=lambda r: r["config"])
@@ -312,12 +318,6 @@ def _offload_memory_case(r: dict):
 
 
 @pytest.mark.parametrize("row", [_offload_memory_case(r) for r in OFFLOAD_ROWS])
-def test_offload_memory_matches_measurement_or_bounds_it(row):
-    """Whole offload and resident: within 10%. A partial offload's GPU share is a bound (DeepSpeed
-    splits its sub-groups by count, and one GPU's fused experts are several sub-groups each): never under."""
+def test_offload_memory_matches_measurement(row):
     predicted, summary = BENCH.repredict(row)
-    peak = row["measured"]["peak_reserved_gib"]
-    if 0 < BENCH.host_share(BENCH.forced_overrides(row)) < 1:
-        assert predicted["memory_gib"] >= peak, summary
-    else:
-        assert predicted["memory_gib"] == pytest.approx(peak, rel=0.10), summary
+    assert predicted["memory_gib"] == pytest.approx(row["measured"]["peak_reserved_gib"], rel=0.10), summary

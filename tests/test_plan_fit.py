@@ -64,7 +64,6 @@ def test_every_plan_fits_or_refuses(model, gpu):
         par, m = p.parallel, p.memory
         c = counts(p.model.config, par.seq_len)
         world = p.hardware.world_size
-        share = par.offload_share if par.offload_optimizer else 0.0  # of the optimizer states on the host
         steady = memory.estimate(
             p.model.config,
             c,
@@ -73,7 +72,7 @@ def test_every_plan_fits_or_refuses(model, gpu):
             micro_batch=par.micro_batch,
             seq_len=par.seq_len,
             ckpt_every=par.activation_checkpointing,
-            offload_optimizer=share,
+            offload_optimizer=par.offload_optimizer,
             on_gpu=True,
             loss="chunked" if par.loss_chunk_tokens else "full",
             compiled=par.compile_regions,
@@ -87,9 +86,8 @@ def test_every_plan_fits_or_refuses(model, gpu):
             c,
             world=world,
             ranks_per_node=PER_NODE,
-            offload_optimizer=share,
+            offload_optimizer=par.offload_optimizer,
             loads_weights=False,
-            sub_group=par.offload_sub_group,
         ).total_gib
         where = f"{model} {nodes}x{PER_NODE} {gpu}"
         assert steady == pytest.approx(m["total_gib"], abs=0.01), where

@@ -52,11 +52,6 @@ def deepspeed_config(
         zero |= {"allgather_bucket_size": REDUCE_BUCKET_ELEMENTS, "reduce_scatter": True}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if parallel.offload_share < 1:
-            # DeepSpeed's partial offload: the last `ratio` of the optimizer sub-groups, by count, step on
-            # the host; sub-groups of the plan's size make that count the planned share
-            zero["offload_optimizer"]["ratio"] = parallel.offload_share
-            zero["sub_group_size"] = parallel.offload_sub_group
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,

@@ -22,7 +22,6 @@ from dskit.catalog import GPU
 from dskit.plan import host, memory
 from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
-from dskit.plan.schema import offload_words, share_fraction
 
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
 # communicators, the caching allocator's rounding. The steady-state model lands from 3% below to 10%
@@ -40,8 +39,7 @@ class Candidate:
     ep_size: int
     micro_batch: int
     ckpt_every: int
-    #: the share of each rank's optimizer states offloaded to the host: 0 none, 1 all (ZeRO-3 only)
-    offload: float
+    offload: bool
     zero_stage: int = 3
 
     @property
@@ -58,7 +56,7 @@ class Candidate:
         )
         return (
             f"ZeRO-{self.zero_stage}, EP {self.ep_size}, micro-batch {self.micro_batch}, {ckpt}, "
-            f"{offload_words(self.offload) if self.offload else 'no offload'}"
+            f"{'optimizer offload' if self.offload else 'no offload'}"
         )
 
 
@@ -87,12 +85,6 @@ class Shape:
 
     def grad_accum(self, c: Candidate) -> int:
         return self.per_rank // c.micro_batch
-
-    @property
-    def offload_sub_group(self) -> int:
-        """The optimizer sub-group size (elements) a partial offload is written with."""
-        trained = self.counts.total if self.tuning is None else self.tuning.trainable
-        return memory.offload_sub_group(trained, self.world)
 
     @property
     def where(self) -> str:
@@ -183,7 +175,6 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         device_gib_per_rank=0.0 if on_gpu else steady.total_gib,
         device_construction_gib_per_rank=0.0 if on_gpu else build.total_gib,
         trainable=None if s.tuning is None else s.tuning.trainable,
-        sub_group=s.offload_sub_group if 0 < c.offload < 1 else None,
     )
     return Fit(c, steady, build, h, s)
 
@@ -238,12 +229,10 @@ def explain_no_fit(
         f = min(on_gpu, key=lambda f: f.host.total_gib)
         h = f.host
         need = h.total_gib / (1 - HOST_MEMORY_MARGIN)
-        share = f.candidate.offload
         what = (
-            f"{h.offload_gib:.1f} for optimizer offload: "
-            f"{'' if share >= 1 else share_fraction(share) + ' x '}({host.OFFLOAD_STATE_BYTES} B fp32 states + "
-            f"{host.OFFLOAD_FP32_GRAD_BYTES} B fp32 gradient) + {host.OFFLOAD_FLAT_GRAD_BYTES} B 16-bit gradient, "
-            "pinned, per parameter of each rank's shard, and the optimizer's init buffer; "
+            f"{h.offload_gib:.1f} for optimizer offload: {host.OFFLOAD_STATE_BYTES} B fp32 states + "
+            f"{host.OFFLOAD_PINNED_BYTES} B pinned gradient buffers per parameter of each rank's shard, and the "
+            "optimizer's init buffer; "
             if h.offload_gib
             else ""
         )

@@ -7,12 +7,10 @@ parallel group: both come to P / world per rank):
 
 - OFFLOAD_STATE_BYTES: the fp32 master weights, Adam momentum and variance (ZeRO-Offload, Ren et al.
   2021), 12 bytes per parameter;
-- the pinned buffers DeepSpeed 0.19.8 adds (runtime/zero/stage3.py): the fp32 gradient of each
-  optimizer sub-group (`initialize_optimizer_states`, OFFLOAD_FP32_GRAD_BYTES) and the flat gradient
+- OFFLOAD_PINNED_BYTES: the pinned buffers DeepSpeed 0.19.8 adds (runtime/zero/stage3.py): the fp32
+  gradient of each optimizer sub-group (`initialize_optimizer_states`, 4 B) and the flat gradient
   partition in the gradient-accumulation dtype, bf16/fp16 under ZeRO (`grad_partitions_flat_buffer`,
-  OFFLOAD_FLAT_GRAD_BYTES). Pinned pages cannot be swapped or reclaimed. A partial offload (`ratio`
-  below 1) keeps its GPU sub-groups' states and fp32 gradients on the GPU; the flat partition stays
-  whole on the host;
+  2 B). Pinned pages cannot be swapped or reclaimed;
 - OFFLOAD_INIT_TRANSIENT_BYTES: while the optimizer initialises, an unpinned fp32 buffer the size of
   the largest sub-group (`gradient_buffer`, at most DS_SUB_GROUP_SIZE elements) exists on the host too.
 
@@ -29,11 +27,9 @@ from dskit.plan.model_math import ModelCounts
 
 GIB = 2**30
 OFFLOAD_STATE_BYTES = 12
-OFFLOAD_FP32_GRAD_BYTES = 4  # of the sub-groups on the host
-OFFLOAD_FLAT_GRAD_BYTES = 2  # of every parameter of the shard
+OFFLOAD_PINNED_BYTES = 4 + 2
 OFFLOAD_INIT_TRANSIENT_BYTES = 4
-# DeepSpeed's zero_optimization.sub_group_size default (elements); dskit sets it only for a partial
-# offload (memory.offload_sub_group).
+# DeepSpeed's zero_optimization.sub_group_size default (elements); dskit leaves it at the default.
 DS_SUB_GROUP_SIZE = 10**9
 # Resident memory of one rank before any model state: read on the H200 device machine (torch 2.11,
 # 2026-11-30): 1.23 GiB RSS after importing torch, a cuBLAS matmul, cuDNN attention, an NCCL
@@ -70,24 +66,19 @@ def estimate(
     *,
     world: int,
     ranks_per_node: int,
-    offload_optimizer: float,
+    offload_optimizer: bool,
     loads_weights: bool,
     device_gib_per_rank: float = 0.0,
     device_construction_gib_per_rank: float = 0.0,
     trainable: int | None = None,
-    sub_group: int | None = None,
 ) -> HostEstimate:
-    """`offload_optimizer`: the share of the optimizer states on the host (0: none, 1: all), whose
-    sub-groups hold the states and the fp32 gradient there; the bf16 gradient partition is on the host
-    whole either way. `sub_group`: the optimizer sub-group size (elements) of a partial offload.
-    The device_* arguments: on the cpu profile, the per-rank "GPU" estimates, which are host RAM.
+    """The device_* arguments: on the cpu profile, the per-rank "GPU" estimates, which are host RAM.
     `trainable`: a LoRA run's trainable parameters, the only ones with (offloaded) optimizer states."""
     shard = (c.total if trainable is None else trainable) / world
     offload = 0.0
     if offload_optimizer:
-        states = (OFFLOAD_STATE_BYTES + OFFLOAD_FP32_GRAD_BYTES) * offload_optimizer
-        per_rank = (states + OFFLOAD_FLAT_GRAD_BYTES) * shard
-        per_rank += OFFLOAD_INIT_TRANSIENT_BYTES * min(shard, sub_group or DS_SUB_GROUP_SIZE)
+        per_rank = (OFFLOAD_STATE_BYTES + OFFLOAD_PINNED_BYTES) * shard
+        per_rank += OFFLOAD_INIT_TRANSIENT_BYTES * min(shard, DS_SUB_GROUP_SIZE)
         offload = ranks_per_node * per_rank / GIB
     baseline = ranks_per_node * HOST_BASELINE_GIB
     construction = baseline + ranks_per_node * (

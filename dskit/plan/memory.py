@@ -7,8 +7,7 @@ allocator reserved on every H200 run of bench/results/h200*-planner-*.json. What
   master, momentum, variance; ZeRO paper, Rajbhandari et al. 2020). ZeRO-3 shards non-expert states over
   all ranks; AutoEP gives each rank 1/ep of the experts and ZeRO-3 shards those over the expert-data-
   parallel group (world/ep), so both come to 16 * P / world per GPU. Optimizer offload moves the 12
-  fp32 bytes to host memory; a partial one keeps a share of the sub-groups' states, and an fp32
-  gradient for each, on the GPU (`gpu_state_bytes`).
+  fp32 bytes to host memory, and the 16-bit gradients with them (`gpu_state_bytes`).
 - ZeRO-1 and 2 (`zero_stage`) keep this rank's 16-bit weights whole: every non-expert parameter and
   1/ep of the experts, 2 bytes each. Stage 2 shards the 16-bit gradients over the data-parallel group
   like the fp32 states; stage 1 keeps them whole until the accumulation boundary. The fp32 master,
@@ -70,43 +69,13 @@ WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies o
 REDUCE_BUCKET_ELEMENTS = 5 * 10**8
 
 
-#: ZeRO-3 with part of the optimizer offloaded (DeepSpeed's partial offload, Twin-Flow): DeepSpeed puts
-#: the last `ratio` of a rank's optimizer sub-groups on the host, counted by number, not size
-#: (stage3.py `subgroup_to_device`). The plan sets the sub-group size so that a rank's shard splits into
-#: about this many, so the share comes out as planned within a sub-group or two (`offload_sub_group`).
-OFFLOAD_SUB_GROUPS = 32
-
-
-def offload_sub_group(trained: int, world: int) -> int:
-    """The optimizer sub-group size, in elements, for a partial offload of a ZeRO-3 rank's shard of
-    `trained` parameters (written to zero_optimization.sub_group_size)."""
-    return max(1, -(-trained // (world * OFFLOAD_SUB_GROUPS)))
-
-
-def offload_spread(cfg: dict[str, Any], c: ModelCounts, trained: int, world: int) -> float:
-    """How far the share of a rank's elements in its first k of n optimizer sub-groups can exceed k / n:
-    DeepSpeed closes a sub-group at the first parameter that takes it to the sub-group size S, so each
-    holds up to S plus one parameter's partition (at most p: the embedding, or a MoE layer's fused
-    gate-and-up experts, 2/3 of its routed weights, partitioned over the ranks that share them), and n
-    counts one short sub-group per parameter group (expert, and not) besides: (1 + 2 S / local) x (1 + p / S)."""
-    local = trained / world
-    s = offload_sub_group(trained, world)
-    p = max(cfg["vocab_size"] * cfg["hidden_size"], 2 * c.experts_per_layer // 3) / world
-    return (1 + 2 * s / local) * (1 + p / s)
-
-
-def gpu_state_bytes(host_share: float, spread: float = 1.0) -> float:
-    """Bytes per trained parameter of a ZeRO-3 rank's shard that stay on its GPU, with `host_share` of
-    the optimizer states offloaded. 0: DeepSpeed's resident path, the 16 of mixed-precision Adam (its
-    fp32 gradient is one sub-group's buffer, reused); 1: the 16-bit weight (2: the gradients are
-    partitioned straight into a pinned host buffer; measured on one H200, bench/results/
-    h200-offload-2026-12-03.json, 27.2 GiB less than resident for 2.25 B parameters); between: that,
-    and for each sub-group left on the GPU the fp32 master, momentum and variance and an fp32 gradient of
-    its own (16: stage3.py moves each sub-group's `subgroup_gradient_buffer` to its device), on up to
-    `spread` (`offload_spread`) times the planned share of the elements."""
-    if host_share <= 0:
-        return 16.0
-    return 2 + 16 * min(1.0, (1 - host_share) * spread)
+def gpu_state_bytes(offload: bool) -> float:
+    """Bytes per trained parameter of a ZeRO-3 rank's shard on its GPU: the 16 of mixed-precision Adam,
+    or with the optimizer offloaded the 16-bit weight alone (2): the gradients are partitioned straight
+    into a pinned host buffer (DeepSpeed 0.19.8 stage3.py `grad_partitions_flat_buffer`). Measured on one
+    H200 (bench/results/h200-offload-2026-12-03.json): resident minus offloaded was 27.2 GiB for 2.25 B
+    parameters, where 16 - 2 bytes give 29.4 and the 4 counted before 25.2."""
+    return 2.0 if offload else 16.0
 
 
 # Chunked loss (dskit/train/loss.py): rows of the output projection computed at once. 4096 x 102400
@@ -251,7 +220,7 @@ def boundary_grad_copy(trained: float, world: int, zero_stage: int, grad_accum: 
 
 
 def lora_states(
-    cfg: dict[str, Any], c: ModelCounts, t: Tuning, world: int, ep_size: int, offload: float, zero_stage: int
+    c: ModelCounts, t: Tuning, world: int, ep_size: int, offload: bool, zero_stage: int
 ) -> tuple[float, float]:
     """(model-state bytes, working-set bytes) per GPU of a LoRA run: frozen weights keep only their
     weights (no gradient, no optimizer state: DeepSpeed leaves requires_grad=False parameters out of
@@ -261,8 +230,7 @@ def lora_states(
     T = t.trainable
     if zero_stage == 3:
         frozen = (t.expert_bytes * t.frozen_experts + t.other_bytes * t.frozen_other) / world
-        spread = offload_spread(cfg, c, T, world)  # the largest partition bounded as full training's
-        states = frozen + gpu_state_bytes(offload, spread) * T / world
+        states = frozen + gpu_state_bytes(offload) * T / world
         layer_bytes = t.other_bytes * c.largest_layer
         if world // ep_size > 1:  # local experts gathered with their layer, as in full training
             layer_bytes = max(
@@ -322,7 +290,7 @@ def estimate(
     micro_batch: int,
     seq_len: int,
     ckpt_every: int,
-    offload_optimizer: float,
+    offload_optimizer: bool,
     on_gpu: bool,
     loss: str,
     compiled: bool = False,
@@ -330,14 +298,12 @@ def estimate(
     tuning: Tuning | None = None,
     grad_accum: int = 1,
 ) -> MemoryEstimate:
-    """`offload_optimizer`: the share of the optimizer states on the host (0: none, 1: all; ZeRO-3).
-    `tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/lora.py`); None: full fine-tuning.
+    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/lora.py`); None: full fine-tuning.
     `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`)."""
     if tuning is not None:
-        states, working = lora_states(cfg, c, tuning, world, ep_size, offload_optimizer, zero_stage)
+        states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)
     elif zero_stage == 3:
-        spread = offload_spread(cfg, c, c.total, world)
-        states = gpu_state_bytes(offload_optimizer, spread) * c.total / world
+        states = gpu_state_bytes(offload_optimizer) * c.total / world
         layer = c.largest_layer
         if world // ep_size > 1:  # local experts sharded over the expert-data-parallel group: gathered too
             layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)

@@ -18,7 +18,7 @@ from dskit.errors import SpecError, one_of
 from dskit.plan import fit, host, memory, search, speed
 from dskit.plan.lora import Tuning
 from dskit.plan.model_math import ModelCounts
-from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan, share_fraction
+from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
 from dskit.spec import PlanOverrides, Spec
 
 #: the default global batch: 256 sequences (~1M tokens at seq 4096, the seed post's batch) ...
@@ -82,9 +82,7 @@ def plan_parallel(
         activation_checkpointing=c.ckpt_every,
         precision=precision,
         attention=_attention(spec, gpu),
-        offload_optimizer=c.offload > 0,
-        offload_share=c.offload or 1.0,
-        offload_sub_group=shape.offload_sub_group if 0 < c.offload < 1 else None,
+        offload_optimizer=c.offload,
         loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
         compile_regions=compiled,
         compile_attention=attention and c.zero_stage < 3,
@@ -113,7 +111,7 @@ def global_batch(given: int | None, world: int) -> int:
     return -(-want // world) * world
 
 
-def optimizer_step(choice: str, zero_stage: int, offload: float, warnings: list[str]) -> str:
+def optimizer_step(choice: str, zero_stage: int, offload: bool, warnings: list[str]) -> str:
     """`overrides.optimizer_step` -> the trainer's step. torch's fused AdamW replaces DeepSpeed's
     optimizer inside ZeRO-1/2 only: ZeRO-3's step and the CPU optimizer of offload are DeepSpeed's own."""
     applies = zero_stage in (1, 2) and not offload
@@ -223,7 +221,8 @@ def _speed_of(
     tuning: Tuning | None = None,
     cpus_per_node: int | None = None,
 ) -> search.SpeedOf:
-    """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`)."""
+    """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`); an offloaded
+    optimizer steps on the rank's OMP_NUM_THREADS cores (`cpus_per_node`: hardware.cpus_per_node)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
     threads = host.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
 
@@ -296,28 +295,15 @@ def _pinned(o: PlanOverrides, free: search.Axes) -> tuple[search.Axes, list[str]
             f"cpu is searched with ZeRO-3 only, and overrides.zero_stage is {o.zero_stage}; "
             "one of: auto, none (or overrides.zero_stage 3)",
         )
-    if o.offload_ratio is not None and o.offload_optimizer == "none":
-        raise SpecError(
-            "overrides.offload_ratio",
-            f"{o.offload_ratio:g} needs optimizer offload, and overrides.offload_optimizer is none; "
-            "leave overrides.offload_ratio unset, or set overrides.offload_optimizer to cpu or auto",
-        )
-    if o.offload_ratio is not None and o.zero_stage is not None and not search.offload_with(o.zero_stage):
-        raise SpecError(
-            "overrides.offload_ratio",
-            f"{o.offload_ratio:g} needs optimizer offload, which is ZeRO-3's only, and overrides.zero_stage is "
-            f"{o.zero_stage}; leave overrides.offload_ratio unset (or overrides.zero_stage 3)",
-        )
 
     def one(value: Any) -> tuple | None:
         return None if value is None else (value,)
 
-    offloads = {"none": (0.0,), "cpu": (1.0,)}.get(o.offload_optimizer)
-    ratio = one(o.offload_ratio)
     pins = {  # axis: (spec key, its pinned values or None), in the order a refusal names them
-        "offloads": ("overrides.offload_optimizer", offloads),
-        # a pinned share offloads: with offload_optimizer auto it pins that too (ZeRO-3 then)
-        "host_shares": ("overrides.offload_ratio", ratio),
+        "offloads": (
+            "overrides.offload_optimizer",
+            {"none": (False,), "cpu": (True,)}.get(o.offload_optimizer),
+        ),
         "eps": ("overrides.ep_size", one(o.ep_size)),
         "micro_batches": ("overrides.micro_batch", one(o.micro_batch)),
         "ckpts": ("overrides.activation_checkpointing", one(o.activation_checkpointing)),
@@ -325,15 +311,6 @@ def _pinned(o: PlanOverrides, free: search.Axes) -> tuple[search.Axes, list[str]
         "stages": ("overrides.zero_stage", one(o.zero_stage)),
     }
     pinned = dataclasses.replace(free, **{axis: v for axis, (_, v) in pins.items() if v is not None})
-    if ratio is not None and offloads is None:
-        pinned = dataclasses.replace(pinned, offloads=(1.0,))
-    if pinned.offloads == (1.0,) and not any(search.offload_with(s) for s in pinned.stages):
-        key = "overrides.offload_ratio" if offloads is None else "overrides.offload_optimizer"
-        raise SpecError(
-            key,
-            f"optimizer offload is ZeRO-3's only, and this run trains under ZeRO-{'/'.join(map(str, pinned.stages))} "
-            f"(an fp8 frozen base is never ZeRO-3); leave {key} unset",
-        )
     return pinned, [key for key, v in pins.values() if v is not None]
 
 
@@ -354,16 +331,15 @@ def _search_warnings(
 ) -> list[str]:
     """What the plan's warnings say about the search's pick: offload, an untimed fabric, forced costs."""
     warnings = []
-    share = found.chosen.candidate.offload
-    if share:
-        what = "optimizer states" if share >= 1 else f"{share_fraction(share)} of the optimizer states"
-        if o.offload_optimizer == "cpu" or o.offload_ratio is not None:
-            key = "overrides.offload_ratio" if o.offload_ratio is not None else "overrides.offload_optimizer"
-            warnings.append(f"{what} offloaded to CPU: set by {key}")
+    if found.chosen.candidate.offload:
+        if o.offload_optimizer == "cpu":
+            warnings.append("optimizer states offloaded to CPU: set by overrides.offload_optimizer")
         elif any(r.fits and not r.candidate.offload for r in found.rows):
-            warnings.append(f"{what} offloaded to CPU: predicted faster than every fitting plan without it")
+            warnings.append(
+                "optimizer states offloaded to CPU: predicted faster than every fitting plan without it"
+            )
         else:
-            warnings.append(f"{what} offloaded to CPU: no plan without it fits; expect slower steps")
+            warnings.append("optimizer states offloaded to CPU: no plan without it fits; expect slower steps")
     if found.chosen.speed and found.chosen.speed.unknown:
         warnings.append(
             f"speed not compared on network.fabric {fabric_name}: {'; '.join(found.chosen.speed.unknown)}; "

@@ -69,20 +69,6 @@ class HardwarePlan(_Frozen):
     peak_tflops: float | None  # at the chosen precision; None: no MFU is reported
 
 
-def offload_words(share: float) -> str:
-    """An offloading plan in words: 'optimizer offload', or with part of the states on the GPU,
-    'optimizer offload (3/8 of the states)'."""
-    if share >= 1:
-        return "optimizer offload"
-    return f"optimizer offload ({share_fraction(share)} of the states)"
-
-
-def share_fraction(share: float) -> str:
-    """A host share as the eighths the search tries ('3/8'), else as a percentage (a pinned ratio)."""
-    eighths = share * 8
-    return f"{round(eighths)}/8" if abs(eighths - round(eighths)) < 1e-9 else f"{share:.0%}"
-
-
 class ParallelPlan(_Frozen):
     zero_stage: int = 3  # DeepSpeed ZeRO stage (1, 2, 3); run.yaml files from before were all stage 3
     ep_size: int
@@ -95,11 +81,6 @@ class ParallelPlan(_Frozen):
     precision: Literal["bf16", "fp16"]
     attention: str
     offload_optimizer: bool
-    # with offload_optimizer: the share of the rank's optimizer states on the host (DeepSpeed's
-    # `offload_optimizer.ratio`) and, below 1, the optimizer sub-group size in elements that makes the
-    # share come out as planned (DeepSpeed splits by sub-group count); run.yaml files from before offloaded all
-    offload_share: float = 1.0
-    offload_sub_group: int | None = None
     loss_chunk_tokens: int  # 0: full logits; N: output projection + cross-entropy N tokens at a time
     compile_regions: bool = False  # RMSNorm, SwiGLU, rotary through torch.compile (dskit/train/compile.py)
     # and each whole attention block: ZeRO-1/2 only, where no module hooks run inside it
@@ -188,7 +169,7 @@ class Plan(_Frozen):
             f"ZeRO-{p.zero_stage}, EP {p.ep_size}, "
             f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
             f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
-            f"{offload_words(p.offload_share) + ', ' if p.offload_optimizer else ''}{p.precision}, "
+            f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
             f"{'torch.compile regions' if p.compile_regions else ''}"
             f"{' + attention' if p.compile_attention else ''}{', ' if p.compile_regions else ''}"
             f"{'fused AdamW step, ' if p.optimizer_step == 'fused' else ''}"

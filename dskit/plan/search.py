@@ -2,8 +2,7 @@
 
 Candidates are ZeRO stage (3, 2, 1) x EP size x micro-batch (the rest of the per-rank batch is gradient
 accumulation) x activation checkpointing (off, every 2nd layer, every layer) x optimizer offload (off,
-on; with ZeRO-3 only, of the least share of the optimizer states, in eighths, with which the candidate
-fits: `least_host_share`). Each is checked against
+on; with ZeRO-3 only). Each is checked against
 memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE of
 the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then ZeRO-2
 over the other stages, then less memory, then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
@@ -61,12 +60,8 @@ ZERO_STAGES = (3, 2, 1)
 #: the stages an FP8 frozen base trains under: its Fp8Linear buffers and FP8 expert originals are never
 #: partitioned by ZeRO-3 (buffers are whole on every rank; float8 parameters it cannot gather on gloo)
 FP8_BASE_STAGES = (2, 1)
-#: optimizer offload searched: off, on (with ZeRO-3 only: `offload_with`); an offloading candidate
-#: holds on the host the least of HOST_SHARES of its optimizer states with which it fits
-OFFLOADS = (0.0, 1.0)
-#: the host shares tried, least first: DeepSpeed's partial offload (Twin-Flow, `offload_optimizer.ratio`)
-#: steps the rest on the GPU, where Adam is faster than on the host (`speed._optimizer_s`)
-HOST_SHARES = tuple(k / 8 for k in range(1, 9))
+#: optimizer offload searched: off, on (with ZeRO-3 only: `offload_with`)
+OFFLOADS = (False, True)
 #: activation checkpointing searched: off, every 2nd layer, every layer (why not every 3rd and beyond:
 #: the module docstring)
 CKPT_EVERY_CHOICES = (0, 2, 1)
@@ -136,13 +131,11 @@ def valid_micro_batches(per_rank: int) -> str:
 class Axes:
     """The search's dimensions, each in the fit order; an override pins one to its value."""
 
-    offloads: tuple[float, ...]
+    offloads: tuple[bool, ...]
     eps: tuple[int, ...]
     micro_batches: tuple[int, ...]
     ckpts: tuple[int, ...]
     stages: tuple[int, ...]
-    #: the host shares an offloading candidate may take, least first (`least_host_share`)
-    host_shares: tuple[float, ...] = HOST_SHARES
 
     def candidates(self) -> list[fit.Candidate]:
         """Every combination, in the fit order (used where no speed is predicted): ZeRO-3, no offload
@@ -262,32 +255,13 @@ def _fastest(rows: list[Row]) -> Row:
     return min((r for r in rows if r.speed.tokens_per_s >= top * (1 - SPEED_TIE)), key=_rank_key)  # type: ignore[union-attr]
 
 
-def least_host_share(shape: fit.Shape, c: fit.Candidate, shares: tuple[float, ...]) -> fit.Fit:
-    """An offloading candidate's fit with the least of `shares` (ascending) of its optimizer states on
-    the host with which it fits on the GPU, else with the largest. GPU memory falls as the share grows and
-    host memory rises, so the least that fits the GPU is the only one that can fit both."""
-    lo, hi = 0, len(shares) - 1
-    while lo < hi:  # bisect: the first share whose GPU memory fits
-        mid = (lo + hi) // 2
-        if fit.evaluate(shape, dataclasses.replace(c, offload=shares[mid])).gpu_ok:
-            hi = mid
-        else:
-            lo = mid + 1
-    return fit.evaluate(shape, dataclasses.replace(c, offload=shares[lo]))
-
-
-def rank(shape: fit.Shape, axes: Axes, speed_of: SpeedOf) -> list[Row]:
-    """Every candidate of `axes` evaluated (an offloading one at its least host share that fits); the
-    winner first (fits, fastest, tie-broken), then the rest.
+def rank(shape: fit.Shape, candidates: list[fit.Candidate], speed_of: SpeedOf) -> list[Row]:
+    """Every candidate evaluated; the winner first (fits, fastest, tie-broken), then the rest.
 
     Speed ranks only where every fitting candidate is fully timed: a term left out for an unknown
     bandwidth (network.fabric tcp across nodes) would make the candidates that use it look free, so
     then the fit order decides, as for the cpu profile."""
-    fits = [
-        least_host_share(shape, c, axes.host_shares) if c.offload else fit.evaluate(shape, c)
-        for c in axes.candidates()
-    ]
-    rows = [Row(f, speed_of(f.candidate), shape.grad_accum(f.candidate), "") for f in fits]
+    rows = [Row(fit.evaluate(shape, c), speed_of(c), shape.grad_accum(c), "") for c in candidates]
     ok = [r for r in rows if r.fits]
     if not ok:
         return rows
@@ -320,8 +294,8 @@ def search(
     """The ranked candidates of `pinned` (`free` narrowed by the overrides named in `forced`), or
     SpecError (exit 2) saying why none fits. With overrides, `free` is ranked too: the planner's own
     pick, to name a slower forced choice and to tell a bad override from a small cluster."""
-    rows = rank(shape, pinned, speed_of)
-    free_rows = rank(shape, free, speed_of) if forced else None
+    rows = rank(shape, pinned.candidates(), speed_of)
+    free_rows = rank(shape, free.candidates(), speed_of) if forced else None
     own = free_rows[0] if free_rows and free_rows[0].fits else None
     if not rows[0].fits:
         field, message = fit.explain_no_fit(

@@ -31,9 +31,8 @@ side by side, because the host enqueues kernels ahead of the GPU:
 - all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
   backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
 - optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
-  bandwidth on the GPU, at each engine's own measured rate; with offload, DeepSpeed's CPU Adam over
-  the offloaded share on the rank's host cores (the rest after it on the GPU), plus the PCIe round trip
-  of gradients and weights.
+  bandwidth on the GPU, at each engine's own measured rate; with offload, DeepSpeed's CPU Adam on the
+  rank's host cores, plus the PCIe round trip of gradients and weights.
 
 Small micro-steps lose to the fixed and per-layer costs; long accumulation multiplies them; activation
 checkpointing buys memory with recompute. That trade is what the planner weighs (`search.py`).
@@ -151,8 +150,7 @@ ZERO3_OVERLAP = 0.5
 #: own OMP_NUM_THREADS cores (`host.threads_per_rank`). Measured on the lent H200 machine's 16 cores, one
 #: rank, ZeRO-3 with the whole optimizer offloaded beside the same run resident (V2-Lite 4 and 8 layers,
 #: 2.25 and 4.59 B parameters: 1.93 and 4.36 s more per step, the PCIe term below included;
-#: bench/results/h200-offload-2026-12-03.json): 12.5 and 14.0, fitted to the worst step error of the
-#: four offloading runs. It was the ZeRO-Offload paper's 0.22 s per billion per node whatever the cores
+#: bench/results/h200-offload-2026-12-03.json): 12.5 and 14.0; the middle is taken. It was the ZeRO-Offload paper's 0.22 s per billion per node whatever the cores
 #: (Ren et al. 2021), 4x fast on that machine; at dskit's default of 8 cores per GPU it is 0.20.
 CPU_ADAM_CORE_S_PER_BPARAM = 13.0
 #: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back. Once per step,
@@ -270,7 +268,7 @@ def predict(
     grad_accum: int,
     seq_len: int,
     ckpt_every: int,
-    offload: float,
+    offload: bool,
     compiled: bool = False,
     zero_stage: int = 3,
     fused_step: bool = False,
@@ -279,8 +277,7 @@ def predict(
     host_threads: int = 8,
 ) -> StepTime | None:
     """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
-    `offload`: the share of the optimizer states on the host (0: none, 1: all; ZeRO-3), stepped on
-    `host_threads` cores per rank.
+    `offload`: the optimizer stepped on the host's CPU Adam, on `host_threads` cores per rank.
     `peak_tflops`: at the plan's precision. `tuning`: a LoRA run (`flops_per_token` is then its own,
     `Tuning.flops_per_token`); None: full fine-tuning."""
     if peak_tflops is None or gpu.memory_bw_gbs is None:
@@ -454,27 +451,24 @@ def _optimizer_s(
     optimized: int,
     layout: Layout,
     gpu: GPU,
-    offload: float,
+    offload: bool,
     zero_stage: int = 3,
     fused: bool = False,
     host_threads: int = 8,
 ) -> float:
     """Adam over this rank's shard of every trained parameter (`optimized`: all of them, or a LoRA
-    run's trainable ones): GPU memory bandwidth, or with offload the host's CPU Adam over the `offload`
-    share, the rest on the GPU after it (DeepSpeed steps the sub-groups one by one, stage3.py
-    `_optimizer_step`), plus the PCIe round trip of every gradient. ZeRO-1/2 step at their own rate;
-    `fused`: without DeepSpeed's clip and fp64-norm passes."""
+    run's trainable ones): GPU memory bandwidth, or with offload the host's CPU Adam on the rank's
+    `host_threads` cores plus the PCIe round trip of gradients and weights. ZeRO-1/2 step at their own
+    rate; `fused`: without DeepSpeed's clip and fp64-norm passes."""
     local_params = optimized / layout.world  # every stage shards the optimizer states
-    on_gpu = local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
         return (
-            offload * local_params / 1e9 * CPU_ADAM_CORE_S_PER_BPARAM / host_threads
+            local_params / 1e9 * CPU_ADAM_CORE_S_PER_BPARAM / host_threads
             + local_params * OFFLOAD_BYTES_PER_PARAM / (pcie * GB)
-            + (1 - offload) * on_gpu
         )
     if zero_stage == 3:
-        return on_gpu
+        return local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
     deepspeeds = 0.0 if fused else FUSED_STEP_SAVED_BYTES_PER_PARAM  # its clip and fp64-norm passes
     return local_params * (ZERO12_STEP_BYTES_PER_PARAM + deepspeeds) / (gpu.memory_bw_gbs * GB)
 
