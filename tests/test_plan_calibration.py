@@ -282,7 +282,7 @@ def test_a_lora_checkpoint_is_a_fraction_of_the_full_runs():
 
 # ---------------------------------------------------------------------------------------------------
 # ZeRO-3's optimizer offload beside the same run resident (`plan_bench.py --set OFFLOAD`, issue 26): the
-# CPU Adam rate per core was fitted on the two whole-offload rows. The call's two runs of DeepSpeed's
+# CPU Adam rate per core was fitted on the three offloaded rows. The call's two runs of DeepSpeed's
 # partial offload are kept in the file and out of these tests: the plan does not take it (docs/planner.md
 # "Optimizer offload, measured")
 

@@ -146,13 +146,16 @@ FP8_DEQUANT_BYTES_PER_WEIGHT = 33.0
 #: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
 #: stream (DeepSpeed overlap_comm); not separable from SYNC_LAYER_PASS_S on 2 GPUs: half is the middle
 ZERO3_OVERLAP = 0.5
-#: DeepSpeed's CPU Adam, core-seconds per billion parameters: each rank steps its offloaded share on its
-#: own OMP_NUM_THREADS cores (`host.threads_per_rank`). Measured on the lent H200 machine's 16 cores, one
-#: rank, ZeRO-3 with the whole optimizer offloaded beside the same run resident (V2-Lite 4 and 8 layers,
-#: 2.25 and 4.59 B parameters: 1.93 and 4.36 s more per step, the PCIe term below included;
-#: bench/results/h200-offload-2026-12-03.json): 12.5 and 14.0; the middle is taken. It was the ZeRO-Offload paper's 0.22 s per billion per node whatever the cores
-#: (Ren et al. 2021), 4x fast on that machine; at dskit's default of 8 cores per GPU it is 0.20.
-CPU_ADAM_CORE_S_PER_BPARAM = 13.0
+#: DeepSpeed's CPU Adam, core-seconds per billion parameters: each rank steps its offloaded optimizer on
+#: its own OMP_NUM_THREADS cores (`host.threads_per_rank`). Measured on the lent H200 machine's 16 cores,
+#: one rank, ZeRO-3 with the optimizer offloaded beside the same run resident (V2-Lite at 4 layers,
+#: micro-batch 8 x 2 and 2 x 1, and 8 layers, 4 x 1: 2.25, 2.25 and 4.59 B parameters, 1.93, 2.59 and
+#: 4.27 s more per step, the PCIe term below included; bench/results/h200-offload-2026-12-03{,b}.json):
+#: fitted to the worst step error of the three, 12.6%. The offloaded steps drifted up within each run
+#: (2.1 to 3.1 s over 10 steps at micro-batch 2): the host's rate is the least certain term here. It was
+#: the ZeRO-Offload paper's 0.22 s per billion per node whatever the cores (Ren et al. 2021), 4x fast on
+#: that machine; at dskit's default of 8 cores per GPU it is 0.23 per 8-GPU node.
+CPU_ADAM_CORE_S_PER_BPARAM = 14.7
 #: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back. Once per step,
 #: not per micro-step: ZeRO-3 accumulates gradient partitions on the GPU and offloads them at the
 #: accumulation boundary (DeepSpeed 0.19.8, stage3.py `partition_grads`)
