@@ -72,13 +72,17 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
 
 
 def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The trainer worker processes under torchrun (not torchrun itself)."""
+    """The trainer worker processes under torchrun (not torchrun itself). Other children come and go
+    (DeepSpeed's op builder runs the compiler while a rank starts): one that has exited is skipped."""
+
+    def cmdline(k: psutil.Process) -> str:
+        try:
+            return " ".join(k.cmdline())
+        except psutil.Error:  # exited (a zombie, or gone) since children() listed it
+            return ""
+
     kids = psutil.Process(proc.pid).children(recursive=True)
-    return [
-        k
-        for k in kids
-        if "dskit.train" in " ".join(k.cmdline()) and "dskit.torchrun" not in " ".join(k.cmdline())
-    ]
+    return [k for k in kids if "dskit.train" in cmdline(k) and "dskit.torchrun" not in cmdline(k)]
 
 
 @pytest.fixture(scope="module")
