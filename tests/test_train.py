@@ -82,7 +82,7 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
             return ""
 
     kids = psutil.Process(proc.pid).children(recursive=True)
-    return [k for k in kids if "dskit.train" in cmdline(k) and "dskit.torchrun" not in cmdline(k)]
+    return [k for k in kids if "dskit.train" in (c := cmdline(k)) and "dskit.torchrun" not in c]
 
 
 @pytest.fixture(scope="module")

@@ -156,9 +156,11 @@ ZERO3_OVERLAP = 0.5
 #: the ZeRO-Offload paper's 0.22 s per billion per node whatever the cores (Ren et al. 2021), 4x fast on
 #: that machine; at dskit's default of 8 cores per GPU it is 0.23 per 8-GPU node.
 CPU_ADAM_CORE_S_PER_BPARAM = 14.7
-#: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back. Once per step,
-#: not per micro-step: ZeRO-3 accumulates gradient partitions on the GPU and offloads them at the
-#: accumulation boundary (DeepSpeed 0.19.8, stage3.py `partition_grads`)
+#: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back, at the
+#: accumulation boundary. Not counted: DeepSpeed 0.19.8 also keeps the 16-bit gradient partitions in a
+#: pinned host buffer (stage3.py `partition_grads`: copied there in the first micro-step, brought back,
+#: added and copied again in each later one), 2-6 bytes per micro-step; the measured CPU Adam rate
+#: (accumulation 1 and 2) absorbs it
 OFFLOAD_BYTES_PER_PARAM = 6
 #: achieved share of the link bandwidth in AutoEP's all-to-all (uneven splits, the count exchange before
 #: each dispatch, small messages): EP 2 cost 24-54 ms more per step than EP 1 at the same shapes on
