@@ -1,7 +1,7 @@
 """LoRA on an FP8 base beside the same LoRA on a bf16 base, through the real trainer (issue 28 item 6).
 
 Writes a DeepSeek-V2-Lite-shaped model (random weights, `--layers` deep) in DeepSeek-V3's FP8 block
-format (e4m3, 128 x 128 float32 `weight_scale_inv`, quantised by DeepSeek's rule: dskit/train/fp8.py),
+format (e4m3, 128 x 128 float32 `weight_scale_inv`, quantised by DeepSeek's rule: dskit/train/fp8/blocks.py),
 then trains LoRA on it twice from that one checkpoint: `finetune.base_precision=fp8` (the base kept in
 FP8, built from the meta device) and `bf16` (the same bytes dequantised while loading). Both compute
 with bit-identical bf16 weights, so their loss curves should lie on each other; what differs is memory
@@ -45,7 +45,7 @@ def write_fp8_checkpoint(model: str, layers: int, out: Path, device: str) -> dic
 
     from dskit import catalog
     from dskit.hf_checkpoint import FP8_BLOCK
-    from dskit.train.fp8 import quantize_blocks
+    from dskit.train.fp8.blocks import quantize_blocks
     from dskit.train.model import hf_config
 
     cfg = {**catalog.model(model).config, "num_hidden_layers": layers}

@@ -549,7 +549,7 @@ def report(files: list[Path]) -> dict:
 
 def plot_validation(files: list[Path], path: Path) -> None:
     """Predicted against measured tokens/s and memory, one point per run, the goals' bands shaded."""
-    from dskit.report import pyplot
+    from dskit.status.report import pyplot
 
     plt = pyplot()
 

@@ -1,4 +1,4 @@
-"""Routed-expert LoRA: the weight delta dskit uses (W + s B A, dskit/train/routed_lora.py) against the
+"""Routed-expert LoRA: the weight delta dskit uses (W + s B A, dskit/train/lora/routed.py) against the
 unmerged low-rank path (x W^T + s (x A^T) B^T), forward + backward of one MoE layer's local experts.
 
     python -m bench.routed_lora_delta [--experts 8 --hidden 2048 --inter 1408 --r 16 --tokens 4096]

@@ -1,5 +1,5 @@
 """The checkpoint directory's names and its checks, without torch: the trainer
-(dskit/train/checkpoint.py) writes checkpoints and re-checks its own files on resume; `dskit status`
+(dskit/train/checkpoints/store.py) writes checkpoints and re-checks its own files on resume; `dskit status`
 and `dskit export` read them, the latter refusing a damaged run before it loads torch.
 
     step00000200/   one checkpoint; its DONE file (dskit.json) is written last, so its presence

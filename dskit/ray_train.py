@@ -20,7 +20,7 @@ import sys
 
 from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env
 from dskit.errors import EXIT_BAD_INPUT, RankExit, SpecError
-from dskit.plan.watchdog import collective_timeout_s
+from dskit.plan.hang_timeout import collective_timeout_s
 
 #: exit codes a retry cannot fix: the driver stops at the first
 FINAL = (EXIT_BAD_INPUT, EXIT_DISK_FULL)
@@ -29,8 +29,8 @@ FINAL = (EXIT_BAD_INPUT, EXIT_DISK_FULL)
 def _worker(config: dict) -> None:
     import ray.train
 
-    from dskit.train.checkpoint import DiskFull
-    from dskit.train.reshard import ConversionFailed
+    from dskit.train.checkpoints.reshard import ConversionFailed
+    from dskit.train.checkpoints.store import DiskFull
 
     os.environ[Env.RUN_FILE.value] = config["run_file"]
     ctx = ray.train.get_context()
@@ -101,7 +101,7 @@ def _trainer(plan, attempt: int):
     return TorchTrainer(
         _worker,
         train_loop_config={"run_file": os.environ[Env.RUN_FILE.value]},
-        # collectives time out with the watchdog (dskit/plan/watchdog.py), as under torchrun
+        # collectives time out with the watchdog (dskit/plan/hang_timeout.py), as under torchrun
         torch_config=TorchConfig(
             backend="nccl" if hw.on_gpu else "gloo",
             timeout_s=int(collective_timeout_s(plan.run.watchdog_timeout_s)),

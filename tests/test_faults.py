@@ -21,7 +21,7 @@ from dskit.checkpoint_layout import DONE, complete_tags, newest_verified_tag, ta
 from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan
-from dskit.train.checkpoint import prune
+from dskit.train.checkpoints.store import prune
 from dskit.train.watchdog import REPORT_FILE
 from tests.conftest import render_tiny
 from tests.test_train import assert_same_run, losses, ranks_of, records, run, start, wait_for_step

@@ -5,7 +5,7 @@ dequantised weight computes, holding 1 byte per weight.
 
 The tiny V3 has dims over 128 that are not multiples of it (hidden 160, expert width 144), so edge
 blocks are partial, where a block size read off the scale grid goes wrong (transformers' own
-dequantisation does that: dskit/train/fp8_weights.py's docstring)."""
+dequantisation does that: dskit/train/fp8/loading.py's docstring)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from dskit import catalog
 from dskit.hf_checkpoint import fp8_format
-from dskit.train.fp8 import Fp8Linear, dequantize_blocks, quantize_blocks
+from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks, quantize_blocks
 from tests.conftest import dskit, render_tiny
 from tests.test_train import losses, run
 
@@ -245,7 +245,7 @@ def test_an_fp8_checkpoint_broken_after_render_stops_every_rank_at_start(tmp_pat
 
 
 # ---------------------------------------------------------------------------------------------------
-# full fine-tuning: dequantised while loading (dskit/train/fp8_weights.py), through the real trainer
+# full fine-tuning: dequantised while loading (dskit/train/fp8/loading.py), through the real trainer
 
 
 def _losses(tmp: Path, ckpt: Path, name: str, extra: tuple[str, ...] = ()) -> list[float]:
@@ -281,7 +281,7 @@ def test_zero1_loads_fp8_whole_onto_each_rank_dequantised(tmp_path, twins, twin_
 
 
 # ---------------------------------------------------------------------------------------------------
-# the frozen FP8 linear (dskit/train/fp8.py), the LoRA base
+# the frozen FP8 linear (dskit/train/fp8/blocks.py), the LoRA base
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (300, 200), (3, 150, 140), (24, 160)])
@@ -343,7 +343,7 @@ def test_swapping_in_fp8_linears_reads_them_from_the_checkpoint(twins):
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dskit.train.fp8_weights import swap_in_fp8_linears
+    from dskit.train.fp8.loading import swap_in_fp8_linears
 
     fp8 = twins[0]
     with torch.device("meta"):
@@ -364,7 +364,7 @@ def test_under_zero3_rank_0_dequantises_one_decoder_layer_at_a_time(twins, monke
     import transformers.modeling_utils as mu
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dskit.train.fp8_weights import Fp8Weight, fp8_state_dict, zero3_loads_layer_by_layer
+    from dskit.train.fp8.loading import Fp8Weight, fp8_state_dict, zero3_loads_layer_by_layer
 
     calls = []
 

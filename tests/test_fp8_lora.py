@@ -78,7 +78,7 @@ def test_the_fp8_base_trains_as_its_bf16_twin_does(runs, twins):
     peft's on the twin. The loss moves: the merged model does better on step 1's batches than the base."""
     from transformers import AutoModelForCausalLM
 
-    from dskit.train.lora import attach
+    from dskit.train.lora.inject import attach
     from tests.hf_reference import first_step_loss
     from tests.test_weights import LOSS_RTOL
 
@@ -96,10 +96,10 @@ def test_the_fp8_base_trains_as_its_bf16_twin_does(runs, twins):
 def test_the_device_holds_the_frozen_base_in_fp8(runs, twins):
     """Every FP8 weight of the checkpoint is on the rank as its e4m3 bytes, the routed experts 1/ep of
     them (AutoEP's share); none of them also in bf16: the twin's bf16 bytes are the FP8 run's plus 2
-    per FP8 weight. The plan's count of frozen bytes (dskit/plan/lora.py) is what the trainer holds."""
-    from dskit.plan import lora
+    per FP8 weight. The plan's count of frozen bytes (dskit/plan/adapters.py) is what the trainer holds."""
+    from dskit.plan import adapters
     from dskit.plan.model_math import counts
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.loading import open_shards
 
     fmt = fp8_format(str(twins[0]))
     ep = 2
@@ -111,7 +111,7 @@ def test_the_device_holds_the_frozen_base_in_fp8(runs, twins):
     assert "float8_e4m3fn" not in bf16 and bf16["bfloat16"] == fp8["bfloat16"] + 2 * want
     plan = load_plan(runs["fp8"] / "run.yaml")
     f, cfg = plan.finetune, plan.model.config
-    t = lora.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
+    t = adapters.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
                     base_precision="fp8")  # fmt: skip
     assert sum(fp8.values()) == pytest.approx(t.frozen_weight_bytes(ep), rel=1e-3)
 
@@ -184,11 +184,11 @@ def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twi
     nothing else is in bf16: what a rank holds after the build is the plan's non-expert FP8 base."""
     from transformers import AutoModelForCausalLM
 
-    from dskit.plan import lora
+    from dskit.plan import adapters
     from dskit.plan.model_math import counts
-    from dskit.train.fp8 import Fp8Linear
-    from dskit.train.fp8_base import held_bytes
-    from dskit.train.fp8_build import FUSED_EXPERTS
+    from dskit.train.fp8.blocks import Fp8Linear
+    from dskit.train.fp8.construct import FUSED_EXPERTS
+    from dskit.train.fp8.frozen_base import held_bytes
     from dskit.train.model import build_model
 
     rd = render_tiny(Path(str(twins[0]) + "-plan"), None, extra=[f"model.path={twins[0]}", *SETS])
@@ -210,7 +210,7 @@ def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twi
     rotary = dict(twin.named_buffers())["model.rotary_emb.inv_freq"]
     assert torch.equal(dict(m.named_buffers())["model.rotary_emb.inv_freq"], rotary)
     f, cfg = plan.finetune, plan.model.config
-    t = lora.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
+    t = adapters.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
                     base_precision="fp8")  # fmt: skip
     for n, q in m.named_parameters():  # what LoRA will freeze: all but the router, which SETS trains
         q.requires_grad_(bool(q.is_meta) or n.endswith("mlp.gate.weight"))
@@ -225,9 +225,9 @@ def _grouped_experts_of_rank(fp8: Path, layer: str, ep_rank: int, local: int):
     """A GroupedExperts as AutoEP fills it for `ep_rank` (bf16, dequantised from the checkpoint)."""
     from deepspeed.moe.ep_experts import GroupedExperts
 
-    from dskit.train.fp8 import dequantize_blocks
-    from dskit.train.fp8_base import EXPERT_PROJ
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.blocks import dequantize_blocks
+    from dskit.train.fp8.frozen_base import EXPERT_PROJ
+    from dskit.train.fp8.loading import open_shards
 
     fmt = fp8_format(str(fp8))
     with open_shards(str(fp8)) as shards:
@@ -264,8 +264,8 @@ class _Lora(torch.nn.Module):
 def test_routed_experts_keep_the_checkpoints_fp8_bytes_under_a_parametrization_another_can_follow(twins):
     from torch.nn.utils import parametrize
 
-    from dskit.train.fp8_base import DequantizedBlocks, requantize_experts
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.frozen_base import DequantizedBlocks, requantize_experts
+    from dskit.train.fp8.loading import open_shards
 
     layer, local = "model.layers.1.mlp", 4
     g, fmt = _grouped_experts_of_rank(twins[0], layer, ep_rank=1, local=local)
@@ -296,8 +296,8 @@ def test_routed_experts_keep_the_checkpoints_fp8_bytes_under_a_parametrization_a
 
 
 def _fp8_and_bf16_experts(fp8: Path, local: int = 4):
-    from dskit.train.fp8_base import requantize_experts
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.frozen_base import requantize_experts
+    from dskit.train.fp8.loading import open_shards
 
     layer = "model.layers.1.mlp"
     g, fmt = _grouped_experts_of_rank(fp8, layer, ep_rank=1, local=local)
@@ -334,8 +334,8 @@ def test_the_backward_keeps_the_experts_fp8_bytes_not_their_dequantised_weights(
 
 def test_expert_bytes_from_another_rank_are_refused(twins):
     """The slicing check: rank 1's bf16 experts and rank 0's FP8 bytes do not agree, loudly."""
-    from dskit.train.fp8_base import requantize_experts
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.frozen_base import requantize_experts
+    from dskit.train.fp8.loading import open_shards
 
     layer, local = "model.layers.1.mlp", 4
     g, fmt = _grouped_experts_of_rank(twins[0], layer, ep_rank=1, local=local)
@@ -437,7 +437,7 @@ def test_zero1_trains_the_fp8_base_from_the_same_first_loss(tmp_path, twins, run
 @pytest.mark.train
 def test_routed_adapters_on_the_fp8_experts_train_as_on_the_bf16_twins(tmp_path, twins):
     """The two parametrizations stacked on each rank's experts, FP8 dequantisation then the LoRA delta
-    (dskit/train/routed_lora.py): the same losses at every step as the same run on the bf16 twin."""
+    (dskit/train/lora/routed.py): the same losses at every step as the same run on the bf16 twin."""
     routed = ("finetune.lora.targets=[attention, shared_experts, routed_experts]",)
     got = {}
     for name, ckpt in zip(("fp8", "bf16"), twins, strict=True):

@@ -518,7 +518,7 @@ def test_status_table_lists_ranks_attempts_and_how_pods_ended():
     with the statuses a preempted and restarted run reports, read through the client's own models."""
     from kubernetes.client import ApiClient
 
-    from dskit.k8s_status import format_table, pod_rows
+    from dskit.status.k8s import format_table, pod_rows
 
     job, container, _ = job_parts(render_chart(values_for()))
     template = job["spec"]["template"]

@@ -19,8 +19,8 @@ READERS = [
     "dskit.render.helm",
     "dskit.render.ray",
     "dskit.render.image",
-    "dskit.run_status",
-    "dskit.report",
+    "dskit.status.run_status",
+    "dskit.status.report",
 ]
 DECISIONS = [
     "dskit.plan.build",

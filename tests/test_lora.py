@@ -36,7 +36,7 @@ CASES = {
             "finetune.lora.dropout=0.1",
         ],
     ),
-    # the routed experts' per-expert adapters, attached after AutoEP (dskit/train/routed_lora.py): EP 2,
+    # the routed experts' per-expert adapters, attached after AutoEP (dskit/train/lora/routed.py): EP 2,
     # so each rank holds half of them; ZeRO-3 partitions them, ZeRO-2 keeps them whole
     "tiny-v2-routed": (
         "tiny-v2",
@@ -120,7 +120,7 @@ def _err(model, probe: dict) -> float:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_first_loss_is_transformers_plus_peft(runs, case):
     """Step 1 before any update: the base with peft's adapters injected the trainer's way (B = 0)."""
-    from dskit.train.lora import attach
+    from dskit.train.lora.inject import attach
 
     rd, ckpt = runs[case]
     plan = load_plan(rd / "run.yaml")
@@ -138,8 +138,8 @@ def _peft_on_the_fused_experts(m, f) -> None:
     exported adapter declares them."""
     from peft import LoraConfig, inject_adapter_in_model
 
-    from dskit.train.export_adapter import ROUTED_TARGETS
-    from dskit.train.lora import _no_v4_rename
+    from dskit.train.lora.export_adapter import ROUTED_TARGETS
+    from dskit.train.lora.inject import _no_v4_rename
 
     config = LoraConfig(
         r=f.r,
@@ -155,7 +155,7 @@ def _peft_on_the_fused_experts(m, f) -> None:
 
 def _peft_params(plan) -> int:
     """The adapter parameters peft holds for the run: dskit's, and for routed experts the zero blocks of
-    gate_up_proj's block-diagonal rank-2r B (dskit/train/export_adapter.py)."""
+    gate_up_proj's block-diagonal rank-2r B (dskit/train/lora/export_adapter.py)."""
     f, cfg = plan.finetune, plan.model.config
     if "routed_experts" not in f.targets:
         return f.adapter_params

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from dskit import catalog
-from dskit.plan import lora
+from dskit.plan import adapters
 from dskit.plan.build import build_plan
 from dskit.plan.model_math import counts
 from dskit.spec import load_spec
@@ -42,7 +42,7 @@ def test_full_depth_v2_lite_with_lora_fits_one_h200_where_full_training_does_not
 
 def test_v3_lora_on_its_fp8_base_fits_one_h200_node_where_a_bf16_base_does_not():
     """Issue 28's goal: DeepSeek-V3, FP8 base + LoRA, on 1 x 8 H200 fits, with a predicted speed. The
-    trainer builds the base from the meta device (dskit/train/fp8_build.py), so construction holds only
+    trainer builds the base from the meta device (dskit/train/fp8/construct.py), so construction holds only
     the rank's FP8 share: the non-expert base whole and 1/8 of the experts, below the steady state."""
     p = _plan("deepseek-v3", "h200-141gb", 8, "finetune.method=lora", "finetune.base_precision=fp8")
     assert p.deepspeed["zero_optimization"]["stage"] in (1, 2) and p.parallel.ep_size == 8
@@ -129,8 +129,8 @@ def test_fp8_counts_one_byte_and_its_block_scales_per_frozen_linear_weight():
     cfg = catalog.model("deepseek-v3").config
     c = counts(cfg, 4096)
     kw = {"targets": ["attention"], "r": 16, "dropout": 0.0}
-    bf16 = lora.tuning(cfg, c, base_precision="bf16", **kw)
-    fp8 = lora.tuning(cfg, c, base_precision="fp8", **kw)
+    bf16 = adapters.tuning(cfg, c, base_precision="bf16", **kw)
+    fp8 = adapters.tuning(cfg, c, base_precision="fp8", **kw)
     assert bf16.expert_bytes == 2 and fp8.expert_bytes == 1 + 4 / 128**2
     # the embedding, lm_head and norms stay bf16, so the non-expert average sits between 1 and 2
     assert 1 < fp8.other_bytes < 1.25 and bf16.other_bytes == 2
@@ -143,7 +143,7 @@ def test_the_plans_adapter_count_is_what_peft_injects(model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dskit.train.lora import attach
+    from dskit.train.lora.inject import attach
     from dskit.train.model import hf_config
 
     sets = [
@@ -201,7 +201,7 @@ def test_bad_lora_values_are_one_line_and_exit_2(tmp_path, bad):
 
 
 def test_dropout_on_the_routed_experts_is_one_line_and_exit_2(tmp_path):
-    """A weight delta sees no input to drop (dskit/train/routed_lora.py): refused before anything is written."""
+    """A weight delta sees no input to drop (dskit/train/lora/routed.py): refused before anything is written."""
     sets = [
         "finetune.method=lora",
         "finetune.lora.dropout=0.1",
@@ -221,8 +221,8 @@ def test_routed_adapters_are_counted_per_expert_and_sharded_by_ep():
     cfg = catalog.model("deepseek-v2-lite").config
     c = counts(cfg, 4096)
     kw = {"r": 16, "dropout": 0.0, "base_precision": "bf16"}
-    base = lora.tuning(cfg, c, targets=["attention"], **kw)
-    routed = lora.tuning(cfg, c, targets=["attention", "routed_experts"], **kw)
+    base = adapters.tuning(cfg, c, targets=["attention"], **kw)
+    routed = adapters.tuning(cfg, c, targets=["attention", "routed_experts"], **kw)
     h, inter, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     want = c.moe_layers * E * 16 * 3 * (h + inter)
     assert routed.routed_adapters == want and routed.adapters == base.adapters + want
@@ -284,7 +284,7 @@ def test_a_lora_run_refuses_a_full_runs_checkpoint_and_back():
     from types import SimpleNamespace
 
     from dskit.errors import SpecError
-    from dskit.train.checkpoint import Checkpointer
+    from dskit.train.checkpoints.store import Checkpointer
 
     lora_run = SimpleNamespace(layout={"zero_stage": 3, "ep_size": 2, "finetune": "lora"})
     full_run = SimpleNamespace(layout={"zero_stage": 3, "ep_size": 2})
@@ -304,7 +304,7 @@ def test_a_lora_run_refuses_a_checkpoint_of_another_rank_or_target_set():
     from types import SimpleNamespace
 
     from dskit.errors import SpecError
-    from dskit.train.checkpoint import Checkpointer
+    from dskit.train.checkpoints.store import Checkpointer
     from dskit.train.loop import _layout
 
     def layout(*sets: str) -> dict:
@@ -336,7 +336,7 @@ def test_a_lora_step_copies_only_the_trainable_gradients():
 
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
     c = counts(cfg, 4096)
-    t = lora.tuning(
+    t = adapters.tuning(
         cfg,
         c,
         targets=["attention", "shared_experts", "routed_experts"],

@@ -321,7 +321,7 @@ def test_activation_checkpointing_only_when_memory_needs_it():
 
 def test_loading_weights_adds_a_shard_per_rank_to_host_construction(tmp_path):
     """With model.path holding safetensors, each rank copies from one (up to 5 GB) shard while building."""
-    from dskit.plan import host
+    from dskit.plan import host_memory
 
     (tmp_path / "config.json").write_text(json.dumps(catalog.model("tiny-v2").config))
     import numpy as np
@@ -332,7 +332,7 @@ def test_loading_weights_adds_a_shard_per_rank_to_host_construction(tmp_path):
     p = plan_for(*sets, hardware__gpu="h100-80gb", hardware__gpus_per_node=8)
     assert p.model.path == str(tmp_path.resolve())
     assert p.memory["host_construction_gib"] == pytest.approx(
-        8 * (host.HOST_BASELINE_GIB + 5e9 / 2**30), abs=0.01
+        8 * (host_memory.HOST_BASELINE_GIB + 5e9 / 2**30), abs=0.01
     )
     with pytest.raises(SpecError) as e:
         plan_for(*sets, "hardware.host_memory_gib=64", hardware__gpu="h100-80gb", hardware__gpus_per_node=8)

@@ -16,7 +16,7 @@ import pytest
 
 from dskit import catalog
 from dskit.errors import SpecError
-from dskit.plan import fit, host, memory
+from dskit.plan import fit, host_memory, memory
 from dskit.plan.build import build_plan
 from dskit.plan.model_math import counts
 from dskit.spec import load_spec
@@ -82,7 +82,7 @@ def test_every_plan_fits_or_refuses(model, gpu):
         build = memory.construction(
             c, world=world, ep_size=par.ep_size, on_gpu=True, zero_stage=par.zero_stage
         ).total_gib
-        node = host.estimate(
+        node = host_memory.estimate(
             c,
             world=world,
             ranks_per_node=PER_NODE,

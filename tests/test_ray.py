@@ -19,7 +19,7 @@ import pytest
 from dskit.checkpoint_layout import newest_verified_tag
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan
-from dskit.run_status import read_jobs
+from dskit.status.run_status import read_jobs
 from dskit.train.entry import LAUNCH_ENV_FILE
 from tests.conftest import dskit, dskit_status, render_tiny
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dskit.plan.schema import load_plan
-from dskit.report import read_metrics
+from dskit.status.report import read_metrics
 from tests.conftest import dskit, render_tiny
 
 PNG = b"\x89PNG\r\n\x1a\n"

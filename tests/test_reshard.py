@@ -1,5 +1,5 @@
 """A run resumes on another number of ranks or another EP size, its optimizer state kept (the real
-trainer, gloo ranks, ZeRO-3 + AutoEP: dskit/train/reshard.py).
+trainer, gloo ranks, ZeRO-3 + AutoEP: dskit/train/checkpoints/reshard.py).
 
 The reference is one uninterrupted 2-rank run at EP 2. Its step-4 checkpoint resumed by 1 rank (EP 1)
 must continue that run's loss curve, and the 1-rank run's step-8 checkpoint, resumed by 2 ranks again,
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dskit.plan.schema import load_plan
-from dskit.train.reshard import UNIVERSAL_DIR
+from dskit.train.checkpoints.reshard import UNIVERSAL_DIR
 from tests.conftest import RESHARD_RTOL, render_tiny
 from tests.test_train import losses, run
 

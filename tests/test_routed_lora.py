@@ -1,6 +1,6 @@
-"""Routed-expert LoRA's parts on real modules, without a trainer (dskit/train/routed_lora.py): the delta
+"""Routed-expert LoRA's parts on real modules, without a trainer (dskit/train/lora/routed.py): the delta
 composes after an earlier parametrization of the same weight (the FP8 base's dequantisation), and the
-exported layout is peft's exactly (dskit/train/export_adapter.py). The trainer's side (AutoEP, ZeRO,
+exported layout is peft's exactly (dskit/train/lora/export_adapter.py). The trainer's side (AutoEP, ZeRO,
 checkpoints, peft loading the export) is tests/test_lora.py."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from dskit.train.routed_lora import PROJECTIONS, ExpertDelta
+from dskit.train.lora.routed import PROJECTIONS, ExpertDelta
 
 E, H, INTER, R = 4, 24, 16, 3
 
@@ -75,8 +75,8 @@ def test_the_exported_layout_is_peft_s_per_expert_delta(model):
     from transformers import AutoModelForCausalLM
 
     from dskit import catalog
-    from dskit.train.export_adapter import ROUTED_TARGETS, _routed, _routed_delta, peft_routed
-    from dskit.train.lora import _no_v4_rename
+    from dskit.train.lora.export_adapter import ROUTED_TARGETS, _routed, _routed_delta, peft_routed
+    from dskit.train.lora.inject import _no_v4_rename
     from dskit.train.model import hf_config
 
     cfg = catalog.model(model).config

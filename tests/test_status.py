@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dskit import run_status
 from dskit.contract import JOBS_FILE, TARGET_FILE
 from dskit.errors import SpecError
+from dskit.status import run_status
 from tests.conftest import dskit, render_tiny
 from tests.conftest import status_table as table
 
@@ -272,7 +272,8 @@ def test_a_helm_run_dir_asks_for_the_release_named_like_the_run(tmp_path, monkey
     """No kube-apiserver here: the Kubernetes clients are stand-ins answering one running Job."""
     from types import SimpleNamespace as NS
 
-    from dskit import cli, k8s_status
+    from dskit import cli
+    from dskit.status import k8s
 
     rd = render_tiny(tmp_path, name="helmrun", steps=40, target="helm")
     _write_progress(rd, steps=10, total_time=20.0)
@@ -288,7 +289,7 @@ def test_a_helm_run_dir_asks_for_the_release_named_like_the_run(tmp_path, monkey
             return NS(items=[])
 
     pytest.importorskip("kubernetes")
-    monkeypatch.setattr(k8s_status, "_clients", lambda kubeconfig, context: (Api(), Api()))
+    monkeypatch.setattr(k8s, "_clients", lambda kubeconfig, context: (Api(), Api()))
     assert cli.main(["status", str(rd), "-n", "ml"]) == 0
     out = capsys.readouterr().out
     assert asked == [("ml", "app.kubernetes.io/name=dskit,app.kubernetes.io/instance=helmrun")]

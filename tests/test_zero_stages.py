@@ -81,7 +81,7 @@ def test_a_checkpoint_of_another_stage_is_refused_with_one_line(runs, tmp_path):
 @pytest.mark.parametrize("stage", [2, 1])
 def test_a_checkpoint_resumes_on_one_rank_at_ep_1_on_the_curve(runs, stage, tmp_path):
     """Step 10 of the 2-rank EP-2 run (the fused step's files), resumed by 1 rank at EP 1 through the
-    universal copy (dskit/train/reshard.py): the rest of the uninterrupted run's curve."""
+    universal copy (dskit/train/checkpoints/reshard.py): the rest of the uninterrupted run's curve."""
     rd = _render(tmp_path, stage, gpus_per_node=1)
     assert load_plan(rd / "run.yaml").parallel.optimizer_step == "fused"
     ckpt = Path(load_plan(rd / "run.yaml").run.checkpoint_dir)

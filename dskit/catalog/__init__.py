@@ -155,7 +155,7 @@ CONFIG_INTS = (
 )
 CONFIG_MAX = {"num_hidden_layers": 10_000}
 CONFIG_INT_MAX = 2**31
-#: config.json travels inside run.yaml, which the trainer reads with dskit.yamlsafe's limits (1 MiB,
+#: config.json travels inside run.yaml, which the trainer reads with dskit.spec.yamlsafe's limits (1 MiB,
 #: 64 levels): a config within these always fits, so render never writes a run.yaml the trainer refuses.
 CONFIG_MAX_BYTES = 1 << 20
 CONFIG_MAX_DEPTH = 32
@@ -231,7 +231,7 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
             f"model_type {mt!r} in {cfg_file} is not a DeepSeek MoE; {one_of(SUPPORTED_MODEL_TYPES)}",
         )
     if cfg.get("quantization_config") is not None:
-        # DeepSeek-V3's FP8 weights load dequantised (dskit/train/fp8_weights.py); anything else is refused.
+        # DeepSeek-V3's FP8 weights load dequantised (dskit/train/fp8/loading.py); anything else is refused.
         # The model is built and trained in bf16, so the config the plan keeps has no quantization_config.
         check_quantization_config(cfg["quantization_config"], str(cfg_file), field_name)
     check_config(cfg, str(cfg_file), field_name)

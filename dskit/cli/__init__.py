@@ -10,23 +10,23 @@ import argparse
 import sys
 
 from dskit import stdout
-from dskit.cli import data, host, plan, run, spec
+from dskit.cli import data_cmd, host_cmd, plan_cmd, run_cmd, spec_cmd
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
 COMMANDS = (
-    spec.add_init,
-    spec.add_schema,
-    plan.add_plan,
-    plan.add_render,
-    spec.add_catalog,
-    run.add_train,
-    run.add_export,
-    host.add_doctor,
-    host.add_build,
-    run.add_status,
-    run.add_report,
-    data.add_data,
+    spec_cmd.add_init,
+    spec_cmd.add_schema,
+    plan_cmd.add_plan,
+    plan_cmd.add_render,
+    spec_cmd.add_catalog,
+    run_cmd.add_train,
+    run_cmd.add_export,
+    host_cmd.add_doctor,
+    host_cmd.add_build,
+    run_cmd.add_status,
+    run_cmd.add_report,
+    data_cmd.add_data,
 )
 
 

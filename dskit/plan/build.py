@@ -13,9 +13,10 @@ from pathlib import Path
 from dskit import catalog, hf_checkpoint
 from dskit.contract import Env
 from dskit.errors import SpecError
-from dskit.plan import host, search
+from dskit.plan import host_memory, search
+from dskit.plan.adapters import base_precision, plan_finetune
 from dskit.plan.deepspeed import deepspeed_config
-from dskit.plan.lora import base_precision, plan_finetune
+from dskit.plan.hang_timeout import watchdog_timeout_s
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
 from dskit.plan.parallel import plan_parallel, speed_section
 from dskit.plan.schema import (
@@ -28,7 +29,6 @@ from dskit.plan.schema import (
     RayPlan,
     RunPlan,
 )
-from dskit.plan.watchdog import watchdog_timeout_s
 from dskit.spec import Spec, spec_record
 from dskit.text import describe, first_unsafe
 
@@ -184,7 +184,7 @@ def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
 
 def plan_hardware(spec: Spec, gpu: catalog.GPU, precision: str) -> HardwarePlan:
     nodes, per_node = spec.hardware.nodes, spec.hardware.gpus_per_node
-    host_gib, _ = host.node_memory(spec.hardware.host_memory_gib, gpu, per_node)
+    host_gib, _ = host_memory.node_memory(spec.hardware.host_memory_gib, gpu, per_node)
     return HardwarePlan(
         gpu=gpu.name,
         on_gpu=not gpu.is_cpu,
@@ -298,7 +298,7 @@ def launch_env(
 ) -> dict[str, str]:
     """The launch contract every target exports (dskit/contract.py), minus RUN_FILE."""
     per_node = spec.hardware.gpus_per_node
-    omp = host.threads_per_rank(spec.hardware.cpus_per_node, per_node, gpu.is_cpu)
+    omp = host_memory.threads_per_rank(spec.hardware.cpus_per_node, per_node, gpu.is_cpu)
     env = {
         Env.GPU_PROFILE.value: gpu.name,
         Env.CHECKPOINT_DIR.value: run.checkpoint_dir,

@@ -4,7 +4,7 @@ A plan fits when every estimate stays under its limit:
 - on each GPU, the steady-state training estimate and the construction peak (`dskit/plan/memory.py`)
   under (1 - GPU_MEMORY_MARGIN) x the usable memory (the catalog's usable_memory_gib: what torch
   reports, not the datasheet);
-- on each host, the RAM of its ranks while building and while training (`dskit/plan/host.py`) under
+- on each host, the RAM of its ranks while building and while training (`dskit/plan/host_memory.py`) under
   (1 - HOST_MEMORY_MARGIN) x hardware.host_memory_gib.
 A capacity that is unknown (the cpu profile) is not checked. When no candidate fits, `choose` raises
 SpecError (exit 2) naming what does not fit, the numbers and what to change, before anything is
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dskit.catalog import GPU
-from dskit.plan import host, memory
-from dskit.plan.lora import Tuning
+from dskit.plan import host_memory, memory
+from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
@@ -77,7 +77,7 @@ class Shape:
     loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
     per_rank: int  # sequences per rank and optimizer step: micro-batch x accumulation
     compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
-    tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/lora.py)
+    tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/adapters.py)
 
     @property
     def world(self) -> int:
@@ -106,7 +106,7 @@ class Fit:
     candidate: Candidate
     steady: memory.MemoryEstimate
     construction: memory.ConstructionEstimate
-    host: host.HostEstimate
+    host: host_memory.HostEstimate
     shape: Shape
 
     @property
@@ -166,7 +166,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         zero_stage=c.zero_stage,
         tuning=s.tuning,
     )
-    h = host.estimate(
+    h = host_memory.estimate(
         s.counts,
         world=s.world,
         ranks_per_node=s.per_node,
@@ -230,15 +230,15 @@ def explain_no_fit(
         h = f.host
         need = h.total_gib / (1 - HOST_MEMORY_MARGIN)
         what = (
-            f"{h.offload_gib:.1f} for optimizer offload: {host.OFFLOAD_STATE_BYTES} B fp32 states + "
-            f"{host.OFFLOAD_PINNED_BYTES} B pinned gradient buffers per parameter of each rank's shard, and the "
+            f"{h.offload_gib:.1f} for optimizer offload: {host_memory.OFFLOAD_STATE_BYTES} B fp32 states + "
+            f"{host_memory.OFFLOAD_PINNED_BYTES} B pinned gradient buffers per parameter of each rank's shard, and the "
             "optimizer's init buffer; "
             if h.offload_gib
             else ""
         )
         return "hardware.host_memory_gib", (
             f"{s.where} needs {h.total_gib:.1f} GiB of host RAM per node ({what}{h.baseline_gib:.1f} for "
-            f"{h.ranks} rank(s) at {host.HOST_BASELINE_GIB} GiB each; {h.construction_gib:.1f} while building) but the "
+            f"{h.ranks} rank(s) at {host_memory.HOST_BASELINE_GIB} GiB each; {h.construction_gib:.1f} while building) but the "
             f"limit is {s.host_limit:.1f} GiB ({1 - HOST_MEMORY_MARGIN:.0%} of {s.host_memory_gib} GiB, "
             f"{s.host_memory_from}); "
             + _or(

@@ -31,7 +31,7 @@ allocator reserved on every H200 run of bench/results/h200*-planner-*.json. What
 - a fixed overhead for the CUDA context, NCCL buffers and allocator fragmentation.
 
 `construction_gib` is the other GPU peak: building the model partitioned from birth (ZeRO-3
-`zero.Init`), before the optimizer exists. Host RAM is in `dskit/plan/host.py`; what "fits" means, and
+`zero.Init`), before the optimizer exists. Host RAM is in `dskit/plan/host_memory.py`; what "fits" means, and
 the error when nothing does, in `dskit/plan/fit.py`.
 """
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dskit.plan.lora import BF16_BYTES, Tuning
+from dskit.plan.adapters import BF16_BYTES, Tuning
 from dskit.plan.model_math import ModelCounts, head_dims
 
 GIB = 2**30
@@ -164,7 +164,7 @@ def construction(
     """ZeRO-1/2 build the whole 16-bit model on each GPU (dskit/train/model.py), then AutoEP copies one
     layer's local experts out of it at a time: the whole model is the "shard". A LoRA run (`tuning`)
     builds the base in its precision and the adapters in bf16. An FP8 base (ZeRO-1/2 only) is built
-    from the meta device (dskit/train/fp8_build.py): each rank only ever holds its own share, the
+    from the meta device (dskit/train/fp8/construct.py): each rank only ever holds its own share, the
     non-expert base and 1/ep of the experts in FP8, and AutoEP's copy of a layer's experts is a meta
     tensor that the checkpoint's FP8 bytes replace."""
     if tuning is not None:
@@ -298,7 +298,7 @@ def estimate(
     tuning: Tuning | None = None,
     grad_accum: int = 1,
 ) -> MemoryEstimate:
-    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/lora.py`); None: full fine-tuning.
+    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/adapters.py`); None: full fine-tuning.
     `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`)."""
     if tuning is not None:
         states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)

@@ -15,8 +15,8 @@ from typing import Any
 
 from dskit import catalog
 from dskit.errors import SpecError, one_of
-from dskit.plan import fit, host, memory, search, speed
-from dskit.plan.lora import Tuning
+from dskit.plan import fit, host_memory, memory, search, speed
+from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
 from dskit.spec import PlanOverrides, Spec
@@ -188,7 +188,9 @@ def _shape(
     per_rank: int,
 ) -> fit.Shape:
     """What every candidate's fit depends on besides the candidate."""
-    host_gib, host_from = host.node_memory(spec.hardware.host_memory_gib, gpu, spec.hardware.gpus_per_node)
+    host_gib, host_from = host_memory.node_memory(
+        spec.hardware.host_memory_gib, gpu, spec.hardware.gpus_per_node
+    )
     return fit.Shape(
         model=model.name,
         cfg=model.config,
@@ -224,7 +226,7 @@ def _speed_of(
     """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`); an offloaded
     optimizer steps on the rank's OMP_NUM_THREADS cores (`cpus_per_node`: hardware.cpus_per_node)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
-    threads = host.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
+    threads = host_memory.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
 
     def speed_of(c: fit.Candidate) -> speed.StepTime | None:
         return speed.predict(

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dskit import yamlsafe
 from dskit.errors import SpecError
-from dskit.spec_targets import KubernetesSpec, SlurmSpec
+from dskit.spec import yamlsafe
+from dskit.spec.targets import KubernetesSpec, SlurmSpec
 
 PLAN_VERSION = 3  # 2: typed slurm, kubernetes and ray sections; 3: speed (predicted step time)
 READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load
@@ -40,7 +40,7 @@ class ModelPlan(_Frozen):
 
 class FinetunePlan(_Frozen):
     """A LoRA run (`finetune.method: lora`; a full fine-tune has no such section): what the trainer
-    injects and trains, decided by dskit/plan/lora.py."""
+    injects and trains, decided by dskit/plan/adapters.py."""
 
     method: Literal["lora"]
     base_precision: Literal["bf16", "fp8"]
@@ -52,7 +52,7 @@ class FinetunePlan(_Frozen):
     whole_params: str | None  # regex of base parameter names trained whole (the router), None: none
     adapter_params: int  # LoRA A + B parameters: peft's and the routed experts' (all experts)
     routed_adapter_params: int = (
-        0  # of which on the routed experts (dskit/train/routed_lora.py; 1/ep per rank)
+        0  # of which on the routed experts (dskit/train/lora/routed.py; 1/ep per rank)
     )
     trainable_params: int  # adapters + router
     frozen_params: int
@@ -116,7 +116,7 @@ class RunPlan(_Frozen):
     checkpoint_keep: int
     checkpoint_final: bool
     profile_steps: int  # 0: off (dskit/train/profile.py)
-    # dskit/plan/watchdog.py; the default is the collective timeout run.yaml files from before had
+    # dskit/plan/hang_timeout.py; the default is the collective timeout run.yaml files from before had
     # (DeepSpeed's default_pg_timeout, 10 minutes)
     watchdog_timeout_s: float = 600.0
 

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.catalog import GPU
-from dskit.plan.lora import Tuning
+from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 
 # ---- measured: the first four fitted to the worst relative error over 24 one-GPU runs on H200
@@ -120,7 +120,7 @@ GPU_LAYER_PASS_UNHOOKED_S = 0.0055
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
-#: trainable one: dskit/plan/lora.py) take this much longer than GEMM_EFFICIENCY says (each adapted
+#: trainable one: dskit/plan/adapters.py) take this much longer than GEMM_EFFICIENCY says (each adapted
 #: linear adds memory-bound passes over its input and output: A's input read again, B's output scaled
 #: and added, their gradients; the frozen GEMMs' input-gradient-only backward), and a layer pass this
 #: fraction of its stage's per-pass cost (no weight gradients to copy into ZeRO's buckets). Fitted to the worst
@@ -134,7 +134,7 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 #: 0.55 of 5.5 ms (bench/optimizer_refit.py), worst error 9.4%, the once-held-out pick 2.5%
 LORA_COMPUTE_FACTOR = 1.34
 LORA_LAYER_PASS_FACTOR = 0.55
-# An FP8 base (dskit/train/fp8.py `dequantize_blocks`, plain torch per 128 x 128 block) dequantises
+# An FP8 base (dskit/train/fp8/blocks.py `dequantize_blocks`, plain torch per 128 x 128 block) dequantises
 # every FP8 weight a rank holds in each forward and again in each backward: memory traffic, not FLOPs
 # (e4m3 read, float32 blocks written and scaled, bf16 written). Bytes of traffic per weight and pass at
 # the catalog's HBM bandwidth, fitted on one H200 (bench/results/h200-fp8-lora-fp8-2026-12-02.json:

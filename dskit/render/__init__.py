@@ -1,6 +1,6 @@
 """Render targets: the one registry of what a target is. Each target is one `Target` in `TARGETS`: how a
 plan becomes its run directory's files, how its job is submitted, and how `dskit status` asks about it.
-`dskit render TARGET` (dskit/render/run_dir.py), `dskit status RUN_DIR` (dskit/run_status.py) and the
+`dskit render TARGET` (dskit/render/run_dir.py), `dskit status RUN_DIR` (dskit/status/run_status.py) and the
 bench scripts only look targets up here, so adding a target is adding an entry here (and its module
 beside this one)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from dskit.contract import TARGET_FILE
 from dskit.plan.schema import Plan
 from dskit.render import helm, image, ray, slurm
-from dskit.run_status import HelmRelease, NoJob, RecordedJobs, Status, ask_ray, ask_slurm
+from dskit.status.run_status import HelmRelease, NoJob, RecordedJobs, Status, ask_ray, ask_slurm
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Target:
     executable: tuple[str, ...]  # relative paths written with mode 0755
     #: how its job is submitted: what to run next, given the plan, the run directory and its files
     next_step: Callable[[Plan, Path, dict[str, str]], str]
-    #: how `dskit status RUN_DIR` finds and describes its job (dskit/run_status.py)
+    #: how `dskit status RUN_DIR` finds and describes its job (dskit/status/run_status.py)
     status: Status
     #: directories the run writes besides the plan's checkpoint and output dirs (-o must not hold them)
     writes: Callable[[Plan], list[str]] = lambda plan: []

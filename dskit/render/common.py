@@ -10,12 +10,13 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from dskit import torchrun, yamlsafe
+from dskit import torchrun
 from dskit.atomic import atomic_dir
 from dskit.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.errors import SpecError
 from dskit.plan.schema import Plan, dump_plan
-from dskit.spec_values import ENV_NAME_RE
+from dskit.spec import yamlsafe
+from dskit.spec.values import ENV_NAME_RE
 from dskit.text import comment
 
 

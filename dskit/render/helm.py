@@ -36,7 +36,7 @@ from dskit.render.common import (
     torchrun_words,
 )
 from dskit.render.helm_values import ChartValues
-from dskit.spec_targets import KubernetesSpec, split_secret_ref
+from dskit.spec.targets import KubernetesSpec, split_secret_ref
 
 VALUES, CHART = "values.yaml", "chart"
 #: Pod annotation Multus reads to attach secondary (RDMA) networks.

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
-from dskit.spec_values import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
+from dskit.spec.values import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
 
 
 def portable(pattern: re.Pattern) -> str:

@@ -94,9 +94,9 @@ def read_contract(*, launcher_env: bool = True):
 
 
 def _check_fp8_base(plan) -> None:
-    """An fp8 base trains from model.path's FP8 checkpoint under ZeRO-1/2 (dskit/train/fp8_base.py);
+    """An fp8 base trains from model.path's FP8 checkpoint under ZeRO-1/2 (dskit/train/fp8/frozen_base.py);
     the plan checks both, and run.yaml or the checkpoint may have changed since."""
-    from dskit.train.fp8_base import checkpoint_format, zero3_refusal
+    from dskit.train.fp8.frozen_base import checkpoint_format, zero3_refusal
 
     checkpoint_format(plan.model.path)  # the FP8 weights themselves, not a config.json that plans them
     if plan.deepspeed["zero_optimization"]["stage"] == 3:
@@ -177,7 +177,7 @@ def start_distributed(plan):
     import torch
     import torch.distributed as dist
 
-    from dskit.plan.watchdog import collective_timeout_s
+    from dskit.plan.hang_timeout import collective_timeout_s
 
     on_gpu = plan.hardware.on_gpu
     if on_gpu:
@@ -229,7 +229,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     )
     params = model.parameters()
     if plan.finetune is not None:
-        from dskit.train.lora import attach
+        from dskit.train.lora.inject import attach
 
         attach(model, plan.finetune, seed=plan.run.seed, dtype=torch_dtype(plan.parallel.precision))
         # lazy: the engine reads it after AutoEP's replacements (and the routed experts' adapters,
@@ -244,12 +244,12 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     log.info("model built %s in %.1f s; starting the engine", how, built["build_s"])
     with contextlib.ExitStack() as stack:
         if fp8_base:  # AutoEP's replacement happens inside deepspeed.initialize, before the optimizer
-            from dskit.train.fp8_base import experts_stay_fp8
+            from dskit.train.fp8.frozen_base import experts_stay_fp8
 
             fp8_experts = stack.enter_context(experts_stay_fp8(plan.model.path, device))
         engine = _initialize(plan, model, params, ds_config, stage, fused=deepspeed_config is None)
     if fp8_base:
-        from dskit.train.fp8_base import check_filled
+        from dskit.train.fp8.frozen_base import check_filled
 
         check_filled(engine.module, fp8_experts)
         log.info(
@@ -269,17 +269,17 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
 def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool):
     """deepspeed.initialize, with the plan's optimizer step (torch's fused AdamW inside ZeRO-1/2:
     dskit/train/fused_step.py) and, for LoRA, the routed experts' adapters attached right after AutoEP's
-    replacement (dskit/train/routed_lora.py) and, under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
+    replacement (dskit/train/lora/routed.py) and, under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
     import deepspeed
 
     with contextlib.ExitStack() as stack:
         if plan.finetune is not None and stage != 3:
-            from dskit.train.lora import frozen_experts_allowed
+            from dskit.train.lora.inject import frozen_experts_allowed
 
             stack.enter_context(frozen_experts_allowed())
         if plan.finetune is not None and plan.finetune.routed_adapter_params:
+            from dskit.train.lora.routed import after_autoep
             from dskit.train.model import torch_dtype
-            from dskit.train.routed_lora import after_autoep
 
             dtype = torch_dtype(plan.parallel.precision)
             stack.enter_context(after_autoep(plan.finetune, seed=plan.run.seed, dtype=dtype))
@@ -305,15 +305,15 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
     """Measured, per rank: parameter elements held locally against the model's total, and memory at the
     end of construction. Tests compare the share with 1/world; the plan's construction estimate is
     checked against the peaks on GPUs (bench/)."""
-    from dskit.train.fp8 import Fp8Linear
-    from dskit.train.fp8_base import held_bytes
+    from dskit.train.fp8.blocks import Fp8Linear
+    from dskit.train.fp8.frozen_base import held_bytes
     from dskit.train.metrics import current_gib, memory_gib
 
     # Each element of the model is stored on exactly one rank of a full ZeRO-3 + AutoEP run, so the
     # ranks' local counts add up to the model's parameter count and each is about 1/world of it; under
     # ZeRO-1/2 a rank holds every non-expert weight and its 1/ep of the experts.
     local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in engine.parameters())
-    # an FP8 base's linears hold their weights as buffers (dskit/train/fp8.py): still the model's elements
+    # an FP8 base's linears hold their weights as buffers (dskit/train/fp8/blocks.py): still the model's elements
     local += sum(m.weight.numel() for m in engine.module.modules() if isinstance(m, Fp8Linear))
     total = params_total
     alloc, reserved = memory_gib(device)
@@ -414,8 +414,8 @@ def _main() -> int:
     except SpecError as e:
         _error_line(e)
         return EXIT_BAD_INPUT
-    from dskit.train.checkpoint import DiskFull
-    from dskit.train.reshard import ConversionFailed
+    from dskit.train.checkpoints.reshard import ConversionFailed
+    from dskit.train.checkpoints.store import DiskFull
 
     try:
         return run(plan, data, sampler, eval_sampler)

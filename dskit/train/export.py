@@ -1,7 +1,7 @@
 """`dskit export`: AutoEP + ZeRO (stage 1, 2 or 3) checkpoint -> Hugging Face model directory (config.json + safetensors).
 
 (A LoRA run's checkpoint holds no base: it is merged from model.path or the seeded init, or exported as a
-peft adapter, by dskit/train/export_adapter.py; steps 2-3's streaming and the check are shared.)
+peft adapter, by dskit/train/lora/export_adapter.py; steps 2-3's streaming and the check are shared.)
 
 DeepSpeed's `save_16bit_model` refuses this case (expert shards live in expert-replica groups), so:
 1. `deepspeed.checkpoint.ds_to_universal` consolidates the newest complete checkpoint into one fp32
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
 from dskit.hf_checkpoint import INDEX, SINGLE
-from dskit.train import universal
+from dskit.train.checkpoints import universal
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dskit export --help` stays light
     import torch
@@ -84,7 +84,7 @@ def export(
     """The run's newest verified checkpoint as a Hugging Face model directory at `output`; a LoRA run's
     merged into its base, or with `adapter_only` its adapter in peft's format (export_adapter.py)."""
     plan, src, out = _inputs(run, output, force=force, adapter_only=adapter_only)  # refusals need no torch
-    from dskit.train import export_adapter
+    from dskit.train.lora import export_adapter
     from dskit.train.model import torch_dtype
 
     dtype = torch_dtype(plan.parallel.precision)

@@ -19,10 +19,10 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.data import IGNORE_INDEX
 from dskit.data.sampler import DataPosition, Mixture, Sampler
 from dskit.plan.schema import Plan
-from dskit.train.adapter_state import AdapterStates
 from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap
-from dskit.train.checkpoint import Checkpointer
+from dskit.train.checkpoints.store import Checkpointer
+from dskit.train.lora.adapter_state import AdapterStates
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at

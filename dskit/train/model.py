@@ -84,7 +84,7 @@ def build_model(
     fp8_base: bool = False,
 ):
     """The model for the plan's ZeRO stage; random init or local weights, or (`fp8_base`, ZeRO-1/2)
-    model.path's FP8 checkpoint as a frozen FP8 base built from the meta device (dskit/train/fp8_build.py).
+    model.path's FP8 checkpoint as a frozen FP8 base built from the meta device (dskit/train/fp8/construct.py).
 
     ZeRO-3: under transformers' DeepSpeed integration (`HfDeepSpeedConfig` alive while the model is
     built), every parameter is created inside `deepspeed.zero.Init`: a rank keeps only its 1/world
@@ -117,15 +117,15 @@ def build_model(
     )
     with init_seeded_by_name(seed):
         if fp8_base:
-            from dskit.train.fp8_build import build_fp8_base
+            from dskit.train.fp8.construct import build_fp8_base
 
             if whole_on is None:
-                from dskit.train.fp8_base import zero3_refusal
+                from dskit.train.fp8.frozen_base import zero3_refusal
 
                 raise zero3_refusal()
             model = build_fp8_base(model_plan.path, config=config, dtype=dtype, device=whole_on)
         elif model_plan.path:
-            from dskit.train.weights import load_pretrained
+            from dskit.train.checkpoints.hf_weights import load_pretrained
 
             model = load_pretrained(model_plan.path, config=config, dtype=dtype, device=whole_on)
         elif whole_on is not None:

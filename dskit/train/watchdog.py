@@ -17,7 +17,7 @@ phase, host, pid, and an `alive` stamp the watchdog thread refreshes at every po
 process is frozen lets `alive` go stale, so the one-line reason names it and where it runs; a rank
 stuck inside a kernel or collective keeps its thread alive, and the line says every rank is waiting.
 
-The timeout is the plan's (dskit/plan/watchdog.py); collectives time out COLLECTIVE_GRACE_S later, so
+The timeout is the plan's (dskit/plan/hang_timeout.py); collectives time out COLLECTIVE_GRACE_S later, so
 the watchdog, which names the rank, fires first.
 """
 

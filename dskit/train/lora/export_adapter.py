@@ -1,6 +1,6 @@
 """`dskit export` of a LoRA run: the adapter in peft's format, or the base merged with it.
 
-The checkpoint's adapter.safetensors (dskit/train/adapter_state.py) holds every trained tensor by the
+The checkpoint's adapter.safetensors (dskit/train/lora/adapter_state.py) holds every trained tensor by the
 trained model's parameter name: `<module>.lora_A.default.weight` for the adapters, `mlp.gate.weight`
 for a router trained whole.
 
@@ -11,7 +11,7 @@ for a router trained whole.
   as `target_parameters` (their 2-D weights, the same update W + alpha/r B A under the same keys), which
   that rewrite leaves alone; the attention projections stay `target_modules`. peft refuses dropout on
   parameter targets: such a config says lora_dropout 0 (dropout only acts in training). The router
-  is a `modules_to_save` entry. Routed experts (dskit/train/routed_lora.py: A [E, r, in] and B [E, out, r]
+  is a `modules_to_save` entry. Routed experts (dskit/train/lora/routed.py: A [E, r, in] and B [E, out, r]
   per expert for AutoEP's w1 gate, w3 up, w2 down) become `target_parameters` on transformers' fused
   `mlp.experts.gate_up_proj` [E, 2I, h] and `mlp.experts.down_proj` [E, h, I], in peft's ParamWrapper
   layout (peft/tuners/lora/layer.py: lora_A [E r, in] expert-major, lora_B [out, r E] rank-major, delta
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dskit.errors import SpecError
-from dskit.train.routed_lora import CHECKPOINT_NAME, is_routed
+from dskit.train.lora.routed import CHECKPOINT_NAME, is_routed
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +55,7 @@ TensorOf = Callable[[str, tuple[int, ...], "torch.dtype"], "torch.Tensor"]
 def trained(src: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from dskit.train.adapter_state import ADAPTER_FILE
+    from dskit.train.lora.adapter_state import ADAPTER_FILE
 
     return load_file(str(src / ADAPTER_FILE))
 
@@ -219,7 +219,7 @@ def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
                 return raw(name)
             import torch
 
-            from dskit.train.fp8 import dequantize_blocks
+            from dskit.train.fp8.blocks import dequantize_blocks
 
             # DeepSeek's rule, in float32 and rounded to bf16: the weight the trainer computed with
             return dequantize_blocks(raw(name), raw(fmt.scale_of(name)), fmt.block, torch.bfloat16)

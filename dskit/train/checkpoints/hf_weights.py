@@ -10,7 +10,7 @@ model onto its GPU (memory-mapped shards), as the plan's construction estimate c
 on one rank fails on all.
 
 A checkpoint in DeepSeek-V3's FP8 format (dskit/hf_checkpoint.py `fp8_format`) loads the same way,
-each weight dequantised to the training dtype as it is read (dskit/train/fp8_weights.py): no bf16
+each weight dequantised to the training dtype as it is read (dskit/train/fp8/loading.py): no bf16
 copy on disk, and in host memory at most one decoder layer's dequantised weights at a time.
 """
 
@@ -69,10 +69,10 @@ def load_pretrained(path: str, *, config, dtype, device=None):
 
 def _fp8_source(stack: ExitStack, path: str, fmt: Fp8Format, dtype, device) -> dict:
     """The FP8 checkpoint as a state dict that dequantises each weight as the loader reads it
-    (dskit/train/fp8_weights.py); under ZeRO-3 (no `device`) transformers is fed one layer at a time."""
+    (dskit/train/fp8/loading.py); under ZeRO-3 (no `device`) transformers is fed one layer at a time."""
     import torch.distributed as dist
 
-    from dskit.train.fp8_weights import fp8_state_dict, zero3_loads_layer_by_layer
+    from dskit.train.fp8.loading import fp8_state_dict, zero3_loads_layer_by_layer
 
     if device is not None:
         return stack.enter_context(fp8_state_dict(path, fmt, dtype=dtype, device=device, values="slice"))

@@ -7,7 +7,7 @@ parameter (fp32 master, Adam moments) that any world and EP size slice on load
 (`checkpoint.load_universal`). A preempted job that comes back on fewer or more nodes therefore keeps
 its optimizer state instead of starting over.
 
-The conversion runs once per tag, on rank 0, in a child process (dskit/train/universal.py), into
+The conversion runs once per tag, on rank 0, in a child process (dskit/train/checkpoints/universal.py), into
 `<checkpoint_dir>/universal/<tag>`: written under `universal/tmp-<pid>/` and renamed, so a half-made
 copy is never loaded. The child ignores the job's stop signals (the trainer turns them into a checkpoint
 and exit 75 at its first step, as for any stop during start-up) and dies with its parent (no orphan
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from dskit.errors import SpecError
 from dskit.text import escape
-from dskit.train import universal
+from dskit.train.checkpoints import universal
 
 log = logging.getLogger("dskit.train")
 

@@ -6,7 +6,7 @@ starts). That target's entry in dskit.render.TARGETS names how its jobs are aske
 (`Target.status`: one of the strategies at the end of this module). The schedulers answer: Slurm
 through `scontrol show job` (the job's state, `Restarts=` = requeues; after slurmctld forgets a
 finished job, MinJobAge, through `sacct` where accounting is configured, else the state is reported
-as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.k8s_status, the
+as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.status.k8s, the
 release named like the run). Step, loss, throughput, ETA and the last checkpoint come from the run's
 own files: OUTPUT_DIR/metrics.jsonl, read with `dskit report`'s reader, and the checkpoint dir's
 complete tags.
@@ -285,7 +285,7 @@ def progress_rows(
 ) -> list[tuple[str, str]]:
     """Step/total, loss, tokens/s, ETA and the last checkpoint from the run's files. `running`: what
     the scheduler says (None: not asked; the ETA then assumes the run goes on)."""
-    from dskit.report import METRICS_FILE, locate, read_metrics
+    from dskit.status.report import METRICS_FILE, locate, read_metrics
     from dskit.train.progress import format_eta, throughput_text
 
     now = time.time() if now is None else now
@@ -419,20 +419,18 @@ class RecordedJobs:
 @dataclass(frozen=True)
 class HelmRelease:
     """The release `dskit render helm` proposed (`helm install NAME ...`, NAME the run's name): its
-    pods through the Kubernetes API (dskit.k8s_status), then the run's files."""
+    pods through the Kubernetes API (dskit.status.k8s), then the run's files."""
 
     takes_address: bool = False
 
     def text(self, run_dir: Path, target: str, query: Query) -> str:
-        from dskit import k8s_status
         from dskit.plan.schema import load_plan
+        from dskit.status import k8s
 
         plan = load_plan(run_dir / RUN_YAML)
         rows = [("run", f"{plan.name} (helm release {plan.name}, namespace {query.namespace}) {run_dir}")]
         rows += progress_rows(plan, run_dir, running=None)
-        pods = k8s_status.status_text(
-            plan.name, query.namespace, kubeconfig=query.kubeconfig, context=query.context
-        )
+        pods = k8s.status_text(plan.name, query.namespace, kubeconfig=query.kubeconfig, context=query.context)
         return f"{pods}\n{format_table(rows)}"
 
 

@@ -10,7 +10,7 @@ transformers' FP8 quantizer is not used for this: a quantized model skips `deeps
 grid, wrong wherever an edge block is partial (V3's kv_a_proj_with_mqa has 576 rows, 4.5 blocks).
 
 Frozen FP8 base (LoRA): `swap_in_fp8_linears` replaces each nn.Linear the checkpoint holds in FP8 by
-an `Fp8Linear` (dskit/train/fp8.py) filled straight from the checkpoint, 1 byte per weight.
+an `Fp8Linear` (dskit/train/fp8/blocks.py) filled straight from the checkpoint, 1 byte per weight.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import nn
 
 from dskit.errors import SpecError
 from dskit.hf_checkpoint import INDEX, SINGLE, Fp8Format, fp8_format, read_index
-from dskit.train.fp8 import Fp8Linear, dequantize_blocks
+from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks
 
 Device = torch.device | str | None
 

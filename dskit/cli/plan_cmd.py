@@ -32,7 +32,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             raise needs_extra("plan --plot", "report", e) from None
     plan, found = build_plan_searched(spec_from_args(a))
     if a.plot:  # first: a plot that cannot be written fails before anything is printed
-        from dskit.explain import plot
+        from dskit.status.explain import plot
 
         try:
             written = plot(plan, found, Path(a.plot))
@@ -40,7 +40,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             raise SpecError("--plot", f"cannot write {a.plot}: {e.strerror or e}") from None
         print(f"wrote {written}", file=sys.stderr)
     if a.explain:
-        from dskit.explain import row_dict, table
+        from dskit.status.explain import row_dict, table
 
         if a.json:
             print(

@@ -3,7 +3,7 @@
 The model is created on the meta device (shapes only), then filled from model.path tensor by tensor
 onto this rank's GPU:
 - every nn.Linear the checkpoint holds in FP8 becomes an `Fp8Linear` of the checkpoint's own e4m3
-  bytes and scales (dskit/train/fp8_weights.py `swap_in_fp8_linears`);
+  bytes and scales (dskit/train/fp8/loading.py `swap_in_fp8_linears`);
 - every other tensor (embeddings, norms, the router, lm_head) is read in the dtype the model declares
   (what transformers' loader gives: the router's gate and score bias stay float32), an FP8 one
   dequantised as it is read;
@@ -43,8 +43,8 @@ def build_fp8_base(path: str, *, config: Any, dtype: torch.dtype, device: torch.
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from dskit.hf_checkpoint import check_checkpoint
-    from dskit.train.fp8_base import checkpoint_format
-    from dskit.train.fp8_weights import swap_in_fp8_linears
+    from dskit.train.fp8.frozen_base import checkpoint_format
+    from dskit.train.fp8.loading import swap_in_fp8_linears
 
     check_checkpoint(path)
     fmt = checkpoint_format(path)
@@ -71,8 +71,8 @@ def build_fp8_base(path: str, *, config: Any, dtype: torch.dtype, device: torch.
 def _load_the_rest(model: nn.Module, path: str, fmt: Any, device: torch.device) -> int:
     """Fill every meta parameter and persistent buffer but the fused routed experts from the checkpoint,
     in the dtype the model declares for it. Returns how many were read."""
-    from dskit.train.fp8 import dequantize_blocks
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.blocks import dequantize_blocks
+    from dskit.train.fp8.loading import open_shards
 
     # tied tensors (an lm_head sharing the embedding) appear under every name: read one, tie the rest
     aliases: dict[int, list[str]] = {}

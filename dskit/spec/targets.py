@@ -1,5 +1,5 @@
 """The run spec's sections for one target each: slurm, ray and kubernetes (the Helm chart, and the
-Ray target's rayjob.yaml). dskit/spec.py's Spec holds them; the plan copies them (dskit/plan/schema.py).
+Ray target's rayjob.yaml). dskit/spec/__init__.py's Spec holds them; the plan copies them (dskit/plan/schema.py).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from dskit.spec_values import (
+from dskit.spec.values import (
     ENV_NAME_RE,
     K8S_LABEL_KEY_RE,
     K8S_LABEL_VALUE_RE,

@@ -3,7 +3,7 @@
 The pydantic models are the single source of truth for the spec: validation, the JSON Schema
 (`dskit schema`), and the commented starter file (`dskit init`) are all generated from them. This
 module holds the Spec, its general sections and the loading; the target sections (slurm, ray,
-kubernetes) are in dskit/spec_targets.py, the rules every value obeys in dskit/spec_values.py.
+kubernetes) are in dskit/spec/targets.py, the rules every value obeys in dskit/spec/values.py.
 Catalog names (GPU, model, fabric) are checked against the catalogs in `dskit.catalog`, not here,
 so the allowed values in errors always match the data files.
 """
@@ -17,12 +17,12 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from dskit import yamlsafe
 from dskit.data import MIXTURE_BLOCK
 from dskit.errors import SpecError
-from dskit.spec_finetune import FinetuneSpec
-from dskit.spec_targets import KubernetesSpec, RaySpec, SlurmSpec
-from dskit.spec_values import NAME_RE, _Section
+from dskit.spec import yamlsafe
+from dskit.spec.finetune import FinetuneSpec
+from dskit.spec.targets import KubernetesSpec, RaySpec, SlurmSpec
+from dskit.spec.values import NAME_RE, _Section
 
 
 class ModelSpec(_Section):
@@ -217,7 +217,7 @@ class WatchdogSpec(_Section):
         "as hung: the job writes the reason and the stuck ranks' stacks to its log and exits 75 to be "
         "restarted from the last checkpoint (or 1, a failure, if it hangs before its first step); collectives "
         "time out 60 s later. Default: the larger of "
-        "600 s, 20 predicted steps and 3 predicted checkpoint saves (dskit/plan/watchdog.py).",
+        "600 s, 20 predicted steps and 3 predicted checkpoint saves (dskit/plan/hang_timeout.py).",
     )
 
 

@@ -15,7 +15,7 @@ Design: a weight delta on the fly, W_eff = W + (alpha / r) B @ A per expert, reg
   projection inside each of them, i.e. a fork of AutoEP's expert forward;
 - it composes: a parametrization registered first (the FP8 base's dequantisation on the same
   w1/w2/w3) hands this one the dequantised weight, and `register_parametrization` appends.
-Its price, counted by the plan (dskit/plan/lora.py): (1) FLOPs: autograd needs dL/dW_eff to reach A and B,
+Its price, counted by the plan (dskit/plan/adapters.py): (1) FLOPs: autograd needs dL/dW_eff to reach A and B,
 so the routed experts' weight-gradient GEMM, which a frozen expert skips, runs again: 2 FLOPs per
 active routed weight per token (6 instead of 4, +50 % on the routed experts), plus 6 r in out per
 local expert and projection per micro-step to form B A and take its gradients, against 6 r (in + out)
@@ -159,7 +159,7 @@ def attach_routed(model: nn.Module, f: FinetunePlan, *, seed: int, dtype: torch.
     if local * ep_size != f.routed_adapter_params:
         raise RuntimeError(
             f"attached {local} routed adapter parameters on this rank (x ep {ep_size}), the plan counted "
-            f"{f.routed_adapter_params}: dskit/plan/lora.py and AutoEP's layers disagree"
+            f"{f.routed_adapter_params}: dskit/plan/adapters.py and AutoEP's layers disagree"
         )
     log.info(
         "LoRA r %d on the routed experts: %d adapter parameters on this rank (EP %d)", f.r, local, ep_size

@@ -7,7 +7,7 @@ whole frozen base at every save. So each tag holds, beside dskit's own files (ch
 
     adapter.safetensors   rank 0: every trainable parameter, gathered whole, by transformers name; the
                           routed experts' adapters stacked by global expert index over the EP group
-                          (`model.layers.N.mlp.experts.w1.lora_A` [E, r, h]: dskit/train/routed_lora.py)
+                          (`model.layers.N.mlp.experts.w1.lora_A` [E, r, h]: dskit/train/lora/routed.py)
                           (`dskit export --adapter-only` and the merged export read it)
     zero-rank{R}.pt       each rank: its ZeRO optimizer partition (fp32 master weights, Adam moments),
                           as DeepSpeed's own files hold it (`engine.optimizer.state_dict()`)
@@ -37,8 +37,8 @@ def gathered(engine) -> dict[str, torch.Tensor]:
     which are stacked by global expert index, so the file does not depend on the EP size)."""
     import deepspeed
 
-    from dskit.train.lora import trainable
-    from dskit.train.routed_lora import gather_experts, is_routed
+    from dskit.train.lora.inject import trainable
+    from dskit.train.lora.routed import gather_experts, is_routed
 
     params = trainable(engine.module)
 
@@ -77,8 +77,8 @@ class AdapterStates:
     def load(self, engine, root: Path, tag: str) -> None:
         from safetensors.torch import load_file
 
-        from dskit.train.lora import trainable
-        from dskit.train.routed_lora import is_routed, local_part
+        from dskit.train.lora.inject import trainable
+        from dskit.train.lora.routed import is_routed, local_part
 
         d = root / tag
         state = torch.load(d / OPTIMIZER_FILE.format(rank=self.rank), weights_only=False, map_location="cpu")

@@ -87,7 +87,7 @@ def add_export(sub: Subparsers) -> None:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    from dskit import run_status
+    from dskit.status import run_status
 
     if run_status.is_run_dir(a.what):
         return run_status.status(
@@ -101,7 +101,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         )
     if a.address:
         raise SpecError("--address", "is for a Ray run directory, not a Helm release")
-    from dskit.k8s_status import status
+    from dskit.status.k8s import status
 
     return status(a.what, a.namespace, kubeconfig=a.kubeconfig, context=a.context)
 
@@ -131,7 +131,7 @@ def cmd_report(a: argparse.Namespace) -> int:
         import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
     except ModuleNotFoundError as e:
         raise needs_extra("report", "report", e) from None
-    from dskit.report import report
+    from dskit.status.report import report
 
     files = report(a.run, a.output)
     print(f"wrote {len(files)} files to {files[-1].parent}: open {files[-1]}")

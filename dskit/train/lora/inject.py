@@ -5,8 +5,8 @@ transformers' (`model.layers.N.self_attn.q_proj.lora_A.default.weight`): AutoEP'
 (`model\\.layers\\.\\d+\\.mlp`) still finds the MoE blocks it replaces, and AutoEP keeps the shared
 experts' module object, adapters included. The PeftModel wrapper would prefix every name with
 `base_model.model.`. The routed experts are adapted after AutoEP's replacement instead
-(dskit/train/routed_lora.py). Which modules are adapted is the plan's decision (`FinetunePlan.target_modules`,
-dskit/plan/lora.py); the trainer checks that peft injected exactly the parameters the plan counted.
+(dskit/train/lora/routed.py). Which modules are adapted is the plan's decision (`FinetunePlan.target_modules`,
+dskit/plan/adapters.py); the trainer checks that peft injected exactly the parameters the plan counted.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ def attach(model: torch.nn.Module, f: FinetunePlan, *, seed: int, dtype: torch.d
             target_modules=f.target_modules,
             bias="none",
         )
-        from dskit.train.fp8 import Fp8Linear
+        from dskit.train.fp8.blocks import Fp8Linear
 
-        if any(isinstance(m, Fp8Linear) for m in model.modules()):  # an fp8 base (dskit/train/fp8_base.py)
-            from dskit.train.fp8_base import register_fp8_lora
+        if any(
+            isinstance(m, Fp8Linear) for m in model.modules()
+        ):  # an fp8 base (dskit/train/fp8/frozen_base.py)
+            from dskit.train.fp8.frozen_base import register_fp8_lora
 
             register_fp8_lora(config)
         with _no_v4_rename():
@@ -70,12 +72,12 @@ def attach(model: torch.nn.Module, f: FinetunePlan, *, seed: int, dtype: torch.d
         elif f.whole_params and re.fullmatch(f.whole_params, name):
             p.requires_grad_(True)
     # the routed experts' adapters are attached later, once AutoEP has replaced the MoE blocks
-    # (dskit/train/routed_lora.py, which checks its own count)
+    # (dskit/train/lora/routed.py, which checks its own count)
     peft_params = f.adapter_params - f.routed_adapter_params
     if adapters != peft_params:
         raise RuntimeError(
             f"peft injected {adapters} adapter parameters, the plan counted {peft_params} "
-            f"(finetune.lora.targets {f.targets}): dskit/plan/lora.py and the model disagree"
+            f"(finetune.lora.targets {f.targets}): dskit/plan/adapters.py and the model disagree"
         )
     log.info(
         "LoRA r %d on %s: %d adapter parameters from peft%s%s; the rest frozen",
@@ -97,7 +99,7 @@ def _no_v4_rename() -> Iterator[None]:
     the shared experts and dense MLPs would lose their adapters and the routed experts gain some. The
     plan's regex names v5 modules already: the rewrite is skipped while dskit injects. (The exported
     adapter_config.json spells those targets as target_parameters, which the rewrite leaves alone:
-    dskit/train/export_adapter.py.)"""
+    dskit/train/lora/export_adapter.py.)"""
     from peft.utils import transformers_weight_conversion as conversion
 
     original = conversion.convert_peft_config_for_transformers
@@ -134,8 +136,8 @@ def frozen_experts_allowed() -> Iterator[None]:
 
 def hf_name(name: str) -> str:
     """A trainable parameter's checkpoint name: transformers' (AutoEP renames the router), or for a
-    routed expert adapter `model.layers.N.mlp.experts.w1.lora_A` (dskit/train/routed_lora.py)."""
-    from dskit.train.routed_lora import checkpoint_name
+    routed expert adapter `model.layers.N.mlp.experts.w1.lora_A` (dskit/train/lora/routed.py)."""
+    from dskit.train.lora.routed import checkpoint_name
 
     return checkpoint_name(_AUTOEP_ROUTER.sub(".mlp.gate.", name))
 

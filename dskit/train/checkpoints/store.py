@@ -43,8 +43,8 @@ from dskit.checkpoint_layout import DONE, complete_tags, crc, intact, read_done,
 from dskit.contract import EXIT_DISK_FULL
 from dskit.errors import SpecError
 from dskit.text import escape
-from dskit.train import reshard
-from dskit.train.reshard import moved
+from dskit.train.checkpoints import reshard
+from dskit.train.checkpoints.reshard import moved
 
 log = logging.getLogger("dskit.train")
 
@@ -125,7 +125,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 class DeepSpeedStates:
     """Model and optimizer files written and read by DeepSpeed itself (full fine-tuning). They reshard:
-    a universal copy loads under another world or EP size (dskit/train/reshard.py)."""
+    a universal copy loads under another world or EP size (dskit/train/checkpoints/reshard.py)."""
 
     reshards = True
 
@@ -180,9 +180,9 @@ class Checkpointer:
     ):
         """`layout`: what a checkpoint's files depend on besides the world size (the ZeRO stage, the EP
         size, the finetune method); recorded in dskit.json. A resume at another world or EP size is
-        resharded where the files allow it (dskit/train/reshard.py); other differences are refused.
+        resharded where the files allow it (dskit/train/checkpoints/reshard.py); other differences are refused.
         `states`: who writes and reads the model and optimizer files: DeepSpeed (the default), or
-        AdapterStates for a LoRA run (dskit/train/adapter_state.py)."""
+        AdapterStates for a LoRA run (dskit/train/lora/adapter_state.py)."""
         self.root = Path(root)
         self.keep, self.rank, self.world, self.device = keep, rank, world, device
         self.layout = layout or {}

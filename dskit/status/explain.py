@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dskit.plan.lora import Tuning
+from dskit.plan.adapters import Tuning
 from dskit.plan.schema import Plan
 from dskit.plan.search import Row, Search
 
@@ -111,7 +111,7 @@ def table(plan: Plan, found: Search) -> str:
 def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
     """Memory breakdown (stacked bars, the limit as a line) and predicted tokens/s of the candidates:
     the fits by speed, then the nearest misses, at most `top` bars."""
-    from dskit.report import pyplot
+    from dskit.status.report import pyplot
 
     plt = pyplot()
 
@@ -185,7 +185,7 @@ def step_breakdown(s) -> str:
 
 
 def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:
-    """What a LoRA plan counts (dskit/plan/lora.py, docs/planner.md "LoRA"); nothing for full training."""
+    """What a LoRA plan counts (dskit/plan/adapters.py, docs/planner.md "LoRA"); nothing for full training."""
     f = plan.finetune
     if f is None or t is None:
         return []
@@ -211,7 +211,7 @@ def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:
 
 
 def _routed_terms(plan: Plan, t: Tuning) -> list[str]:
-    """The routed experts' adapters (dskit/train/routed_lora.py): their count, and what their weight delta costs."""
+    """The routed experts' adapters (dskit/train/lora/routed.py): their count, and what their weight delta costs."""
     if not t.routed_adapters:
         return []
     ep = plan.parallel.ep_size

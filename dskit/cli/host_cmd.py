@@ -25,7 +25,7 @@ def add_doctor(sub: Subparsers) -> None:
 
 
 def cmd_build(a: argparse.Namespace) -> int:
-    from dskit.build import build_image
+    from dskit.image_builder import build_image
 
     return build_image(
         a.gpu,

@@ -41,7 +41,7 @@ from torch import nn
 
 from dskit.errors import SpecError
 from dskit.hf_checkpoint import Fp8Format, fp8_format
-from dskit.train.fp8 import Fp8Linear, dequantize_blocks
+from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks
 
 log = logging.getLogger("dskit.train")
 
@@ -60,7 +60,7 @@ def zero3_refusal() -> SpecError:
 
 def checkpoint_format(path: str | None) -> Fp8Format:
     """model.path's FP8 format, or SpecError: an fp8 base is read from DeepSeek-V3's FP8 checkpoint."""
-    from dskit.plan.lora import no_fp8_checkpoint
+    from dskit.plan.adapters import no_fp8_checkpoint
 
     fmt = fp8_format(path) if path else None
     if fmt is None or not fmt.weights:
@@ -98,7 +98,7 @@ def register_fp8_lora(config: Any) -> None:
 
 class DequantizedBlocks(nn.Module):
     """A parametrization whose original is an e4m3 tensor [..., N, K] and which returns it dequantised
-    per 128 x 128 block (DeepSeek's rule, dskit/train/fp8.py) in `dtype`. The scales are a buffer here
+    per 128 x 128 block (DeepSeek's rule, dskit/train/fp8/blocks.py) in `dtype`. The scales are a buffer here
     (float32: DeepSpeed casts float32 parameters, not buffers). It has no right_inverse: the base is
     frozen, nothing assigns to it. A second parametrization (e.g. LoRA, W + s B A) may follow it."""
 
@@ -213,7 +213,7 @@ def requantize_experts(
 ) -> int:
     """Step 3 for one AutoEP layer: its GroupedExperts' w1/w2/w3 become parametrized, originals the
     checkpoint's FP8 bytes for this rank's experts, on the device of AutoEP's copy (or `device` where
-    that is the meta device: the base built by dskit/train/fp8_build.py, nothing to compare with). A
+    that is the meta device: the base built by dskit/train/fp8/construct.py, nothing to compare with). A
     real copy (dequantised from the same bytes) is checked: equal, or the expert slicing is not
     AutoEP's. Returns the FP8 bytes now held."""
     from torch.nn.utils import parametrize
@@ -280,7 +280,7 @@ def experts_stay_fp8(path: str, device: Any = None) -> Iterator[dict[str, int]]:
     `_replace_moe_layer_without_retarget`): the engine builds the ZeRO optimizer only after it."""
     from deepspeed.module_inject.auto_ep import AutoEP
 
-    from dskit.train.fp8_weights import open_shards
+    from dskit.train.fp8.loading import open_shards
 
     fmt = checkpoint_format(path)
     original = AutoEP._replace_moe_layer_without_retarget

@@ -9,7 +9,7 @@ Counts (per decoder layer; h hidden, r rank): every adapted nn.Linear(in, out) a
 B [out, r], r * (in + out) parameters (Hu et al. 2021, LoRA). The router (`targets: router`) is trained
 whole, E x h per MoE layer: it is not an nn.Linear in transformers and it is tiny.
 
-Routed experts (`targets: routed_experts`, dskit/train/routed_lora.py): an adapter per expert and
+Routed experts (`targets: routed_experts`, dskit/train/lora/routed.py): an adapter per expert and
 projection (gate, up, down), r * (in + out) each: 3 r (h + I) per expert, all E experts of every MoE layer counted (each rank holds 1/ep of them, as of the experts). They are applied
 as a weight delta W + (alpha / r) B A, which costs what a frozen expert saves: the weight-gradient
 GEMM (2 FLOPs per active routed weight per token) and, per micro-step, 6 r in out per local expert
@@ -29,13 +29,13 @@ from typing import Any
 from dskit.errors import SpecError
 from dskit.plan.model_math import ModelCounts, head_dims
 from dskit.plan.schema import FinetunePlan
-from dskit.spec_finetune import FinetuneSpec
+from dskit.spec.finetune import FinetuneSpec
 
 #: DeepSeek-V3's FP8 block (config.json quantization_config weight_block_size [128, 128])
 FP8_BLOCK = 128
 FP8_BYTES = 1 + 4 / FP8_BLOCK**2  # e4m3 weight + its share of the block's fp32 scale_inv
 BF16_BYTES = 2
-#: dequantising one FP8 weight (dskit/train/fp8.py `dequantize_blocks`): two float32 copies (the padded
+#: dequantising one FP8 weight (dskit/train/fp8/blocks.py `dequantize_blocks`): two float32 copies (the padded
 #: blocks, the product) and the bf16 result, per weight element
 DEQUANT_PEAK_BYTES = 2 * 4 + BF16_BYTES
 
@@ -116,7 +116,7 @@ class Tuning:
 
     @property
     def fp8(self) -> bool:
-        """The frozen base is held in FP8 (the trainer's ZeRO-1/2 path only: dskit/train/fp8_base.py)."""
+        """The frozen base is held in FP8 (the trainer's ZeRO-1/2 path only: dskit/train/fp8/frozen_base.py)."""
         return self.dequant_bytes > 0
 
     @property

@@ -1,7 +1,7 @@
 """The spec's `finetune` section: full fine-tuning (today's default) or LoRA adapters on a frozen base.
 
 Names follow peft's `LoraConfig` (r, lora_alpha as `alpha`, lora_dropout as `dropout`), so a user who
-knows peft knows these. Which modules each `targets` name covers is decided in dskit/plan/lora.py
+knows peft knows these. Which modules each `targets` name covers is decided in dskit/plan/adapters.py
 (the regexes the trainer hands to peft); here only the names are checked.
 """
 
@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dskit.errors import one_of
-from dskit.spec_values import _Section
+from dskit.spec.values import _Section
 
 #: what `finetune.lora.targets` may name, in the order the docs list them
 LORA_TARGETS = ("attention", "shared_experts", "dense_mlp", "router", "routed_experts")
@@ -57,7 +57,7 @@ class LoraSpec(_Section):
     @model_validator(mode="after")
     def _no_dropout_on_routed(self) -> LoraSpec:
         # peft's dropout acts on an adapter's input; routed experts are adapted through their weight
-        # (dskit/train/routed_lora.py), which sees no input (peft's ParamWrapper refuses it too)
+        # (dskit/train/lora/routed.py), which sees no input (peft's ParamWrapper refuses it too)
         if self.dropout and "routed_experts" in self.targets:
             raise ValueError(
                 f"dropout {self.dropout:g} cannot apply to routed_experts (adapted as a weight delta, which "

@@ -1,0 +1,2 @@
+"""Reading a run back for a person: `dskit status` (any target, Kubernetes pods), `dskit report`, and
+`dskit plan --explain`."""
