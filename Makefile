@@ -40,7 +40,7 @@ test-fast: setup
 
 # Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests).
 examples: setup
-	$(BIN)/python -m tests.regen_examples
+	$(BIN)/python -m tests.support.regen_examples
 
 # Build a GPU profile's image with the container engine here (podman, buildah or docker): make image GPU=h100-80gb
 GPU ?= cpu

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CI's container engine and local base image, for tests/test_image_build.py (marker `image`).
+# CI's container engine and local base image, for tests/e2e/test_image_build.py (marker `image`).
 #
 # No registry can be reached here, so nothing is pulled: the engine comes from Debian (daemonless
 # podman/buildah; docker.io's daemon would set the iptables FORWARD policy to DROP and cut the Slurm

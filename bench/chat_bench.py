@@ -55,7 +55,7 @@ def chat_records(n: int = RECORDS, seed: int = SEED) -> list[dict]:
 
 def prepare(work: Path) -> Path:
     """The chat set as a shard directory (and its tokenizer beside it)."""
-    from chat_data import make_tokenizer_from  # tests/chat_data.py
+    from chat_data import make_tokenizer_from  # tests/support/chat_data.py
 
     records = chat_records()
     src = work / "chat.jsonl"

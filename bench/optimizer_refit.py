@@ -46,7 +46,7 @@ GRIDS: dict[str, tuple[float, ...]] = {
 }
 #: how much slower than measured a host bound may make a run's prediction
 HOST_SLACK = 0.02
-#: FP8-bench runs measured before the trainer set train mode (tests/test_plan_calibration.py)
+#: FP8-bench runs measured before the trainer set train mode (tests/plan/test_plan_calibration.py)
 EVAL_MODE_RUNS = {
     ("h200-fp8-lora-routed-2026-12-02.json", "bf16"),
     ("h200-fp8-lora-routed-ckpt-2026-12-02.json", "bf16-ckpt1"),

@@ -1,13 +1,13 @@
 """A resharded resume on the GPU's optimizer path: does the universal copy carry Adam's state?
 
-The CPU tests (tests/test_reshard.py) resume across world and EP sizes, but on the CPU the optimizer is
+The CPU tests (tests/train/test_reshard.py) resume across world and EP sizes, but on the CPU the optimizer is
 torch's AdamW; on a GPU ZeRO-3 runs DeepSpeed's FusedAdam and ZeRO-1/2 torch's fused AdamW, each with
 its own step counter. One GPU cannot change the world size, so this script forces the universal path at
 the same layout: the copy of a checkpoint records another EP size in its dskit.json (the files are the
 run's own; only dskit's trigger changes), and the resumed run must continue the uninterrupted one.
 For scale, the same checkpoint is also resumed as it is (the plain path). On the CPU a resume without
 the Adam moments missed the curve by 7e-3 one step later, and DeepSpeed's shared step counter by 2e-3
-two steps later (tests/test_reshard.py).
+two steps later (tests/train/test_reshard.py).
 
     python bench/reshard_check.py --gpu h200-141gb --out results/h200-reshard-DATE.json --work /tmp/rs
     python bench/reshard_check.py --gpu cpu --out /tmp/rs.json --work /tmp/rs       # a CPU dry run

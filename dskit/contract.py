@@ -2,7 +2,7 @@
 
 Every target (Slurm, Helm, Ray) exports the same `Env` names with the same values for the same plan;
 only RUN_FILE's path differs, because each target mounts run.yaml its own way (the file's content is
-identical). tests/test_helm.py (test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders)
+identical). tests/render/test_helm.py (test_pod_env_command_and_rendezvous_equal_the_slurm_and_ray_renders)
 renders every target and diffs them.
 
 Process identity (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) comes from

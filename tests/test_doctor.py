@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 from tests.conftest import dskit
 
@@ -40,7 +41,7 @@ def test_doctor_build_mode_needs_no_gpu_or_launcher():
     assert status["gpu"] == "PASS" and "launch contract" not in status
 
 
-def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monkeypatch):
+def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monkeypatch, request):
     """Triton compiles its CUDA launcher at the first compiled kernel (the fused loss, the regional
     compile): a GPU image without a C compiler or Python's headers would die at step 1. A stand-in
     `triton` package makes the check reachable on this CPU machine; the compiler lookup is real."""
@@ -49,6 +50,9 @@ def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monke
     (tmp_path / "site" / "triton").mkdir(parents=True)
     (tmp_path / "site" / "triton" / "__init__.py").write_text('__version__ = "0.0-standin"\n')
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    # the stand-in must not outlive the test: torch.compile in a later test of this process would take it
+    # for a real triton and fail importing triton.language
+    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "triton"])
     real_cc = shutil.which("cc") or shutil.which("gcc")  # CI has one: inductor's CPU tests need it too
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang

@@ -44,7 +44,7 @@ def deepspeed_config(
             "stage3_gather_16bit_weights_on_model_save": False,
             # No ZeRO++ or MiCS keys: DeepSpeed 0.19.8 refuses hpZ and qgZ with AutoEP under ZeRO-3, has
             # removed MiCS, and qwZ's quantiser is CUDA-only and unrun here (docs/planner.md "ZeRO
-            # stages"; tests/test_zeropp.py)
+            # stages"; tests/train/test_zeropp.py)
         }
     else:
         # ZeRO-1/2: the updated weights are all-gathered after each step in buckets of this size, and

@@ -25,7 +25,7 @@ from dskit.plan.model_math import ModelCounts
 
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
 # communicators, the caching allocator's rounding. The steady-state model lands from 3% below to 10%
-# above the peak reserved on the H200 runs (tests/test_plan_calibration.py), on the safe side mostly.
+# above the peak reserved on the H200 runs (tests/plan/test_plan_calibration.py), on the safe side mostly.
 GPU_MEMORY_MARGIN = 0.10
 # What the node needs besides the ranks: the OS, the filesystem client's cache, the container runtime,
 # slurmd or the kubelet (Kubernetes reserves system memory the same way).

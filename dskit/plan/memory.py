@@ -1,6 +1,6 @@
 """Per-GPU memory estimate for ZeRO (stage 1, 2 or 3) + AutoEP training of a DeepSeek MoE.
 
-An estimate, not a promise: tests/test_plan_calibration.py keeps it within 10% of the peak the
+An estimate, not a promise: tests/plan/test_plan_calibration.py keeps it within 10% of the peak the
 allocator reserved on every H200 run of bench/results/h200*-planner-*.json. What it counts:
 
 - model states: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight + bf16 grad + fp32
@@ -47,14 +47,14 @@ GIB = 2**30
 OVERHEAD_GIB = 2.5
 # Measured peak / counted activation bytes on the H200 baseline (allocator slack, temporaries such
 # as the all-to-all dispatch buffers and attention workspaces), fitted on the eager ZeRO-3 runs that
-# tests/test_plan_calibration.py re-checks.
+# tests/plan/test_plan_calibration.py re-checks.
 ACTIVATION_SLACK = 1.5
 
 
 # Construction (partitioned from birth under deepspeed.zero.Init; AutoEP then re-partitions the routed
 # experts one MoE layer at a time, DeepSpeed PR #8424). First-principles numbers, checked against the
 # peaks the trainer measured on 2 x H200 with the full V2-Lite (bench/results/h200x2-construction-*.json:
-# 16.5 GiB measured, 18.7 estimated; tests/test_plan_fit.py keeps the estimate above the measurement):
+# 16.5 GiB measured, 18.7 estimated; tests/plan/test_plan_fit.py keeps the estimate above the measurement):
 #   each rank keeps its 1/world of the 16-bit weights;
 #   the largest single module is gathered whole while it is initialised (or loaded): for a MoE layer
 #   all its routed experts (transformers holds them as two fused tensors), e.g. DeepSeek-V3:

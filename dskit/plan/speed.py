@@ -1,7 +1,7 @@
 """Predicted step time of one candidate configuration: the planner picks the fastest that fits.
 
 A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
-derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/test_plan_calibration.py). Per GPU,
+derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/plan/test_plan_calibration.py). Per GPU,
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 

@@ -19,7 +19,7 @@ from dskit.render.common import q, render_template, shell_words
 
 # What `pip install /tmp/dskit-src` in the image reads, relative to the repository root: pyproject.toml's
 # readme, the wheel's packages and its force-include sources (templates/ and the Helm chart).
-# tests/test_images.py checks this against pyproject.toml and builds the wheel from exactly these paths.
+# tests/render/test_images.py checks this against pyproject.toml and builds the wheel from exactly these paths.
 WHEEL_SOURCES = ("pyproject.toml", "README.md", "dskit", "templates", "helm/dskit")
 SRC_DIR = "/tmp/dskit-src"
 

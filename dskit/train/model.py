@@ -107,7 +107,7 @@ def build_model(
         raise SpecError("model", model_plan.untrainable_reason or f"{model_plan.name} cannot be trained")
     config = hf_config(model_plan.config, attention)
     # Seed every global generator, not just torch's: libraries draw from Python's and NumPy's too,
-    # and an unseeded draw made resumed runs drift from uninterrupted ones (tests/test_train.py).
+    # and an unseeded draw made resumed runs drift from uninterrupted ones (tests/train/test_train.py).
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

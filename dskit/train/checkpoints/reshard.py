@@ -22,7 +22,7 @@ again); at DeepSeek-V3's size that is hours while the GPUs wait, and DeepSpeed's
 reads each parameter's whole file on every rank. Meant for a run that must continue on other nodes,
 not for every restart.
 
-Full fine-tuning reshards: tests/test_reshard.py (ZeRO-3, DeepSpeed's step) and test_zero_stages.py
+Full fine-tuning reshards: tests/train/test_reshard.py (ZeRO-3, DeepSpeed's step) and test_zero_stages.py
 (ZeRO-1/2, torch's fused AdamW) resume across world and EP sizes on the curve of the uninterrupted run;
 ZeRO-3 with the optimizer offloaded was checked the same way once, by hand. A LoRA run does not: its optimizer files are
 dskit's own (adapter_state.py), cut by rank, and the converter cannot read them; it is refused in one

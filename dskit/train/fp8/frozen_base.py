@@ -24,7 +24,7 @@ is peft's documented (experimental) hook, tried before its default dispatch.
 
 Why ZeRO-3 is refused: `Fp8Linear` holds buffers, which ZeRO-3 never partitions, so every rank would hold
 the whole FP8 base (the plan counts it sharded); as frozen float8 parameters instead, DeepSpeed 0.19.8
-partitions them but its all-gather fails on gloo ("Invalid scalar type", tests/zero3_float8_probe.py).
+partitions them but its all-gather fails on gloo ("Invalid scalar type", tests/support/zero3_float8_probe.py).
 
 On GPU the dequantisation is plain torch per block (no FP8 GEMM yet): what the CPU tests can check.
 """

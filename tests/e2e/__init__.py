@@ -1,0 +1,1 @@
+"""End to end: the real 2-node Slurm cluster, the local Ray cluster, the built image and wheel."""

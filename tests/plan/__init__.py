@@ -1,0 +1,1 @@
+"""The planner: memory, speed, fit, search, and its calibration against measured runs (dskit/plan/)."""

@@ -1,0 +1,1 @@
+"""The renderers and their golden files: Slurm, Helm, Ray, images (dskit/render/)."""

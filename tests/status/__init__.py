@@ -1,0 +1,1 @@
+"""`dskit status` and `dskit report` (dskit/status/)."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share: clusters on network namespaces, golden cases, reference models, data."""
