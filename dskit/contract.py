@@ -11,6 +11,8 @@ the launcher (torchrun, Ray Train), never from dskit.
 
 from __future__ import annotations
 
+import os
+import sys
 from enum import Enum
 from pathlib import Path
 
@@ -78,6 +80,43 @@ def read_exit_codes(directory: Path) -> set[int]:
         except (OSError, ValueError):
             continue
     return codes
+
+
+#: what charts rendered by dskit before DSKIT_EXIT_DIR set (their pods' launch.sh read it); their runs
+#: may still be restarted by their Jobs with this trainer
+LEGACY_EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
+
+
+def record_exit(code: int) -> int:
+    """Tell a supervising launcher this rank's exit code (see contract.EXIT_DIR_ENV)."""
+    directory = os.environ.get(EXIT_DIR_ENV)
+    if code and directory:
+        # one file per rank, written whole: ranks of several nodes may share the directory (NFS appends
+        # from two clients can overwrite each other); a second call (watchdog after an error) overwrites
+        rank = os.environ.get("RANK", str(os.getpid()))
+        try:
+            tmp = Path(directory, f".rank{rank}.tmp")
+            tmp.write_text(f"{code}\n")
+            os.replace(tmp, Path(directory, f"rank{rank}"))
+        except OSError as e:  # the code still reaches torchrun; the launcher then cannot tell 75 from 1
+            sys.stderr.write(f"dskit: warning: cannot record exit code {code} in {directory}: {e}\n")
+    legacy = os.environ.get(LEGACY_EXIT_FILE_ENV)
+    if code and legacy:  # a pod of a chart rendered before DSKIT_EXIT_DIR: its launch.sh reads this file
+        try:
+            with open(legacy, "a") as f:  # O_APPEND: one short line per rank of the pod
+                f.write(f"{code}\n")
+        except OSError:
+            pass
+    return code
+
+
+#: How much later than the watchdog a collective times out: more than the watchdog's polling interval
+#: (at most 5 s) and the time it takes to write its report.
+COLLECTIVE_GRACE_S = 60.0
+
+
+def collective_timeout_s(watchdog_timeout_s: float) -> float:
+    return watchdog_timeout_s + COLLECTIVE_GRACE_S
 
 
 #: File names inside a rendered run directory.

@@ -18,9 +18,8 @@ from __future__ import annotations
 import os
 import sys
 
-from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env
+from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env, collective_timeout_s
 from dskit.errors import EXIT_BAD_INPUT, RankExit, SpecError
-from dskit.plan.hang_timeout import collective_timeout_s
 
 #: exit codes a retry cannot fix: the driver stops at the first
 FINAL = (EXIT_BAD_INPUT, EXIT_DISK_FULL)

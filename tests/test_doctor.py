@@ -52,7 +52,9 @@ def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     # the stand-in must not outlive the test: torch.compile in a later test of this process would take it
     # for a real triton and fail importing triton.language
-    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "triton"])
+    request.addfinalizer(
+        lambda: [sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "triton"]
+    )
     real_cc = shutil.which("cc") or shutil.which("gcc")  # CI has one: inductor's CPU tests need it too
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang

@@ -1,12 +1,15 @@
 """The import boundaries the architecture promises (docs/architecture.md): whatever reads a plan reads
 `dskit.plan.schema` and never the decisions (`dskit.plan.build` and what it searches with); the
-trainer reads prepared shards and never imports `dskit data prepare`'s side of `dskit.data`."""
+trainer reads prepared shards and never imports `dskit data prepare`'s side of `dskit.data`; no two
+modules import each other, directly or around a loop, at the top or inside a function; and no module
+name is used twice under dskit/."""
 
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -52,18 +55,99 @@ def test_plan_readers_do_not_import_the_decisions():
 OFFLINE = ["dskit.data.prepare", "dskit.data.encode", "dskit.data.readers", "dskit.data.chat"]
 
 
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+#: every module of the package, by dotted name
+MODULES = {_module_name(p): p for p in sorted((REPO / "dskit").rglob("*.py"))}
+
+
+def _imports(name: str) -> set[str]:
+    """The dskit modules `name` imports anywhere in its file (top, functions, TYPE_CHECKING blocks):
+    `from dskit.x import y` names dskit.x.y where that is a module, else dskit.x."""
+    path, found = MODULES[name], set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    assert GRAPH["dskit.render"] and GRAPH["dskit.train.entry"]  # the walk sees imports at all
+    assert _cycles() == []
+
+
+def test_the_trainer_imports_no_deciding_plan_module():
+    """The trainer reads the plan's schema and the launch contract; what the plan decides with stays
+    out of every rank (a refusal both sides raise lives in dskit/refusals.py)."""
+    trainer = [m for m in MODULES if m.startswith("dskit.train") or m == "dskit.ray_train"]
+    climbs = {
+        m: sorted(d for d in GRAPH[m] if d.startswith("dskit.plan") and d != "dskit.plan.schema")
+        for m in trainer
+    }
+    assert {m: d for m, d in climbs.items() if d} == {}
+
+
+def test_no_module_name_twice():
+    """One name per idea: a module or package name appears once under dskit/ (besides __init__ and
+    __main__), so a name in a traceback or a review points at one file."""
+    names: dict[str, list[str]] = {}
+    for name in MODULES:
+        if name != "dskit":
+            names.setdefault(name.rpartition(".")[2], []).append(name)
+    names.pop("__main__", None)
+    assert {n: m for n, m in names.items() if len(m) > 1} == {}
+
+
 def _trainer_imports() -> list[str]:
     """Every trainer module, and every dskit module one of them imports, at the top or inside a
     function (entry.py reads its data lazily, so importing the trainer alone would not load it)."""
-    files = sorted((REPO / "dskit" / "train").glob("*.py"))
-    names = {f"dskit.train.{f.stem}" for f in files if f.stem not in ("__init__", "__main__")}
-    for f in files:
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dskit"):
-                names.add(node.module)
-            elif isinstance(node, ast.Import):
-                names.update(a.name for a in node.names if a.name.startswith("dskit"))
-    return sorted(names)
+    trainer = [m for m in MODULES if m.startswith("dskit.train") and not m.endswith("__main__")]
+    return sorted({*trainer, *(d for m in trainer for d in GRAPH[m])})
 
 
 def test_the_trainer_does_not_import_data_prepare():

@@ -87,11 +87,17 @@ def add_export(sub: Subparsers) -> None:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
+    from dskit.render import TARGETS
     from dskit.status import run_status
 
     if run_status.is_run_dir(a.what):
         return run_status.status(
-            a.what, address=a.address, namespace=a.namespace, kubeconfig=a.kubeconfig, context=a.context
+            a.what,
+            TARGETS,
+            address=a.address,
+            namespace=a.namespace,
+            kubeconfig=a.kubeconfig,
+            context=a.context,
         )
     if Path(a.what).is_dir() or "/" in a.what:
         raise SpecError(

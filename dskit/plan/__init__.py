@@ -4,6 +4,8 @@
   renderers, `dskit status` and `dskit report` import only this.
 - `build`: the decisions (`build_plan`, `build_plan_searched`), from the spec and the catalogs, through
   `parallel` (the parallel section: batch split, overrides), `search` (the candidates and which one),
-  `fit`/`memory`/`host` (what fits), `speed` (how fast), `deepspeed` (the DeepSpeed config), `watchdog`
-  (the hang timeout).
+  `fit`/`memory`/`host_memory` (what fits), `adapters` (what LoRA trains), `speed` (how fast),
+  `deepspeed` (the DeepSpeed config), `hang_timeout` (the watchdog's timeout).
+What both sides need lies below the plan: refusals in dskit/refusals.py, the launch contract's rules
+(the collective timeout, exit codes) in dskit/contract.py. tests/test_layers.py enforces this.
 """

@@ -29,6 +29,7 @@ from typing import Any
 from dskit.errors import SpecError
 from dskit.plan.model_math import ModelCounts, head_dims
 from dskit.plan.schema import FinetunePlan
+from dskit.refusals import no_fp8_checkpoint
 from dskit.spec.finetune import FinetuneSpec
 
 #: DeepSeek-V3's FP8 block (config.json quantization_config weight_block_size [128, 128])
@@ -231,20 +232,6 @@ def tuning(
         dequant_bytes=DEQUANT_PEAK_BYTES * largest_linear if fp8 else 0,
         expert_dequant_bytes=int((BF16_BYTES + 8 / 3) * c.experts_per_layer) if fp8 else 0,
         fp8_linears=fp8_params,
-    )
-
-
-def no_fp8_checkpoint(path: str | None) -> SpecError:
-    """The one refusal of an fp8 base without DeepSeek-V3's FP8 checkpoint at model.path (plan and trainer)."""
-    where = (
-        f"{path} holds none"
-        if path
-        else "the run has no weights to read (model.path unset, or a config.json alone)"
-    )
-    return SpecError(
-        "finetune.base_precision",
-        f"fp8 keeps model.path's FP8 weights as the frozen base, and {where} (DeepSeek-V3's format: e4m3 "
-        "weights with 128 x 128 weight_scale_inv); one of: auto, bf16 (or set model.path to the FP8 checkpoint)",
     )
 
 

@@ -6,7 +6,7 @@ collective timeout that GPU jobs already live with, so nothing that works today 
 
     timeout = max(FLOOR_S, STEP_MARGIN x predicted step, SAVE_MARGIN x predicted save)
 
-The process group's collective timeout is the same number plus COLLECTIVE_GRACE_S (dskit/train/entry.py):
+The process group's collective timeout is the same number plus COLLECTIVE_GRACE_S (dskit/contract.py):
 the watchdog fires first and names the rank that stopped; the collective timeout is the backstop for a
 rank whose watchdog thread cannot run (a C call holding the GIL), and it too ends in a restart.
 """
@@ -28,15 +28,6 @@ CHECKPOINT_BYTES_PER_PARAM = 14
 #: Write rate per node to the shared checkpoint filesystem, on the slow side: one 10 GbE NFS client
 #: (about 1.1 GB/s at line rate). Parallel filesystems write faster, which only adds margin.
 WRITE_BYTES_PER_S_PER_NODE = 1e9
-
-
-#: How much later than the watchdog a collective times out: more than the watchdog's polling interval
-#: (at most 5 s) and the time it takes to write its report.
-COLLECTIVE_GRACE_S = 60.0
-
-
-def collective_timeout_s(watchdog_timeout_s: float) -> float:
-    return watchdog_timeout_s + COLLECTIVE_GRACE_S
 
 
 def predicted_save_s(params_total: int, nodes: int) -> float:

@@ -19,6 +19,7 @@ from dskit.plan import fit, host_memory, memory, search, speed
 from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
+from dskit.refusals import fp8_base_zero_stage
 from dskit.spec import PlanOverrides, Spec
 
 #: the default global batch: 256 sequences (~1M tokens at seq 4096, the seed post's batch) ...
@@ -271,11 +272,7 @@ def _search(
         and shape.tuning
         and shape.tuning.fp8
     ):
-        raise SpecError(
-            "overrides.zero_stage",
-            f"{o.zero_stage} cannot hold an fp8 frozen base (ZeRO-3 would keep its FP8 layers whole on every "
-            "rank, unpartitioned); one of: auto, 1, 2 (or finetune.base_precision bf16)",
-        )
+        raise fp8_base_zero_stage(o.zero_stage)
     pinned, forced = _pinned(o, free)
     found = search.search(
         shape,

@@ -2,8 +2,9 @@
 
 The run directory says which target it was rendered for (TARGET_FILE) and which jobs were submitted
 from it (JOBS_FILE, appended by the rendered submit.sh, and by job.sbatch when a plain `sbatch` job
-starts). That target's entry in dskit.render.TARGETS names how its jobs are asked about
-(`Target.status`: one of the strategies at the end of this module). The schedulers answer: Slurm
+starts). That target's entry in dskit.render.TARGETS, which the caller hands in, names how its jobs are
+asked about (`Target.status`: one of the strategies at the end of this module, which the registry
+imports: this module never imports the registry back). The schedulers answer: Slurm
 through `scontrol show job` (the job's state, `Restarts=` = requeues; after slurmctld forgets a
 finished job, MinJobAge, through `sacct` where accounting is configured, else the state is reported
 as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.status.k8s, the
@@ -21,18 +22,15 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
 from dskit.contract import COMPLETE_FILE, JOBS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
 from dskit.text import escape
-
-if TYPE_CHECKING:
-    from dskit.render import Target
 
 SLURM_ID_RE = re.compile(r"[0-9]{1,18}")
 RAY_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -74,18 +72,23 @@ def is_run_dir(arg: str) -> bool:
     return (Path(arg) / RUN_YAML).is_file() or (Path(arg) / TARGET_FILE).is_file()
 
 
-def target_of(run_dir: Path) -> Target:
-    """The registered target (dskit.render.TARGETS) a run dir was rendered for."""
-    # imported here: the registry imports this module for the targets' status strategies
-    from dskit.render import TARGETS
+class Registered(Protocol):
+    """What status needs of a registered target (dskit.render.Target)."""
 
+    name: str
+    status: Status
+    sign: str | None
+
+
+def target_of(run_dir: Path, targets: Mapping[str, Registered]) -> Registered:
+    """The registered target (of `targets`, dskit.render.targets) a run dir was rendered for."""
     f = run_dir / TARGET_FILE
     if f.is_file():
         name = f.read_text().strip()
-        if name not in TARGETS:
+        if name not in targets:
             raise SpecError(str(f), f"names an unknown target {name!r}; re-render the run directory")
-        return TARGETS[name]
-    for target in TARGETS.values():  # rendered by a dskit that did not record the target
+        return targets[name]
+    for target in targets.values():  # rendered by a dskit that did not record the target
         if target.sign is not None and (run_dir / target.sign).is_file():
             return target
     raise SpecError(str(run_dir), f"no {TARGET_FILE} file: render it with `dskit render TARGET`")
@@ -353,6 +356,7 @@ def _jobs_cell(jobs: list[Job], shown: int = 6) -> str:
 
 def status(
     run_dir: str | Path,
+    targets: Mapping[str, Registered],
     *,
     address: str | None = None,
     namespace: str = "default",
@@ -360,7 +364,7 @@ def status(
     context: str | None = None,
 ) -> int:
     d = Path(run_dir).resolve()
-    target = target_of(d)
+    target = target_of(d, targets)
     if address and not target.status.takes_address:
         raise SpecError("--address", f"is for Ray runs; {d} was rendered for {target.name}")
     print(target.status.text(d, target.name, Query(address, namespace, kubeconfig, context)))

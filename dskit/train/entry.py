@@ -17,8 +17,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit.contract import EXIT_DIR_ENV, LAUNCHER_ENV, REQUIRED, Env
+from dskit.contract import LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.refusals import fp8_base_zero_stage
 
 log = logging.getLogger("dskit.train")
 LAUNCH_ENV_FILE = "launch-env.json"  # what rank 0 saw of the contract: compared across targets by tests
@@ -96,11 +97,11 @@ def read_contract(*, launcher_env: bool = True):
 def _check_fp8_base(plan) -> None:
     """An fp8 base trains from model.path's FP8 checkpoint under ZeRO-1/2 (dskit/train/fp8/frozen_base.py);
     the plan checks both, and run.yaml or the checkpoint may have changed since."""
-    from dskit.train.fp8.frozen_base import checkpoint_format, zero3_refusal
+    from dskit.train.fp8.frozen_base import checkpoint_format
 
     checkpoint_format(plan.model.path)  # the FP8 weights themselves, not a config.json that plans them
     if plan.deepspeed["zero_optimization"]["stage"] == 3:
-        raise zero3_refusal()
+        raise fp8_base_zero_stage(3)
 
 
 def _eval_sampler(plan, data):
@@ -176,8 +177,6 @@ def start_distributed(plan):
     import deepspeed
     import torch
     import torch.distributed as dist
-
-    from dskit.plan.hang_timeout import collective_timeout_s
 
     on_gpu = plan.hardware.on_gpu
     if on_gpu:
@@ -338,34 +337,6 @@ def _record_construction(engine, params_total: int, rank: int, device, output_di
         reserved,
         rec["host_rss_gib"],
     )
-
-
-def record_exit(code: int) -> int:
-    """Tell a supervising launcher this rank's exit code (see contract.EXIT_DIR_ENV)."""
-    directory = os.environ.get(EXIT_DIR_ENV)
-    if code and directory:
-        # one file per rank, written whole: ranks of several nodes may share the directory (NFS appends
-        # from two clients can overwrite each other); a second call (watchdog after an error) overwrites
-        rank = os.environ.get("RANK", str(os.getpid()))
-        try:
-            tmp = Path(directory, f".rank{rank}.tmp")
-            tmp.write_text(f"{code}\n")
-            os.replace(tmp, Path(directory, f"rank{rank}"))
-        except OSError as e:  # the code still reaches torchrun; the launcher then cannot tell 75 from 1
-            sys.stderr.write(f"dskit: warning: cannot record exit code {code} in {directory}: {e}\n")
-    legacy = os.environ.get(LEGACY_EXIT_FILE_ENV)
-    if code and legacy:  # a pod of a chart rendered before DSKIT_EXIT_DIR: its launch.sh reads this file
-        try:
-            with open(legacy, "a") as f:  # O_APPEND: one short line per rank of the pod
-                f.write(f"{code}\n")
-        except OSError:
-            pass
-    return code
-
-
-#: what charts rendered by dskit before DSKIT_EXIT_DIR set (their pods' launch.sh read it); their runs
-#: may still be restarted by their Jobs with this trainer
-LEGACY_EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
 
 
 def _error_line(e: Exception) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from dskit.errors import SpecError
 from dskit.flash_kernels import KERNELS
+from dskit.refusals import fp8_base_zero_stage
 from dskit.train.attention import kernels_missing
 
 log = logging.getLogger("dskit.train")
@@ -120,9 +121,7 @@ def build_model(
             from dskit.train.fp8.construct import build_fp8_base
 
             if whole_on is None:
-                from dskit.train.fp8.frozen_base import zero3_refusal
-
-                raise zero3_refusal()
+                raise fp8_base_zero_stage(3)
             model = build_fp8_base(model_plan.path, config=config, dtype=dtype, device=whole_on)
         elif model_plan.path:
             from dskit.train.checkpoints.hf_weights import load_pretrained

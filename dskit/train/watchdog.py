@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dskit.contract import EXIT_REQUEUE
+from dskit.contract import EXIT_REQUEUE, record_exit
 
 log = logging.getLogger("dskit.train")
 HEARTBEAT_DIR = "heartbeats"
@@ -220,7 +220,5 @@ def read_heartbeats(directory: Path) -> dict[int, dict]:
 
 
 def _exit(code: int) -> None:
-    from dskit.train.entry import record_exit
-
     record_exit(code)
     os._exit(code)

@@ -99,7 +99,7 @@ def test_the_charts_launch_script_is_generated_from_the_shared_template():
 )
 def test_the_pods_entrypoint_exits_with_the_ranks_verdict(tmp_path, codes, want):
     """launch.sh runs a command that plays the ranks (each writes DSKIT_EXIT_DIR/rankN, as
-    entry.record_exit does) and fails as torchrun would: its exit is contract.exit_verdict's."""
+    contract.record_exit does) and fails as torchrun would: its exit is contract.exit_verdict's."""
     from dskit.contract import exit_verdict
     from dskit.render import helm
 

@@ -41,6 +41,7 @@ from torch import nn
 
 from dskit.errors import SpecError
 from dskit.hf_checkpoint import Fp8Format, fp8_format
+from dskit.refusals import no_fp8_checkpoint
 from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks
 
 log = logging.getLogger("dskit.train")
@@ -49,19 +50,8 @@ log = logging.getLogger("dskit.train")
 EXPERT_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
-def zero3_refusal() -> SpecError:
-    """The one refusal of an fp8 base under ZeRO-3 (the trainer's start check and build_model's)."""
-    return SpecError(
-        "overrides.zero_stage",
-        "3 cannot hold an fp8 frozen base (ZeRO-3 would keep its FP8 layers whole on every rank, "
-        "unpartitioned); one of: auto, 1, 2 (or finetune.base_precision bf16)",
-    )
-
-
 def checkpoint_format(path: str | None) -> Fp8Format:
     """model.path's FP8 format, or SpecError: an fp8 base is read from DeepSeek-V3's FP8 checkpoint."""
-    from dskit.plan.adapters import no_fp8_checkpoint
-
     fmt = fp8_format(path) if path else None
     if fmt is None or not fmt.weights:
         raise no_fp8_checkpoint(path)
