@@ -1,4 +1,5 @@
-# Entry points for newcomers (README): `make demo`, `make test-fast` and `make test`. All set up .venv first.
+# Entry points for newcomers (README): `make demo` and `make test`; `make test-fast` while developing.
+# Every target but clean sets up .venv first. Suite sizes and durations: docs/development.md.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -28,17 +29,19 @@ demo: setup
 	$(BIN)/dskit train --local $(DEMO)
 	$(BIN)/dskit export $(DEMO) -o runs/demo-hf --force
 
-# Everything (what CI runs, ~20 minutes on 2 cores): trainer, Slurm, Ray, pods, network.
+# Everything (what CI's .ci/run runs after `make lint`): trainer, Slurm, Ray, pods, network, the CPU image.
+# Duration: docs/development.md.
 test: setup
 	$(BIN)/python -m pytest
 
-# Unit + render + golden tests (under 2 minutes on 2 cores): no trainer, cluster, pod run or network.
+# Unit + render + golden tests: no trainer, cluster, pod run, image build or network (duration: docs/development.md).
 # Two pytest-xdist workers: these tests share no cluster or port, unlike the rest of `make test`.
 FAST := not train and not slurm and not ray and not network and not slow and not image
 test-fast: setup
 	DSKIT_PROPERTY_EXAMPLES=50 $(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
 
-# Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests).
+# Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests),
+# images/, helm/dskit/values.schema.json and helm/dskit/files/launch.sh; then review the diff.
 examples: setup
 	$(BIN)/python -m tests.support.regen_examples
 

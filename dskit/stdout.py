@@ -2,7 +2,7 @@
 
 `guarded(fn)` runs a command with sys.stdout wrapped so that a failed write or flush is known to be
 stdout's (the command's own file writes fail with the same OSErrors: ENOSPC from a run dir on a full
-disk must still name that file). Exit codes, also in `dskit --help` and the README:
+disk must still name that file). Exit codes, also in `dskit --help` and docs/usage.md:
 
 - EPIPE (`dskit plan | head -c1`): quiet, exit 141, what a shell reports for a program that SIGPIPE
   ended (coreutils' `cat` or `yes` in the same pipe): the reader left on purpose, nothing to say.

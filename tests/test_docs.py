@@ -1,6 +1,8 @@
-"""What the docs and the code's comments cite must exist: a test by `tests/FILE.py::NAME` (the README's
-fault table above all), and any repository path (`dskit/plan/memory.py`, `bench/results/h200-*.json`).
-A renamed or deleted test, module or result cannot leave a sentence promising something that is not there."""
+"""What the docs and the code's comments cite must exist: a test by `tests/FILE.py::NAME` (docs/faults.md's
+table above all), and any repository path (`dskit/plan/memory.py`, `bench/results/h200-*.json`).
+A renamed or deleted test, module or result cannot leave a sentence promising something that is not there.
+The README is the front door: at most 250 lines, and its "Where things live" tour names every folder a
+newcomer looks for (each top-level folder, each dskit/ package, each tests/ folder), and only folders that exist."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "bench" / "README.md"]
 CODE = sorted(p for d in ("dskit", "bench", "tests") for p in (REPO / d).rglob("*.py"))
 CITE = re.compile(r"tests/([\w/]+\.py)::(\w+)")
 # A path from the repository root. Placeholders are capitals (bench/results/RESULT.json) and cite only
@@ -74,8 +76,66 @@ def _exists(path: str) -> bool:
     return any(REPO.glob(pattern)) if "*" in pattern else (REPO / pattern).exists()
 
 
-def test_the_readme_cites_tests():
-    assert len([c for c in _citations() if c[0] == "README.md"]) >= 15
+def test_the_fault_table_cites_tests():
+    assert len([c for c in _citations() if c[0] == "faults.md"]) >= 15
+
+
+def test_docs_lists_every_doc_under_docs():
+    assert {p for p in (REPO / "docs").rglob("*.md")} <= set(DOCS)
+    assert len(DOCS) > 10
+
+
+README_MAX_LINES = 250
+TOUR_HEADING = "## Where things live"
+TOUR_FOLDER = re.compile(r"`(\.?[\w./-]+)/`")
+# Not the repository's: made by `make setup`, `make demo`, tools and builds (all in .gitignore).
+NOT_OURS = {"runs", "build", "dist", "__pycache__"}
+
+
+def _tour() -> str:
+    text = (REPO / "README.md").read_text()
+    assert TOUR_HEADING in text, f"README.md has no {TOUR_HEADING!r} section"
+    tour = text.split(TOUR_HEADING, 1)[1]
+    return tour.split("\n## ", 1)[0]
+
+
+def _tour_folders() -> set[str]:
+    return set(TOUR_FOLDER.findall(_tour()))
+
+
+def test_the_readme_is_a_front_door_of_at_most_250_lines():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/"
+
+
+def test_every_folder_the_tour_names_exists():
+    folders = _tour_folders()
+    assert len(folders) > 20
+    missing = sorted(f for f in folders if not (REPO / f).is_dir())
+    assert not missing, f"README.md's tour names folders that do not exist: {missing}"
+
+
+def _wanted_folders() -> set[str]:
+    top = {
+        p.name
+        for p in REPO.iterdir()
+        if p.is_dir()
+        and (not p.name.startswith(".") or p.name == ".ci")
+        and p.name not in NOT_OURS
+        and not p.name.endswith(".egg-info")
+    }
+    packages = {str(p.parent.relative_to(REPO)) for p in (REPO / "dskit").rglob("__init__.py")}
+    tests = {
+        str(p.relative_to(REPO))
+        for p in (REPO / "tests").iterdir()
+        if p.is_dir() and p.name not in NOT_OURS and not p.name.startswith(".")
+    }
+    return top | packages | tests
+
+
+def test_the_tour_names_every_top_level_folder_package_and_test_folder():
+    unnamed = sorted(_wanted_folders() - _tour_folders())
+    assert not unnamed, f"README.md's tour ({TOUR_HEADING!r}) has no line for: {unnamed}"
 
 
 @pytest.mark.parametrize(("doc", "file", "name"), _citations())

@@ -314,7 +314,7 @@ class Spec(_Section):
 # --------------------------------------------------------------------------- loading
 
 
-#: The `--set VALUE` rule (also in `--help` and the README): VALUE is a literal string unless it is
+#: The `--set VALUE` rule (also in `--help` and docs/spec.md): VALUE is a literal string unless it is
 #: clearly something else: an integer or decimal number ([0-9] digits, optional sign, point and
 #: exponent), true/false, null, or a [a, b] list or {k: v} mapping (YAML flow syntax, one level of
 #: plain values). Nothing else is parsed: `48:00:00` stays a time, `#` is not a comment, quotes are

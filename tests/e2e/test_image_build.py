@@ -5,7 +5,7 @@ Needs root, podman and the local base image that `.ci/image-setup.sh` makes (no 
 the base is a debootstrapped Debian with the host's CA certificates; CPU torch comes from the host's
 wheel directory, mounted read-only into the build). Skipped where they are missing, except in CI
 (CI=true), where a missing engine is a failure. Marker `image`: `make test-fast` leaves it out.
-About 20 minutes on 2 cores, most of it compiling DeepSpeed's CPU ops (numbers in the README).
+Most of its time is compiling DeepSpeed's CPU ops (its duration: docs/development.md).
 """
 
 from __future__ import annotations
