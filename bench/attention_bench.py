@@ -16,7 +16,7 @@ Backends (each skipped with its reason where it cannot run here):
 The FLOP count is the attention that is real work: causal within each sample (packed rows) or within the
 row; so TFLOP/s compare across plain and packed. Prints a table and writes JSON:
 
-    python bench/attention_bench.py --out bench/results/h200-attention-2026-12-02.json
+    python bench/attention_bench.py --out bench/results/attention/h200-attention-2026-12-02.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the run is reproducible without a download. Each variant is one `dskit train --l
 metrics.jsonl: `real_tokens_per_s_per_gpu` (what the goal compares), `packing_efficiency`, and the
 plan-shape `tokens_per_s_per_gpu` (row capacity). Prints a table and writes JSON:
 
-    python bench/chat_bench.py --out bench/results/h200-chat-2026-12-02.json
+    python bench/chat_bench.py --out bench/results/attention/h200-chat-2026-12-02.json
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ and time. Each run's tokens/s and peak memory are printed against the plan's, wi
 record (`frozen_bytes` by dtype) and the final checkpoint's size. `--full-too` adds a full fine-tune
 of the same model (bf16, its checkpoint's size beside the LoRA one's: the issue's <= 5% goal).
 
-    python bench/fp8_lora_bench.py --layers 27 --steps 30 --out results/h200-fp8-lora-DATE.json --work /tmp/fl
+    python bench/fp8_lora_bench.py --layers 27 --steps 30 --out bench/results/lora/RESULT.json --work /tmp/fl
+    python bench/fp8_lora_bench.py --rows bench/results/lora/h200-fp8-lora*.json --predict   # JSON, for the tests
     python bench/fp8_lora_bench.py --model tiny-v2 --gpu cpu --steps 4 --out /tmp/fl.json   # a CPU dry run
 """
 
@@ -22,6 +23,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -224,6 +226,24 @@ def repredict(row: dict, root: Path, gpu: str = "h200-141gb") -> dict:
     }
 
 
+def derived(files: list[Path], predict: bool) -> list[dict]:
+    """`--rows`: the measured rows of these files as the calibration tests read them (`load_rows`'s,
+    with `_source` and `_index`); `predict`: each with `_predicted` (`repredict`), or `_error` where
+    today's plan cannot be rebuilt for it."""
+    out = []
+    with tempfile.TemporaryDirectory() as root:
+        for f in files:
+            for i, r in enumerate(load_rows([f])):
+                d = {**r, "_source": str(f.resolve().relative_to(runs.RESULTS)), "_index": i}
+                if predict:
+                    try:
+                        d["_predicted"] = repredict(r, Path(root))
+                    except Exception as e:  # the test that reads it fails with this
+                        d["_error"] = repr(e)
+                out.append(d)
+    return out
+
+
 def variant(text: str) -> tuple[str, str, list[str]]:
     """--variant LABEL:BASE:SET,SET, checked before anything is written or run."""
     label, base, sets = (text.split(":", 2) + ["", ""])[:3]
@@ -259,9 +279,21 @@ def main() -> None:
         help="also a LoRA run on base fp8|bf16 with these overrides, e.g. bf16-ckpt1:bf16:overrides.activation_checkpointing=1",
     )
     ap.add_argument("--checkpoint", type=Path, help="reuse an FP8 checkpoint written by an earlier call")
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8-lora-bench"))
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        type=Path,
+        help="print result files' rows as JSON, as the calibration tests read them",
+    )
+    ap.add_argument("--predict", action="store_true", help="with --rows: today's prediction of each")
     a = ap.parse_args()
+    if a.rows:
+        json.dump(derived(a.rows, a.predict), sys.stdout)
+        return
+    if not a.out:
+        ap.error("--out is needed to measure")
     a.work.mkdir(parents=True, exist_ok=True)
     result = {**runs.header(), "model": a.model, "layers": a.layers, "rows": []}
     t0 = time.time()

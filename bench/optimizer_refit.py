@@ -11,9 +11,11 @@ worst relative tokens/s error of today's plan (`plan_bench.repredict`) over the 
 - LoRA: LORA_LAYER_PASS_FACTOR over the LoRA calibration runs and the FP8-bench runs.
 The gradient-copy bytes are not fitted (4 + 6 bytes by count, 10 measured at V3's width). Each group
 is fitted with the others at speed.py's values. Prints the fits beside speed.py's; exits 1 if one
-differs (`--near`: each grid only the committed value and its two neighbours, for the test).
+differs (`--near`: each grid only the committed value and its two neighbours; `--check`, what
+tests/plan/test_optimizer_refit.py runs: `--near`, and every constant of GRIDS must be refitted).
 
     python bench/optimizer_refit.py
+    python bench/optimizer_refit.py --check
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import fp8_lora_bench  # noqa: E402  (bench/, beside this script)
 import plan_bench  # noqa: E402
+import runs  # noqa: E402
 
 from dskit.plan import speed  # noqa: E402
 
-RESULTS = REPO / "bench" / "results"
 GRIDS: dict[str, tuple[float, ...]] = {
     "ZERO12_STEP_BYTES_PER_PARAM": (48.0, 54.0, 60.0, 66.0, 72.0, 78.0),
     "GPU_LAYER_PASS_UNHOOKED_S": (0.0035, 0.004, 0.0045, 0.005, 0.0055, 0.006),
@@ -53,11 +55,11 @@ EVAL_MODE_RUNS = {
 }
 
 
-def _rows(*globs: str) -> list[dict]:
-    """The runs of these result files that ran the plan's own kernels: a row marked `attention_ran`
+def _rows(*series: str) -> list[dict]:
+    """The runs of these result series that ran the plan's own kernels: a row marked `attention_ran`
     fell back from the planned attention (its call lacked the kernel's wheels), which compares stages
     run side by side but is not the step the constants describe."""
-    rows = plan_bench.load_rows([f for g in globs for f in sorted(RESULTS.glob(g))])
+    rows = plan_bench.load_rows(runs.results(*series))
     return [r for r in rows if "attention_ran" not in r]
 
 
@@ -137,15 +139,13 @@ def host_bound(name: str, rows: list[dict], near: bool) -> float:
 def refit(near: bool = False) -> list[tuple[str, float, float, str]]:
     """(constant, fitted, speed.py's, what it was scored on) for every constant of the refit."""
     tmp = Path(tempfile.mkdtemp(prefix="dskit-refit-"))
-    planner = _rows(
-        "h200*-planner-*.json", "h200-v3-width-2*.json", "h200-zero1-*.json", "h200-zero12-*.json"
-    )
+    planner = _rows("planner", "v3-width", "zero1", "zero12")
     zero12 = [r for r in planner if _stage(r) < 3 and r["gpus"] == 1]
     zero3 = [r for r in planner if _stage(r) == 3]
     host = [r for r in zero12 if r["config"] == "L4 s4096 gb2"]  # the host-bound shape
-    lora = _rows("h200-lora-*.json") + [
+    lora = _rows("lora") + [
         r
-        for r in fp8_lora_bench.load_rows(sorted(RESULTS.glob("h200-fp8-lora*.json")))
+        for r in fp8_lora_bench.load_rows(runs.results("fp8-lora"))
         if (r["file"], r["label"]) not in EVAL_MODE_RUNS
     ]
     out: list[tuple[str, float, float, str]] = []
@@ -185,7 +185,15 @@ def _with(factor: float, f: Callable[[], float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--near", action="store_true", help="each grid only around speed.py's value (quick)")
-    fits = refit(ap.parse_args().near)
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="the self-test tests/plan/test_optimizer_refit.py runs: --near, every constant of GRIDS refitted",
+    )
+    a = ap.parse_args()
+    fits = refit(a.near or a.check)
+    if a.check and {name for name, *_ in fits} != set(GRIDS):
+        sys.exit(f"refitted {sorted(name for name, *_ in fits)}, GRIDS has {sorted(GRIDS)}")
     print(f"{'constant':38s} {'fitted':>8s} {'speed.py':>8s}  scored on")
     for name, fitted, committed, how in fits:
         print(f"{name:38s} {fitted:8g} {committed:8g}  {how}" + ("" if fitted == committed else "  DIFFERS"))

@@ -8,7 +8,7 @@ modules are `N.layer.mlp`, so the pattern is given) under ZeRO-1, trains a few s
 `train_batch`, and compares every step's loss with the plain model trained by torch on the same
 batches in fp32. Prints a table and writes JSON.
 
-    python bench/pipeline_probe.py --out bench/results/cpu-pipeline-probe-2026-12-02.json
+    python bench/pipeline_probe.py --out bench/results/pipeline/cpu-pipeline-probe-2026-12-02.json
 """
 
 from __future__ import annotations

@@ -28,10 +28,11 @@ decoder layers, AutoEP (with `moe_layer_pattern` for the stage's module names) a
 plain model's losses to 1e-6 over 5 steps at PP 2 x EP 1 (2 ranks) and PP 2 x EP 2 (4 ranks)
 (docs/planner.md "Pipeline parallelism, on paper").
 
-    python bench/pipeline_what_if.py --gpu h100-80gb --out bench/results/pipeline-what-if-v3-h100-2026-12-02.json
-    python bench/pipeline_what_if.py --gpu h200-141gb --out bench/results/pipeline-what-if-v3-h200-2026-12-02.json
+    python bench/pipeline_what_if.py --gpu h100-80gb --out bench/results/pipeline/model-pipeline-what-if-v3-h100-2026-12-02.json
+    python bench/pipeline_what_if.py --gpu h200-141gb --out bench/results/pipeline/model-pipeline-what-if-v3-h200-2026-12-02.json
     python bench/pipeline_what_if.py --set training.global_batch=4096 \
-        --out bench/results/pipeline-what-if-v3-h100-gb4096-2026-12-02.json
+        --out bench/results/pipeline/model-pipeline-what-if-v3-h100-gb4096-2026-12-02.json
+    python bench/pipeline_what_if.py --gpu h200-141gb --json "256 x H200"   # JSON and the docs row, for the tests
 """
 
 from __future__ import annotations
@@ -256,6 +257,12 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a spec override")
     ap.add_argument("--top", type=int, default=8, help="fitting layouts to print, fastest first")
     ap.add_argument("--out", type=Path, help="JSON file to write")
+    ap.add_argument(
+        "--json",
+        metavar="LABEL",
+        help="print only the result as JSON, with `summary`: its docs table row under this label "
+        "(what tests/plan/test_pipeline_what_if.py reads)",
+    )
     a = ap.parse_args()
     from dskit.errors import SpecError
 
@@ -264,6 +271,9 @@ def main() -> None:
     except SpecError as e:
         print(f"pipeline_what_if: {e.field}: {e.message}", file=sys.stderr)
         sys.exit(2)
+    if a.json:
+        json.dump({**result, "summary": summary(result, a.json)}, sys.stdout)
+        return
     print(markdown(result, a.top))
     print("\ndocs/planner.md row:\n" + summary(result, f"{result['gpus']} x {a.gpu.split('-')[0].upper()}"))
     if a.out:

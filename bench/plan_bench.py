@@ -7,8 +7,9 @@ and records measured step time, tokens/s/GPU and peak memory beside the plan's p
 One-GPU runs go to free GPUs in parallel; multi-GPU runs take the GPUs they need.
 
     python bench/plan_bench.py --set A --out $OUT/planner.json      # on the GPU machine
-    python bench/plan_bench.py --report bench/results/h200-planner-*.json   # here: the table, the goals
-    python bench/plan_bench.py --fit bench/results/h200-planner-*.json      # least-squares constants
+    python bench/plan_bench.py --report bench/results/planner/h200-planner-*.json   # here: the table, the goals
+    python bench/plan_bench.py --fit bench/results/planner/h200-planner-*.json      # least-squares constants
+    python bench/plan_bench.py --rows bench/results/planner/*.json --predict   # JSON, for the tests
 
 Goals (issue 12): peak memory (reserved: what must fit) within +-10% of the plan on every run; the planner's pick within 5% of
 the fastest measured candidate; predicted tokens/s within +-15%.
@@ -446,6 +447,35 @@ def load_rows(files: list[Path]) -> list[dict]:
     return [r for f in files for r in json.loads(f.read_text())["rows"] if "measured" in r]
 
 
+def derived(files: list[Path], predict: bool) -> list[dict]:
+    """`--rows`: the measured rows of these files as the calibration tests read them (the tests run this
+    script; they import nothing from bench/), each with `_source` (its file under bench/results/),
+    `_index` (its place among the file's measured rows), the forced overrides, the configuration key
+    and whether it is a partial-offload row; `predict`: also today's prediction, verdict and pick, or
+    `_error` where today's plan cannot be rebuilt for the row."""
+    out = []
+    for f in files:
+        for i, r in enumerate(load_rows([f])):
+            d = {
+                **r,
+                "_source": str(f.resolve().relative_to(runs.RESULTS)),
+                "_index": i,
+                "_forced_overrides": forced_overrides(r),
+                "_config_key": config_key(r),
+                "_partial_offload": partial_offload(r),
+            }
+            if predict and d["_partial_offload"]:
+                d["_error"] = "DeepSpeed's partial offload: not a choice today's plan makes or can repredict"
+            elif predict:
+                try:
+                    d["_predicted"], d["_verdict"] = repredict(r)
+                    d["_pick"] = planner_pick(r)
+                except Exception as e:  # the test that reads it fails with this
+                    d["_error"] = repr(e)
+            out.append(d)
+    return out
+
+
 def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     """The current planner's prediction for a measured row (memory GiB, whether it fits, speed dict)
     and its verdict, read from the unforced search's candidate table: results stay comparable after
@@ -652,8 +682,17 @@ def main() -> None:
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        type=Path,
+        help="print result files' rows as JSON, as the calibration tests read them",
+    )
+    ap.add_argument("--predict", action="store_true", help="with --rows: today's prediction and pick of each")
     a = ap.parse_args()
-    if a.report:
+    if a.rows:
+        json.dump(derived(a.rows, a.predict), sys.stdout)
+    elif a.report:
         report(a.report)
         if a.plot:
             plot_validation(a.report, a.plot)

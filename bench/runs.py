@@ -10,6 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+#: the committed results and their manifest (bench/README.md "Results")
+RESULTS = Path(__file__).resolve().parent / "results"
+MANIFEST = RESULTS / "MANIFEST.yaml"
+
+
+def results(*series: str) -> list[Path]:
+    """The committed result files of these series (the manifest's `series` field), in path order."""
+    import yaml
+
+    entries = yaml.safe_load(MANIFEST.read_text())["results"]
+    return sorted(RESULTS / e["path"] for e in entries if e["series"] in series)
+
 
 def header() -> dict:
     """What every result file starts with: the command, the date, the GPUs and the library versions."""

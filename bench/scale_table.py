@@ -7,12 +7,13 @@ spec (seq 4096, the default global batch), prints and writes:
 - the pick of the search before it, rebuilt under today's constants: ZeRO-3 only, EP inside one node;
 - the field's published figure for the same model and cluster, where one exists.
 
-Terms measured here are on-node (one and two H200, bench/results/h200*-planner-*.json); every term that
+Terms measured here are on-node (one and two H200, bench/results/planner/h200*-planner-*.json); every term that
 crosses the fabric (ZeRO collectives over the expert-data-parallel and dense groups, the all-to-all
 when EP spans nodes) is extrapolated from the fabric catalog's bandwidth (`fabrics.yaml`, 50 GB/s per
 GPU for InfiniBand NDR) with the on-node efficiencies.
 
-    python bench/scale_table.py --out bench/results/scale-table-2026-12-03.json
+    python bench/scale_table.py --out bench/results/scale/model-scale-table-2026-12-03.json
+    python bench/scale_table.py --json     # rows, table and GPUs per node as JSON, for the tests
 """
 
 from __future__ import annotations
@@ -168,8 +169,16 @@ def markdown(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="JSON file to write")
+    ap.add_argument(
+        "--json",
+        action="store_true",
+        help="print the rows, the markdown table and GPUs per node as JSON (what tests/plan/test_scale_table.py reads)",
+    )
     a = ap.parse_args()
     rows = table()
+    if a.json:
+        json.dump({"rows": rows, "markdown": markdown(rows), "per_node": PER_NODE}, sys.stdout)
+        return
     print(markdown(rows))
     if a.out:
         head = {

@@ -80,7 +80,7 @@ CHECKPOINTING: dict[str, tuple[list[str], dict]] = {
     ),
 }
 # Regional torch.compile (RMSNorm, SwiGLU, rotary; dskit/train/compile.py), --compile. First measured
-# (results/h200-compile-*-2026-11-30.json) with the same functions patched in by a sitecustomize at
+# (results/training/h200-compile-*-2026-11-30.json) with the same functions patched in by a sitecustomize at
 # commit cf716ce, before they became trainer code. Each side is forced: on GPUs the default is on.
 COMPILE: dict[str, tuple[list[str], dict]] = {
     "mb2 (reference shape), eager": (["overrides.compile=off"], {}),
@@ -121,7 +121,7 @@ SCALING: dict[str, tuple[list[str], dict]] = {
 # Issue 25 (--small-batch): the reference shape's step, host- and parameter-bound. The fused optimizer
 # step (dskit/train/fused_step.py: the gradient norm without DeepSpeed's fp64 copies, the clip inside
 # torch's fused AdamW) and compiling each whole attention block (ZeRO-1/2) won their first measurements
-# (results/h200-small-batch-2026-12-01.json and -fused-, run as environment probes at the time) and are
+# (results/training/h200-small-batch-2026-12-01.json and -fused-, run as environment probes at the time) and are
 # plan defaults; here each is taken away again, at micro-batch 2 and 16. Values: (spec sets, patch).
 DS_STEP = ["overrides.optimizer_step=deepspeed"]
 NO_ATTN = {"parallel": {"compile_attention": False}}

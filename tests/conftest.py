@@ -127,17 +127,6 @@ def slurm_launch(script: str, cwd: Path) -> tuple[dict[str, str], list[str]]:
     return env, argv_part.split("\0")[:-1]
 
 
-def bench_module(name: str):
-    """A script under bench/ imported as a module (bench/ is not a package): its tables and rules are
-    what the tests check."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of a given size, mounted for the test and removed after it."""

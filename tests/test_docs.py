@@ -1,5 +1,5 @@
 """What the docs and the code's comments cite must exist: a test by `tests/FILE.py::NAME` (docs/faults.md's
-table above all), and any repository path (`dskit/plan/memory.py`, `bench/results/h200-*.json`).
+table above all), and any repository path (`dskit/plan/memory.py`, `bench/results/*/h200-*.json`).
 A renamed or deleted test, module or result cannot leave a sentence promising something that is not there.
 The README is the front door: at most 250 lines, and its "Where things live" tour names every folder a
 newcomer looks for (each top-level folder, each dskit/ package, each tests/ folder), and only folders that exist."""

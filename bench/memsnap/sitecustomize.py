@@ -6,6 +6,11 @@ from the first import on, marks the point where the trainer resets its peak stat
 training: dskit/train/metrics.py), and at exit replays the alloc/free events after that mark to find
 the peak of allocated bytes. Writes OUT/rank{RANK}.json: the peak, the reserved bytes then and at
 their own peak, and the live allocations at the peak grouped by where they were made.
+
+Run as a program it replays a trace (a JSON list of the allocator's events) and prints `analyse`'s
+result as JSON: what tests/train/test_memory_peak.py checks, without importing bench/.
+
+    python bench/memsnap/sitecustomize.py --analyse TRACE.json --start N
 """
 
 from __future__ import annotations
@@ -119,5 +124,19 @@ def _install() -> None:
     atexit.register(dump)
 
 
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--analyse", type=open, required=True, metavar="TRACE.json", help="the events, a JSON list"
+    )
+    ap.add_argument("--start", type=int, default=0, help="the index of the mark (the start of training)")
+    a = ap.parse_args()
+    print(json.dumps(analyse(json.load(a.analyse), a.start)))
+
+
 if OUT:
     _install()
+elif __name__ == "__main__":
+    main()

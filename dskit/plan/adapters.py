@@ -182,7 +182,7 @@ def _frozen_unkept(cfg: dict[str, Any], targets: list[str], *, dense: bool) -> i
     the hidden state that the adapters below train. Attention, shared experts and a dense MLP are
     counted whole: a frozen dense MLP's saving did not show on the runs whose dense layer was stored.
     Only a stored layer saves this: the peak of a recomputed layer's backward holds gradient
-    temporaries of the same size. Measured on one H200 (bench/results/h200-lora-cal-2026-12-02.json,
+    temporaries of the same size. Measured on one H200 (bench/results/lora/h200-lora-cal-2026-12-02.json,
     h200-lora-2026-12-02.json, h200-lora-pick-2026-12-02.json): with this the plan is within -5..+4%
     of peak reserved on every LoRA run, which it overestimated by up to 44% counted as full training;
     counted on recomputed layers too, it fell 16% short on a checkpointed one."""

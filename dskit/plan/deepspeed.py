@@ -29,8 +29,8 @@ def deepspeed_config(
         "contiguous_gradients": True,
         # Bucket sizes in elements: DeepSpeed's own defaults, written out so run.yaml shows them. The
         # h*h "auto" heuristics of DeepSpeed's HF integration (tuned for dense layers of ~12h^2
-        # parameters) cut an MoE layer into hundreds of small collectives: 30% slower per step on the
-        # H200 bench (bench/README.md; bench/results/h200-2026-11-30-*-buckets.json).
+        # parameters) cut an MoE layer into hundreds of small collectives, which made each step markedly
+        # slower (docs/planner.md "The model's constants and their evidence").
         "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
     }
     if parallel.zero_stage == 3:

@@ -31,11 +31,11 @@ OFFLOAD_PINNED_BYTES = 4 + 2
 OFFLOAD_INIT_TRANSIENT_BYTES = 4
 # DeepSpeed's zero_optimization.sub_group_size default (elements); dskit leaves it at the default.
 DS_SUB_GROUP_SIZE = 10**9
-# Resident memory of one rank before any model state: read on the H200 device machine (torch 2.11,
-# 2026-11-30): 1.23 GiB RSS after importing torch, a cuBLAS matmul, cuDNN attention, an NCCL
-# all-reduce and importing transformers. Rounded up to 4 GiB for what that reading did not load:
-# DeepSpeed and its CPU-Adam extension, the model's Python module tree, the tokenised data and the
-# checkpoint writer's buffers.
+# Resident memory of one rank before any model state: what importing torch, a cuBLAS matmul, cuDNN
+# attention, an NCCL all-reduce and importing transformers leave resident, rounded well up for what such
+# a reading does not load: DeepSpeed and its CPU-Adam extension, the model's Python module tree, the
+# tokenised data and the checkpoint writer's buffers (the reading: docs/planner.md "The model's constants
+# and their evidence").
 HOST_BASELINE_GIB = 4.0
 # transformers' save_pretrained default max_shard_size "5GB" (DeepSeek-V3's published shards are
 # ~4.3 GB): each rank holds the shard it is copying from while weights load.

@@ -1,7 +1,7 @@
 """Per-GPU memory estimate for ZeRO (stage 1, 2 or 3) + AutoEP training of a DeepSeek MoE.
 
 An estimate, not a promise: tests/plan/test_plan_calibration.py keeps it within 10% of the peak the
-allocator reserved on every H200 run of bench/results/h200*-planner-*.json. What it counts:
+allocator reserved on every H200 run of bench/results/planner/h200*-planner-*.json. What it counts:
 
 - model states: mixed-precision Adam keeps 16 bytes per parameter (bf16 weight + bf16 grad + fp32
   master, momentum, variance; ZeRO paper, Rajbhandari et al. 2020). ZeRO-3 shards non-expert states over
@@ -53,8 +53,8 @@ ACTIVATION_SLACK = 1.5
 
 # Construction (partitioned from birth under deepspeed.zero.Init; AutoEP then re-partitions the routed
 # experts one MoE layer at a time, DeepSpeed PR #8424). First-principles numbers, checked against the
-# peaks the trainer measured on 2 x H200 with the full V2-Lite (bench/results/h200x2-construction-*.json:
-# 16.5 GiB measured, 18.7 estimated; tests/plan/test_plan_fit.py keeps the estimate above the measurement):
+# peaks the trainer measured with the full V2-Lite on two GPUs (docs/planner.md "The model's constants
+# and their evidence"; tests/plan/test_plan_fit.py keeps the estimate above the measurement):
 #   each rank keeps its 1/world of the 16-bit weights;
 #   the largest single module is gathered whole while it is initialised (or loaded): for a MoE layer
 #   all its routed experts (transformers holds them as two fused tensors), e.g. DeepSeek-V3:
@@ -73,7 +73,7 @@ def gpu_state_bytes(offload: bool) -> float:
     """Bytes per trained parameter of a ZeRO-3 rank's shard on its GPU: the 16 of mixed-precision Adam,
     or with the optimizer offloaded the 16-bit weight alone (2): the gradients are partitioned straight
     into a pinned host buffer (DeepSpeed 0.19.8 stage3.py `grad_partitions_flat_buffer`). Measured on one
-    H200 (bench/results/h200-offload-2026-12-03.json): resident minus offloaded was 27.2 GiB for 2.25 B
+    H200 (bench/results/offload/h200-offload-2026-12-03.json): resident minus offloaded was 27.2 GiB for 2.25 B
     parameters, where 16 - 2 bytes give 29.4 and the 4 counted before 25.2."""
     return 2.0 if offload else 16.0
 
@@ -209,7 +209,7 @@ def boundary_grad_copy(trained: float, world: int, zero_stage: int, grad_accum: 
     own `.grad` (reduced only at the boundary), ZeRO-2's in the previous micro-step's buffer, which
     `all_grad_tensors` still holds after `_release_ipg_buffers` dropped it. Without accumulation the
     parameters' gradients are made one at a time and moved into the buffer as they come: no second copy.
-    Measured on one H200 (bench/results/h200-memory-peak-2026-12-03.json: V3's width, accumulation 2):
+    Measured on one H200 (bench/results/memory/h200-memory-peak-2026-12-03.json: V3's width, accumulation 2):
     two 12.6 GiB gradient copies live at the peak, for ZeRO-1 and ZeRO-2 alike. On several GPUs this is
     a floor: the buffer holds every parameter that reaches into the partition whole, so one straddling a
     partition's edge counts in full. `trained`: the parameters with gradients (all, or a LoRA run's
@@ -271,7 +271,7 @@ def compiled_saving_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
     the fp32 copy of every norm's input (eager `hidden_states.to(float32)` saved by pow and mul) and the
     SiLU output of the shared experts' (or the dense layer's) SwiGLU, saved by the eager product.
     Routed experts are AutoEP's own grouped GEMMs, not compiled. For 4-layer V2-Lite this is 28.2 kB per
-    token and layer; measured on one H200 (bench/results/h200-compile-*-2026-11-30.json, peak allocated
+    token and layer; measured on one H200 (bench/results/training/h200-compile-*-2026-11-30.json, peak allocated
     eager minus compiled): 26.6 kB at micro-batch 16, 29.8 kB at micro-batch 2."""
     norm_widths = 2 * cfg["hidden_size"] + (cfg.get("kv_lora_rank") or 0) + (cfg.get("q_lora_rank") or 0)
     if dense:

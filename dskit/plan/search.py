@@ -7,16 +7,16 @@ memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties 
 the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then ZeRO-2
 over the other stages, then less memory, then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
 first: offload's host rate was measured on one machine's cores only, and the model under-predicted checkpointed runs near
-capacity by up to 11% on H200 (bench/results/h200x2-planner-*), so a tie with either is usually a loss.
+capacity by up to 11% on H200 (bench/results/planner/h200x2-planner-*), so a tie with either is usually a loss.
 Then accumulation: the seed post warns that long accumulation hurts MoE convergence, and a bigger
 micro-step is the same work in fewer, larger kernels. Then the ZeRO stage: in all 11 pairs measured on
-one H200 (bench/results/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
+one H200 (bench/results/planner/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
 candidate), ZeRO-2 ran from 1% slower to 21% faster than ZeRO-3, 3% faster in the median, where the model
 then called GPU-bound shapes even (the refit of 2026-12-02 gives ZeRO-1/2 a smaller GPU cost per layer
 pass than ZeRO-3's, yet eight of the eleven pairs are still within the tie, so the preference stays). Over ZeRO-1 the
 preference has no measurement behind it, only history (every calibration run of a tie was ZeRO-2 or
 ZeRO-3): beside each other on ten one-GPU configurations, each pair in one call
-(bench/results/h200-zero12-*-2026-12-02.json), the two ran within 1.6% on nine and 4.1% apart on the
+(bench/results/planner/h200-zero12-*-2026-12-02.json), the two ran within 1.6% on nine and 4.1% apart on the
 tenth, either way, at one or two micro-steps per step, so a tie between them costs at most that; at
 V3's width ZeRO-1 ran 3-6% faster, which the model's gradient-copy term puts outside the tie where the
 micro-steps add up. Moving the preference changes picks that were measured under older defaults
@@ -24,7 +24,7 @@ micro-steps add up. Moving the preference changes picks that were measured under
 with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
 
 Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of
-its predicted speed and memory (bench/results/h200-ckpt-2026-11-30.json). An earlier run of it five times
+its predicted speed and memory (bench/results/training/h200-ckpt-2026-11-30.json). An earlier run of it five times
 slower than every layer sat at 135.6 of ~140 GiB reserved: the allocator retrying near capacity, which
 the memory limit keeps plans away from and the trainer now reports (`alloc_retries`). Every 3rd and
 beyond are not searched (not measured); a user may set any N (`overrides.activation_checkpointing`).
@@ -47,9 +47,9 @@ from dskit.plan.speed import StepTime
 
 #: candidates predicted within this share of the fastest are ties (the model's own error is larger)
 SPEED_TIE = 0.03
-#: optimizer offload's CPU Adam rate was measured on one 16-core host only (bench/results/
-#: h200-offload-2026-12-03.json) and is scaled to others by their cores: a plan with it must be predicted
-#: faster than every fitting plan without it by more than the step-time model's validated error (15%)
+#: optimizer offload's CPU Adam rate was fitted on one host's cores only and is scaled to others by their
+#: cores (docs/planner.md "Optimizer offload, measured"): a plan with it must be predicted faster than
+#: every fitting plan without it by more than the step-time model's validated error
 OFFLOAD_MARGIN = 0.15
 
 SpeedOf = Callable[[fit.Candidate], "StepTime | None"]

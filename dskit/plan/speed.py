@@ -1,7 +1,7 @@
 """Predicted step time of one candidate configuration: the planner picks the fastest that fits.
 
 A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
-derived measured on H200 (`bench/results/h200x2-planner-*.json`, pinned by tests/plan/test_plan_calibration.py). Per GPU,
+derived measured on H200 (`bench/results/planner/h200x2-planner-*.json`, pinned by tests/plan/test_plan_calibration.py). Per GPU,
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 
@@ -48,9 +48,9 @@ from dskit.catalog import GPU
 from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 
-# ---- measured: the first four fitted to the worst relative error over 24 one-GPU runs on H200
-# (bench/plan_bench.py --fit bench/results/h200x2-planner-{A,C}-2026-11-30.json: 11.0%) with
-# ADAM_BYTES_PER_PARAM at 39; kept when the optimizer terms were refitted (bench/optimizer_refit.py) ----
+# ---- measured: the first four fitted together to the worst relative step-time error of one-GPU runs
+# (bench/plan_bench.py --fit), kept when the optimizer terms were refitted (bench/optimizer_refit.py);
+# the runs and the errors: docs/planner.md "Validation on H200" ----
 #: achieved fraction of the GPU's peak on the model's training FLOPs
 GEMM_EFFICIENCY = 0.45
 #: GPU time per layer pass beyond its FLOPs (ZeRO-3's copies of gathered and released weights, the
@@ -64,82 +64,67 @@ HOST_LAYER_PASS_S = 0.0115
 HOST_MICRO_STEP_S = 0.055
 #: ZeRO-3's optimizer step per parameter of this rank's shard, as bytes at the GPU's bandwidth: FusedAdam
 #: (bf16 weight and grad, fp32 master, m, v) and the flat-buffer copies, the norm and the clip around it.
-#: FusedAdam's kernel alone moves 39 (18.5 ms for 2.26 B parameters in the V2-Lite H200 profile), which
-#: is what this was until the step was measured whole: at V3's width on one H200 (6.8 B parameters,
-#: accumulation 8 and 2, bench/results/h200-v3-width-2026-12-02{,b}.json) the per-step part took
-#: 0.146 s, 103 bytes. Fitted with SYNC_LAYER_PASS_S to the worst error over the 63 ZeRO-3 runs of
-#: both widths, one and two GPUs (the per-pass constants above kept; bench/optimizer_refit.py): 12.4%,
-#: from 25% at 39 bytes
+#: The kernel alone moves fewer bytes; the step measured whole is what the plan must predict, so this is
+#: fitted with SYNC_LAYER_PASS_S over the ZeRO-3 runs of both widths (bench/optimizer_refit.py; the
+#: evidence: docs/planner.md "The optimizer step at both widths")
 ADAM_BYTES_PER_PARAM = 80.0
 #: what `overrides.optimizer_step=fused` takes off a ZeRO-1/2 step, per parameter and step, as bytes at the
-#: GPU's bandwidth. In theory 24: DeepSpeed's norm copies each bf16 gradient to fp64 and reads that back
-#: (2 + 8 + 8 bytes; the fused step reads the 2 only), and its clip pass reads and writes the fp32
-#: gradient (8). Measured on one H200 (4-layer V2-Lite, micro-batch 2, 2.26 B parameters): 0.1387 and
-#: 0.1425 s per step -> 0.1313 s, 20 bytes at 4.8 TB/s (bench/results/h200-small-batch-2026-12-01.json);
-#: in a second call 0.147 -> 0.132 and 0.134 s, 30 bytes (h200-small-batch-fused-2026-12-01.json).
-#: The theory's 24, added to ZERO12_STEP_BYTES_PER_PARAM for DeepSpeed's own step. With
-#: `training.grad_clip: 0` DeepSpeed skips its clip pass too, and the saving is the norm's 16 bytes; the
-#: model keeps 24 there (over by ~2% of such a step).
+#: GPU's bandwidth: DeepSpeed's norm copies each bf16 gradient to fp64 and reads that back (2 + 8 + 8
+#: bytes; the fused step reads the 2 only), and its clip pass reads and writes the fp32 gradient (8). The
+#: count, 24, is used rather than a fit because the measured savings straddle it (docs/planner.md "The
+#: step-time model"). It is added to ZERO12_STEP_BYTES_PER_PARAM for DeepSpeed's own step. With
+#: `training.grad_clip: 0` DeepSpeed skips its clip pass too and the saving is the norm's 16 bytes; the
+#: model keeps 24 there (slightly over for such a step).
 FUSED_STEP_SAVED_BYTES_PER_PARAM = 24.0
 #: ZeRO-1/2's optimizer step with the fused AdamW kernel (`overrides.optimizer_step=fused`), per
-#: parameter of this rank's shard, as bytes at the GPU's bandwidth: the kernel (66 ms for 6.8 B
-#: parameters in the V3-width profile: bench/results/h200-v3-width-profile-zero2-2026-12-02.json), the
-#: fp32 weights cast back to bf16, the gradient scaling and the copies around them. The two accumulation
-#: lengths at V3's width give stage 2's per-step part as 0.098 s, 69 bytes; fitted with
-#: GPU_LAYER_PASS_UNHOOKED_S to the worst error over the 48 one-GPU ZeRO-1/2 runs of both widths
-#: (V2-Lite's and V3's, bench/results/h200-planner-Z2*, h200-zero1-*, h200-zero12-*, h200-v3-width-*;
-#: bench/optimizer_refit.py): 8.6%
+#: parameter of this rank's shard, as bytes at the GPU's bandwidth: the kernel, the fp32 weights cast back
+#: to bf16, the gradient scaling and the copies around them. Fitted with GPU_LAYER_PASS_UNHOOKED_S over the
+#: one-GPU ZeRO-1/2 runs of both widths, because the step's per-step part is only separable from its
+#: per-micro-step part by runs at two accumulation lengths (bench/optimizer_refit.py; docs/planner.md
+#: "The optimizer step at both widths")
 ZERO12_STEP_BYTES_PER_PARAM = 54.0
 #: ZeRO-1/2 copy every gradient a rank holds into a reduce bucket (bf16 read and written: 4 bytes) and
 #: the rank's partition of it into the fp32 gradient the optimizer reads (2 read, 4 written: 6), stage 2
-#: in every micro-step, stage 1 once per step. On one H200 at V3's width (6.8 B parameters) stage 2's
-#: micro-step took 14 ms longer than stage 1's and its step's fixed part 13 ms less
-#: (bench/results/h200-v3-width-2026-12-02.json): 10 bytes per parameter at 4.8 TB/s
+#: in every micro-step, stage 1 once per step. Counted, not fitted: the difference between stage 1 and
+#: stage 2 at V3's width agrees with the count (docs/planner.md "The second gradient copy at the
+#: accumulation boundary")
 ZERO12_BUCKET_BYTES_PER_PARAM = 4.0
 ZERO12_PARTITION_BYTES_PER_PARAM = 6.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
 #: and reduce-scatters, AutoEP's count exchange and all-to-all launch), beyond their bandwidth time;
-#: fitted with ADAM_BYTES_PER_PARAM (it was 0.004 before, fitted on the 2 x H200 NVLink runs alone),
-#: seconds
+#: fitted with ADAM_BYTES_PER_PARAM (docs/planner.md "The optimizer step at both widths"), seconds
 SYNC_LAYER_PASS_S = 0.0020
 
-#: ZeRO-1/2 (no ZeRO-3 module hooks): host time per layer pass. The ZeRO-1/2 runs on one H200 are
-#: GPU-bound or close to it (bench/results/h200-planner-Z2-2026-12-01.json: 4-layer V2-Lite at
-#: micro-batch 2 took 0.144 s), which bounds this from above only: the largest value at which the host
-#: timeline predicts none of those runs more than 2% slower than measured is taken
-#: (bench/optimizer_refit.py), so a host-bound ZeRO-1/2 step is never predicted faster than it can be
+#: ZeRO-1/2 (no ZeRO-3 module hooks): host time per layer pass. The ZeRO-1/2 runs are GPU-bound or close
+#: to it, which bounds this from above only: the largest value at which the host timeline predicts none
+#: of those runs more than 2% slower than measured is taken (bench/optimizer_refit.py), so a host-bound
+#: ZeRO-1/2 step is never predicted faster than it can be (docs/planner.md "The optimizer step at both
+#: widths")
 HOST_LAYER_PASS_UNHOOKED_S = 0.0065
 #: ZeRO-1/2's GPU time per layer pass: below ZeRO-3's GPU_LAYER_PASS_S, which copies gathered weights
 #: in and out; fitted with ZERO12_STEP_BYTES_PER_PARAM (it was set equal to ZeRO-3's while the ZeRO-1/2
 #: optimizer was counted at 15 bytes, and absorbed the difference at V2-Lite's width)
 GPU_LAYER_PASS_UNHOOKED_S = 0.0055
 #: ZeRO-1/2 with each attention block compiled (one graph instead of ~30 eager launches per block): the
-#: same kind of upper bound, from the 4-layer V2-Lite micro-batch-2 runs on one H200 that compiled them:
-#: 0.119-0.130 s per step (bench/results/h200-zero1-2026-12-02.json, h200-zero12-A-2026-12-02.json);
-#: where the GPU timeline alone is already slower than measured, the host may not add to it
+#: same kind of upper bound, from the host-bound runs that compiled them; where the GPU timeline alone is
+#: already slower than measured, the host may not add to it (docs/planner.md "The optimizer step at both
+#: widths")
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/adapters.py) take this much longer than GEMM_EFFICIENCY says (each adapted
 #: linear adds memory-bound passes over its input and output: A's input read again, B's output scaled
 #: and added, their gradients; the frozen GEMMs' input-gradient-only backward), and a layer pass this
-#: fraction of its stage's per-pass cost (no weight gradients to copy into ZeRO's buckets). Fitted to the worst
-#: relative error over the six LoRA runs on one H200 (4, 12 and 27 layers, micro-batch 8-32, with and
-#: without checkpointing: bench/results/h200-lora-cal-2026-12-02.json, h200-lora-2026-12-02.json):
-#: 9.2% (with neither factor the plan was 9-27% fast); held out, the pick they lead to (27 layers,
-#: micro-batch 4, no checkpointing: h200-lora-pick-2026-12-02.json) came within 1.1%. The layer-pass
-#: factor was 0.4 of ZeRO-3's 6.5 ms; refitted with ZeRO-1/2's own per-pass cost (the optimizer refit,
-#: docs/planner.md "The optimizer step at both widths") over those seven and the eight FP8-bench runs (two
-#: of the fifteen full fine-tuning, beside them):
-#: 0.55 of 5.5 ms (bench/optimizer_refit.py), worst error 9.4%, the once-held-out pick 2.5%
+#: fraction of its stage's per-pass cost (no weight gradients to copy into ZeRO's buckets). Both fitted
+#: to the LoRA runs (without them the plan was consistently fast), the layer-pass factor refitted with
+#: ZeRO-1/2's own per-pass cost (bench/optimizer_refit.py); the runs, the errors and the held-out pick:
+#: docs/planner.md "LoRA"
 LORA_COMPUTE_FACTOR = 1.34
 LORA_LAYER_PASS_FACTOR = 0.55
 # An FP8 base (dskit/train/fp8/blocks.py `dequantize_blocks`, plain torch per 128 x 128 block) dequantises
 # every FP8 weight a rank holds in each forward and again in each backward: memory traffic, not FLOPs
 # (e4m3 read, float32 blocks written and scaled, bf16 written). Bytes of traffic per weight and pass at
-# the catalog's HBM bandwidth, fitted on one H200 (bench/results/h200-fp8-lora-fp8-2026-12-02.json:
-# full-depth V2-Lite LoRA at micro-batch 4, 18.8k tokens/s on the FP8 base against 24.7k on the bf16
-# one, 0.21 s per micro-step for 15.3 G FP8 weights dequantised twice).
+# the catalog's HBM bandwidth, fitted on the FP8-base LoRA runs (docs/planner.md "LoRA").
 FP8_DEQUANT_BYTES_PER_WEIGHT = 33.0
 
 # ---- first principles, cited ----
@@ -147,37 +132,30 @@ FP8_DEQUANT_BYTES_PER_WEIGHT = 33.0
 #: stream (DeepSpeed overlap_comm); not separable from SYNC_LAYER_PASS_S on 2 GPUs: half is the middle
 ZERO3_OVERLAP = 0.5
 #: DeepSpeed's CPU Adam, core-seconds per billion parameters: each rank steps its offloaded optimizer on
-#: its own OMP_NUM_THREADS cores (`host.threads_per_rank`). Measured on the lent H200 machine's 16 cores,
-#: one rank, ZeRO-3 with the optimizer offloaded beside the same run resident (V2-Lite at 4 layers,
-#: micro-batch 8 x 2 and 2 x 1, and 8 layers, 4 x 1: 2.25, 2.25 and 4.59 B parameters, 1.93, 2.59 and
-#: 4.27 s more per step, the PCIe term below included; bench/results/h200-offload-2026-12-03{,b}.json):
-#: fitted to the worst step error of the three, 12.6%. The offloaded steps drifted up within each run
-#: (2.1 to 3.1 s over 10 steps at micro-batch 2): the host's rate is the least certain term here. It was
-#: the ZeRO-Offload paper's 0.22 s per billion per node whatever the cores (Ren et al. 2021), 4x fast on
-#: that machine; at dskit's default of 8 cores per GPU it is 0.23 per 8-GPU node.
+#: its own OMP_NUM_THREADS cores (`host.threads_per_rank`), so the rate scales with the cores a rank gets.
+#: Fitted on offloaded runs beside the same runs resident, on one host's cores only: the host's rate is
+#: the least certain term here (the search keeps offload last in a tie for it). The ZeRO-Offload paper's
+#: per-node rate, which it replaced, ignored the cores and was far too fast (docs/planner.md "Optimizer
+#: offload, measured").
 CPU_ADAM_CORE_S_PER_BPARAM = 14.7
 #: offload traffic per parameter and step: fp32 gradient to the host, bf16 weight back, at the
 #: accumulation boundary. Not counted: DeepSpeed 0.19.8 also keeps the 16-bit gradient partitions in a
 #: pinned host buffer (stage3.py `partition_grads`: copied there in the first micro-step, brought back,
-#: added and copied again in each later one), 2-6 bytes per micro-step; the measured CPU Adam rate
-#: (accumulation 1 and 2) absorbs it
+#: added and copied again in each later one), 2-6 bytes per micro-step; the fitted CPU Adam rate absorbs
+#: it (docs/planner.md "Optimizer offload, measured")
 OFFLOAD_BYTES_PER_PARAM = 6
 #: achieved share of the link bandwidth in AutoEP's all-to-all (uneven splits, the count exchange before
-#: each dispatch, small messages): EP 2 cost 24-54 ms more per step than EP 1 at the same shapes on
-#: 2 x H200, 0.2-0.5 of NVLink's rate (bench/results/h200x2-planner-*.json); fitted to 0.4
+#: each dispatch, small messages), fitted on the EP 2 runs beside EP 1 at the same shapes
+#: (docs/planner.md "Validation on H200")
 A2A_EFFICIENCY = 0.4
 #: share of the compute term that regional torch.compile (dskit/train/compile.py) removes: its fused
 #: RMSNorm, SwiGLU and rotary kernels replace eager elementwise kernels that GEMM_EFFICIENCY absorbs.
-#: Measured on one H200 (4-layer V2-Lite, seq 4096, micro-batch 16, GPU-bound): 0.629 -> 0.579 s per step,
-#: 0.050 s of the model's 0.514 s compute term (bench/results/h200-compile-gb16-2026-11-30.json). The
-#: host timeline is unchanged: at micro-batch 2 (host-bound) the two measured within noise. Other models
-#: and GPUs are assumed to gain the same share (not measured; V3's larger GEMMs and eager rotary likely
-#: gain less).
+#: Measured where the step is GPU-bound; the host timeline is unchanged. Other models and GPUs are assumed
+#: to gain the same share (V3's larger GEMMs and eager rotary likely gain less): docs/planner.md "The
+#: step-time model".
 COMPILED_COMPUTE_SAVING = 0.10
 #: share of the (already compiled-regions) compute term that compiling each whole attention block takes
-#: off besides: measured where the step is GPU-bound, 4-layer V2-Lite at micro-batch 16 on one H200,
-#: 0.5698 -> 0.5537 s per step in one call, 16 ms of the 0.447 s compute term
-#: (bench/results/h200-small-batch-gb16-2026-12-01.json, h200-vs-torchtitan-2026-12-01b.json)
+#: off besides, measured where the step is GPU-bound (docs/planner.md "The step-time model")
 COMPILED_ATTENTION_SAVING = 0.035
 #: 16-bit weights and gradients
 WIRE_BYTES = 2

@@ -1,19 +1,21 @@
 """Pipeline parallelism on paper (`bench/pipeline_what_if.py`, docs/planner.md "Pipeline parallelism,
 on paper"): the docs' table is what the planner's terms say today, and the composition behaves as its
-docstring says (a stage is a shallower model trained by world / pp ranks, under a 1F1B bubble)."""
+docstring says (a stage is a shallower model trained by world / pp ranks, under a 1F1B bubble).
+The what-if is the bench script's: it runs here as a program (`--json LABEL`), and the measured rows
+come through the manifest (tests/support/calibration.py)."""
 
 from __future__ import annotations
 
+import functools
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import bench_module
+from tests.support import calibration
 
 REPO = Path(__file__).resolve().parents[2]
-WHAT_IF = bench_module("pipeline_what_if")
-PLAN_BENCH = bench_module("plan_bench")
-V3_WIDTH = REPO / "bench" / "results" / "h200-v3-width-2026-12-02.json"
+V3_WIDTH = "h200-v3-width-2026-12-02.json"
 #: how far the model's per-micro-step time may be from the one measured at V3's width
 MICRO_STEP_TOLERANCE = 0.10
 
@@ -25,14 +27,22 @@ DOCS_ROWS = (
 )
 
 
+@functools.cache
+def what_if(gpu: str, sets: tuple[str, ...], label: str = "-") -> dict:
+    """`bench/pipeline_what_if.py` for DeepSeek-V3 on 32 x 8 GPUs: its result, with `summary`, the
+    docs table's row for it under `label`."""
+    args = ["--model", "deepseek-v3", "--gpu", gpu, "--nodes", "32", "--gpus-per-node", "8"]
+    return calibration.bench("pipeline_what_if.py", *args, *(f"--set={s}" for s in sets), "--json", label)
+
+
 @pytest.fixture(scope="module")
 def v3_h100() -> dict:
-    return WHAT_IF.what_if("deepseek-v3", "h100-80gb", 32, 8, [])
+    return what_if("h100-80gb", ())
 
 
 @pytest.mark.parametrize("label,gpu,sets", DOCS_ROWS)
 def test_the_docs_table_is_todays_model(label, gpu, sets):
-    row = WHAT_IF.summary(WHAT_IF.what_if("deepseek-v3", gpu, 32, 8, sets), label)
+    row = what_if(gpu, tuple(sets), label)["summary"]
     assert row in (REPO / "docs" / "planner.md").read_text()
 
 
@@ -68,9 +78,7 @@ def test_the_micro_step_the_verdict_rests_on_was_measured_at_v3s_width(stage):
     EP 8's 32 experts at accumulation 8 and 2 split a ZeRO-1/2 step into its per-micro-step part (the
     difference over 6 micro-steps) and its per-step part. Today's model must give the first within
     MICRO_STEP_TOLERANCE. (The per-step part it gives 5x low: bench/README.md "DeepSeek-V3's width".)"""
-    import json
-
-    rows = json.loads(V3_WIDTH.read_text())["rows"]
+    rows = [r for r in calibration.rows("plan_bench.py", "v3-width") if r["_source"].endswith(V3_WIDTH)]
     runs = {
         r["config"]: r
         for r in rows
@@ -78,21 +86,27 @@ def test_the_micro_step_the_verdict_rests_on_was_measured_at_v3s_width(stage):
     }
     long, short = runs["V3s L3 s4096 gb8"], runs["V3s L3 s4096 gb2"]
     measured = (long["measured"]["step_s"] - short["measured"]["step_s"]) / 6
-    predicted = (PLAN_BENCH.repredict(long)[0]["step_s"] - PLAN_BENCH.repredict(short)[0]["step_s"]) / 6
+    step = {
+        k: calibration.predicted("plan_bench.py", r)["_predicted"]["step_s"]
+        for k, r in (("long", long), ("short", short))
+    }
+    predicted = (step["long"] - step["short"]) / 6
     assert abs(predicted / measured - 1) <= MICRO_STEP_TOLERANCE, (predicted, measured)
 
 
 @pytest.mark.parametrize(
     "name,gpu,sets",
     [
-        ("pipeline-what-if-v3-h100-2026-12-02.json", "h100-80gb", []),
-        ("pipeline-what-if-v3-h200-2026-12-02.json", "h200-141gb", []),
-        ("pipeline-what-if-v3-h100-gb4096-2026-12-02.json", "h100-80gb", ["training.global_batch=4096"]),
+        ("model-pipeline-what-if-v3-h100-2026-12-02.json", "h100-80gb", []),
+        ("model-pipeline-what-if-v3-h200-2026-12-02.json", "h200-141gb", []),
+        (
+            "model-pipeline-what-if-v3-h100-gb4096-2026-12-02.json",
+            "h100-80gb",
+            ["training.global_batch=4096"],
+        ),
     ],
 )
 def test_the_committed_results_are_todays_script(name, gpu, sets):
-    import json
-
-    committed = json.loads((REPO / "bench" / "results" / name).read_text())
-    now = WHAT_IF.what_if("deepseek-v3", gpu, 32, 8, sets)
+    committed = json.loads(calibration.result(name).read_text())
+    now = what_if(gpu, tuple(sets))
     assert committed["rows"] == now["rows"] and committed["today"] == now["today"]

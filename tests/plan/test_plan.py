@@ -403,7 +403,7 @@ def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it():
     assert auto.parallel.compile_regions and not eager.parallel.compile_regions
     assert auto.parallel.micro_batch == eager.parallel.micro_batch == 16
     # 28.2 kB per token and layer (fp32 norm inputs, SiLU outputs) x 65536 tokens x 4 layers; measured
-    # on H200: 6.5 GiB less allocated, 7.6 GiB less reserved (bench/results/h200-compile-gb16-2026-11-30.json)
+    # on H200: 6.5 GiB less allocated, 7.6 GiB less reserved (bench/results/training/h200-compile-gb16-2026-11-30.json)
     saved = eager.memory["activations_gib"] - auto.memory["activations_gib"]
     assert saved == pytest.approx(6.9, abs=0.1)
     assert auto.speed["compute_s"] == pytest.approx(0.9 * eager.speed["compute_s"], rel=1e-3)

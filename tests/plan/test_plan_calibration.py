@@ -18,25 +18,55 @@ fails in CI (no GPU needed, nothing outside the repository read):
 - ZeRO-1 picks of the one-GPU configurations (`h200-zero1-*.json`): the prediction bounds; ZeRO-1's and
   ZeRO-2's picks side by side, each pair in one call, ZeRO-3's beside them where the plan takes it
   (`h200-zero12-*.json`): the bounds and the pick.
+
+The files are picked by their series in bench/results/MANIFEST.yaml; their rows and today's prediction
+of each come from the bench script that wrote them, run as a program (tests/support/calibration.py).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import bench_module
+from tests.support import calibration
 
-REPO = Path(__file__).resolve().parents[2]
-RESULTS = sorted((REPO / "bench" / "results").glob("h200*-planner-*.json"))
+PLAN_BENCH = "plan_bench.py"
+ROWS = calibration.rows(PLAN_BENCH, "planner")
+LORA_ROWS = calibration.rows(PLAN_BENCH, "lora")
 
 
-BENCH = bench_module("plan_bench")
-ROWS = BENCH.load_rows(RESULTS)
-LORA_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-lora-*.json")))
+def _plan(r: dict) -> dict:
+    p = calibration.predicted(PLAN_BENCH, r)
+    if "_error" in p:  # not an AssertionError: no expected failure may swallow it
+        raise RuntimeError(p["_error"])
+    return p
+
+
+def config_key(r: dict) -> str:
+    return r["_config_key"]
+
+
+def forced_overrides(r: dict) -> list[str]:
+    return r["_forced_overrides"]
+
+
+def repredict(r: dict) -> tuple[dict, str]:
+    """Today's plan for a measured row: its prediction and verdict (bench/plan_bench.py `repredict`)."""
+    p = _plan(r)
+    return p["_predicted"], p["_verdict"]
+
+
+def planner_pick(r: dict) -> list[str]:
+    """Today's pick for the row's configuration, as forced overrides (bench/plan_bench.py `planner_pick`)."""
+    return _plan(r)["_pick"]
+
+
+def fastest_fitting(rows: list[dict]) -> float:
+    """The best measured tokens/s/GPU among a configuration's runs that today's plan would take: a run
+    that went through above the plan's memory limit (90% of the GPU) is not a candidate it may pick."""
+    return max(r["measured"]["tokens_per_s_per_gpu"] for r in rows if repredict(r)[0]["fits"])
 
 
 def _id(r: dict) -> str:
@@ -47,10 +77,10 @@ def test_the_measurements_cover_the_issue():
     """At least 8 configurations on 1 and 2 GPUs, each with rejected candidates beside the pick (eager);
     compiled runs (the GPU default since issue 13) of at least 8 configurations, two with rejected
     candidates where compiling changed the pick."""
-    eager = {r["config"] for r in ROWS if BENCH.config_key(r) == r["config"]}
+    eager = {r["config"] for r in ROWS if config_key(r) == r["config"]}
     assert len(eager) >= 8 and {r["gpus"] for r in ROWS} == {1, 2}
     assert all(sum(r["config"] == c for r in ROWS) >= 3 for c in eager)
-    compiled = [BENCH.config_key(r) for r in ROWS if BENCH.config_key(r) != r["config"]]
+    compiled = [config_key(r) for r in ROWS if config_key(r) != r["config"]]
     assert len(set(compiled)) >= 8
     assert sum(compiled.count(c) >= 3 for c in set(compiled)) >= 2
 
@@ -59,30 +89,30 @@ def test_the_lora_measurements_cover_full_depth_and_checkpointing():
     """Issue 28's full-depth V2-Lite on one H200, uncheckpointed and checkpointed, beside shallower ones."""
     lora = [r for r in LORA_ROWS if "finetune.method=lora" in r["sets"]]
     assert len(lora) >= 6 and {r["config"].split()[0] for r in lora} >= {"L4", "L12", "L27"}
-    ckpt = {BENCH.forced_overrides(r)[3] for r in lora}
+    ckpt = {forced_overrides(r)[3] for r in lora}
     assert {"overrides.activation_checkpointing=0", "overrides.activation_checkpointing=1"} <= ckpt
 
 
 @pytest.mark.parametrize("row", ROWS + LORA_ROWS, ids=_id)
 def test_prediction_matches_measurement(row):
-    predicted, summary = BENCH.repredict(row)
+    predicted, summary = repredict(row)
     m = row["measured"]
     assert predicted["memory_gib"] == pytest.approx(m["peak_reserved_gib"], rel=0.10), summary
     assert predicted["tokens_per_s_per_gpu"] == pytest.approx(m["tokens_per_s_per_gpu"], rel=0.15), summary
 
 
-_LORA_COMPARED = {k for k, n in Counter(map(BENCH.config_key, LORA_ROWS)).items() if n > 1}
+_LORA_COMPARED = {k for k, n in Counter(map(config_key, LORA_ROWS)).items() if n > 1}
 
 
 @pytest.mark.parametrize(
     "config",
-    sorted({BENCH.config_key(r) for r in ROWS if BENCH.config_key(r) != r["config"]} | _LORA_COMPARED),
+    sorted({config_key(r) for r in ROWS if config_key(r) != r["config"]} | _LORA_COMPARED),
 )
 def test_the_pick_is_the_fastest_measured(config):
-    rows = [r for r in ROWS + LORA_ROWS if BENCH.config_key(r) == config]
-    pick = BENCH.planner_pick(rows[0])
-    fastest = BENCH.fastest_fitting(rows)
-    picked = [r for r in rows if BENCH.forced_overrides(r) == pick]
+    rows = [r for r in ROWS + LORA_ROWS if config_key(r) == config]
+    pick = planner_pick(rows[0])
+    fastest = fastest_fitting(rows)
+    picked = [r for r in rows if forced_overrides(r) == pick]
     assert picked, f"{config}: today's pick {pick} was never measured; rerun bench/plan_bench.py"
     assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest, json.dumps(picked[0]["measured"])
 
@@ -91,7 +121,7 @@ def test_the_pick_is_the_fastest_measured(config):
 # DeepSeek-V3's width (bench/plan_bench.py --set V3, issue 26): the same goals, with today's known miss
 # kept strict, so that the fix it calls for turns it into a failure to move back among the others
 
-V3_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-v3-width-2*.json")))
+V3_ROWS = calibration.rows(PLAN_BENCH, "v3-width")
 #: the configurations whose pick today's model misses at V3's width on one GPU (docs/planner.md "ZeRO
 #: stages"): with ZeRO-1/2's boundary gradient copy counted, their no-recompute runs (measured at 127.6
 #: and 134.5 GiB reserved) are over the 90% limit, and the pick falls to ZeRO-3, predicted within the 3%
@@ -109,7 +139,7 @@ def _v3_pick_case(config: str):
 
 
 def test_the_v3_width_runs_cover_every_zero_stage():
-    assert {BENCH.forced_overrides(r)[0] for r in V3_ROWS} == {f"overrides.zero_stage={z}" for z in (1, 2, 3)}
+    assert {forced_overrides(r)[0] for r in V3_ROWS} == {f"overrides.zero_stage={z}" for z in (1, 2, 3)}
 
 
 #: ZeRO-1, the planner's pick of each one-GPU configuration when the search is narrowed to it
@@ -117,7 +147,7 @@ def test_the_v3_width_runs_cover_every_zero_stage():
 #: The other candidates of those configurations were measured in earlier calls with the earlier defaults
 #: (compiled regions, DeepSpeed's step), so these rows are held to the prediction bounds only: the pick
 #: test would compare the defaults and the calls, not the planner's choice.
-ZERO1_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-zero1-*.json")))
+ZERO1_ROWS = calibration.rows(PLAN_BENCH, "zero1")
 
 
 def test_the_zero1_runs_cover_ten_one_gpu_configurations():
@@ -134,11 +164,11 @@ def test_zero1_prediction_matches_measurement(row):
 #: ZeRO-2's and ZeRO-1's picks of each one-GPU configuration side by side, each pair in one call
 #: (`plan_bench.py --zero-stage 2 --zero-stage 1 --picks-only`, today's defaults): the stage choice
 #: judged on one machine, which the runs above cannot do
-ZERO12_ROWS = BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-zero12-*.json")))
+ZERO12_ROWS = calibration.rows(PLAN_BENCH, "zero12")
 
 
 def test_zero1_and_zero2_ran_side_by_side_on_ten_configurations():
-    stages = {(r["config"], BENCH.forced_overrides(r)[0]) for r in ZERO12_ROWS}
+    stages = {(r["config"], forced_overrides(r)[0]) for r in ZERO12_ROWS}
     configs = {c for c, _ in stages}
     assert len(configs) >= 10 and all(r["gpus"] == 1 for r in ZERO12_ROWS)
     assert all((c, f"overrides.zero_stage={z}") in stages for c in configs for z in (1, 2))
@@ -154,50 +184,57 @@ def test_the_pick_is_the_fastest_of_the_stages_side_by_side(config):
     """The plan's pick was measured beside each stage's own pick and is within 5% of the fastest that
     fits (ZeRO-3 is measured beside them where the plan takes it: h200-zero12-boundary-*.json)."""
     rows = [r for r in ZERO12_ROWS if r["config"] == config]
-    pick = BENCH.planner_pick(rows[0])
-    picked = [r for r in rows if BENCH.forced_overrides(r) == pick]
+    pick = planner_pick(rows[0])
+    picked = [r for r in rows if forced_overrides(r) == pick]
     assert picked, f"{config}: today's pick {pick} was never measured"
-    assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * BENCH.fastest_fitting(rows)
+    assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest_fitting(rows)
 
 
 @pytest.mark.parametrize("row", V3_ROWS, ids=_id)
 def test_v3_width_memory_matches_measurement(row):
-    predicted, summary = BENCH.repredict(row)
+    predicted, summary = repredict(row)
     assert predicted["memory_gib"] == pytest.approx(row["measured"]["peak_reserved_gib"], rel=0.10), summary
 
 
 @pytest.mark.parametrize("row", V3_ROWS, ids=_id)
 def test_v3_width_speed_matches_measurement(row):
-    predicted, summary = BENCH.repredict(row)
+    predicted, summary = repredict(row)
     want = row["measured"]["tokens_per_s_per_gpu"]
     assert predicted["tokens_per_s_per_gpu"] == pytest.approx(want, rel=0.15), summary
 
 
-@pytest.mark.parametrize("config", [_v3_pick_case(c) for c in sorted({BENCH.config_key(r) for r in V3_ROWS})])
+@pytest.mark.parametrize("config", [_v3_pick_case(c) for c in sorted({config_key(r) for r in V3_ROWS})])
 def test_v3_width_pick_is_the_fastest_measured(config):
-    rows = [r for r in V3_ROWS if BENCH.config_key(r) == config]
-    pick = BENCH.planner_pick(rows[0])
-    picked = [r for r in rows if BENCH.forced_overrides(r) == pick]
+    rows = [r for r in V3_ROWS if config_key(r) == config]
+    pick = planner_pick(rows[0])
+    picked = [r for r in rows if forced_overrides(r) == pick]
     assert picked, f"{config}: today's pick {pick} was never measured"
-    assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * BENCH.fastest_fitting(rows)
+    assert picked[0]["measured"]["tokens_per_s_per_gpu"] >= 0.95 * fastest_fitting(rows)
 
 
 # ---------------------------------------------------------------------------------------------------
 # LoRA on an FP8 base beside a bf16 base (bench/fp8_lora_bench.py, issue 28 item 6): the same bounds
 
 
-FP8_BENCH = bench_module("fp8_lora_bench")
+FP8_BENCH = "fp8_lora_bench.py"
+FP8_ALL = calibration.rows(FP8_BENCH, "fp8-lora")
+
+
+def fp8_repredict(r: dict) -> dict:
+    """Today's plan for an FP8-bench row, its candidate pinned (bench/fp8_lora_bench.py `repredict`)."""
+    p = calibration.predicted(FP8_BENCH, r)
+    if "_error" in p:  # not an AssertionError: no expected failure may swallow it
+        raise RuntimeError(p["_error"])
+    return p["_predicted"]
+
+
 #: runs from a bf16 model.path with checkpointing, measured before the trainer set train mode on models
 #: from_pretrained returns in eval mode (dskit/train/model.py): they never recomputed a layer
 EVAL_MODE_RUNS = {
     ("h200-fp8-lora-routed-2026-12-02.json", "bf16"),
     ("h200-fp8-lora-routed-ckpt-2026-12-02.json", "bf16-ckpt1"),
 }
-FP8_ROWS = [
-    r
-    for r in FP8_BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-fp8-lora*.json")))
-    if (r["file"], r["label"]) not in EVAL_MODE_RUNS
-]
+FP8_ROWS = [r for r in FP8_ALL if (r["file"], r["label"]) not in EVAL_MODE_RUNS]
 #: routed-expert adapters: the plan is 10-17% over on the three H200 runs (docs/planner.md "LoRA"); kept
 #: here, strict, so that fixing the model turns them into failures to move back among the others
 ROUTED_MISS = (
@@ -218,24 +255,21 @@ def _fp8_case(r: dict):
 def test_the_fp8_base_runs_cover_both_bases_and_a_full_run():
     labels = {(r["layers"], r["label"]) for r in FP8_ROWS}
     assert {(27, "fp8"), (27, "bf16"), (27, "fp8-mb4"), (2, "full"), (2, "bf16")} <= labels
-    files = {
-        r["file"]
-        for r in FP8_BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-fp8-lora*.json")))
-    }
+    files = {r["file"] for r in FP8_ALL}
     assert {f for f, _ in EVAL_MODE_RUNS} <= files  # the exclusions name runs that exist
 
 
 @pytest.mark.parametrize("row", [_fp8_case(r) for r in FP8_ROWS])
-def test_fp8_base_memory_matches_measurement(row, tmp_path):
-    predicted = FP8_BENCH.repredict(row, tmp_path)
+def test_fp8_base_memory_matches_measurement(row):
+    predicted = fp8_repredict(row)
     assert predicted["memory_gib"] == pytest.approx(row["measured"]["peak_reserved_gib"], rel=0.10), row[
         "plan"
     ]
 
 
 @pytest.mark.parametrize("row", FP8_ROWS, ids=_fp8_id)
-def test_fp8_base_speed_matches_measurement(row, tmp_path):
-    predicted = FP8_BENCH.repredict(row, tmp_path)
+def test_fp8_base_speed_matches_measurement(row):
+    predicted = fp8_repredict(row)
     want = row["measured"]["tokens_per_s_per_gpu"]
     assert predicted["tokens_per_s_per_gpu"] == pytest.approx(want, rel=0.15), row["plan"]
 
@@ -245,11 +279,11 @@ def _fp8_default_targets(r: dict) -> bool:
 
 
 @pytest.mark.parametrize("row", [r for r in FP8_ROWS if _fp8_default_targets(r)], ids=_fp8_id)
-def test_an_fp8_bases_construction_is_the_ranks_fp8_share(row, tmp_path):
+def test_an_fp8_bases_construction_is_the_ranks_fp8_share(row):
     """Built from the meta device: what the allocator held once the engine was built is the plan's count.
     (Without routed adapters: the engine also allocates ZeRO's fp32 master copy and gradient buffer of
     what trains, 2 GiB for 276 M routed adapters, which the plan counts in the steady state instead.)"""
-    predicted = FP8_BENCH.repredict(row, tmp_path)["construction_alloc_gib"]
+    predicted = fp8_repredict(row)["construction_alloc_gib"]
     assert predicted == pytest.approx(row["measured"]["construction"]["peak_alloc_gib"], rel=0.10), row[
         "plan"
     ]
@@ -286,11 +320,7 @@ def test_a_lora_checkpoint_is_a_fraction_of_the_full_runs():
 # partial offload are kept in the file and out of these tests: the plan does not take it (docs/planner.md
 # "Optimizer offload, measured")
 
-OFFLOAD_ROWS = [
-    r
-    for r in BENCH.load_rows(sorted((REPO / "bench" / "results").glob("h200-offload-*.json")))
-    if not BENCH.partial_offload(r)
-]
+OFFLOAD_ROWS = [r for r in calibration.rows(PLAN_BENCH, "offload") if not r["_partial_offload"]]
 #: the fully offloaded 8-layer run is 12% under the plan's memory; the 4-layer shape is 8% under both
 #: resident and offloaded: the activations the model counts at these shapes (docs/planner.md
 #: "Optimizer offload, measured")
@@ -306,7 +336,7 @@ def test_the_offload_runs_cover_offloaded_and_resident():
 
 @pytest.mark.parametrize("row", OFFLOAD_ROWS, ids=lambda r: r["config"])
 def test_offload_speed_matches_measurement(row):
-    predicted, summary = BENCH.repredict(row)
+    predicted, summary = repredict(row)
     want = row["measured"]["tokens_per_s_per_gpu"]
     assert predicted["tokens_per_s_per_gpu"] == pytest.approx(want, rel=0.15), summary
 
@@ -319,5 +349,5 @@ def _offload_memory_case(r: dict):
 
 @pytest.mark.parametrize("row", [_offload_memory_case(r) for r in OFFLOAD_ROWS])
 def test_offload_memory_matches_measurement(row):
-    predicted, summary = BENCH.repredict(row)
+    predicted, summary = repredict(row)
     assert predicted["memory_gib"] == pytest.approx(row["measured"]["peak_reserved_gib"], rel=0.10), summary

@@ -115,7 +115,7 @@ def test_the_catalog_is_not_refused_wholesale():
 
 def test_construction_estimate_stays_above_the_measured_gpu_peak_and_close_to_it():
     """Pinned to the committed H200 measurement: full-depth V2-Lite built on 2 GPUs (EP 2)."""
-    res = json.loads((REPO / "bench/results/h200x2-construction-2026-11-30.json").read_text())
+    res = json.loads((REPO / "bench/results/memory/h200x2-construction-2026-11-30.json").read_text())
     measured = max(r["peak_alloc_gib"] for r in res["construction"]["ranks"])
     flags = {"hardware.gpu": "h200-141gb", "hardware.gpus_per_node": 2, "model.preset": "deepseek-v2-lite"}
     sets = ["training.seq_len=4096", "training.global_batch=8", "hardware.host_memory_gib=4096"]
@@ -126,7 +126,7 @@ def test_construction_estimate_stays_above_the_measured_gpu_peak_and_close_to_it
 
 def test_checkpointing_every_2nd_layer_keeps_the_others_activations():
     """The trainer checkpoints layers 0, 2, 4, ...; layers 1, 3, 5, 7 keep all their activations until
-    their backward (measured on H200: bench/results/h200x2-planner-E-2026-11-30.json, where counting
+    their backward (measured on H200: bench/results/planner/h200x2-planner-E-2026-11-30.json, where counting
     only two layers' worth under-predicted the peak by 18%)."""
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=8)
     c = counts(cfg, 2048)

@@ -6,6 +6,8 @@ inside stays inside) with the same ZeRO stage, checkpointing and offload, and re
 runs each ZeRO stage (tests/train/test_zero_stages.py) and EP across nodes (tests/e2e/test_slurm.py). Optimizer
 offload, which V2 and V3 picks use, is not run on CPU here (DeepSpeed's CPU Adam on the cpu
 accelerator was never exercised by these tests).
+
+The table is the bench script's: it runs here as a program (`bench/scale_table.py --json`).
 """
 
 from __future__ import annotations
@@ -15,27 +17,39 @@ from pathlib import Path
 import pytest
 
 from dskit.plan.schema import load_plan
-from tests.conftest import bench_module, dskit, render_tiny
+from tests.conftest import dskit, render_tiny
+from tests.support.calibration import bench
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-TABLE = bench_module("scale_table")
+@pytest.fixture(scope="module")
+def table() -> dict:
+    """The table as the planner gives it now (a fixture, not collection time: it plans ~90 configs):
+    its rows, its markdown and the GPUs per node it assumes."""
+    return bench("scale_table.py", "--json")
 
 
 @pytest.fixture(scope="module")
-def rows() -> list[dict]:
-    """The table as the planner gives it now (a fixture, not collection time: it plans ~90 configs)."""
-    return TABLE.table()
+def rows(table) -> list[dict]:
+    return table["rows"]
 
 
-def test_the_docs_table_is_todays_planner(rows):
-    assert TABLE.markdown(rows) in (REPO / "docs" / "planner.md").read_text()
+def test_the_docs_table_is_todays_planner(table):
+    assert table["markdown"] in (REPO / "docs" / "planner.md").read_text()
+
+
+#: GPUs per node of the table's clusters (bench/scale_table.py PER_NODE; the table's JSON says it too)
+PER_NODE = 8
+
+
+def test_the_table_assumes_8_gpus_per_node(table):
+    assert table["per_node"] == PER_NODE
 
 
 def _shrunk(pick: dict) -> list[str]:
     ep = pick["ep_size"]
-    shrunk_ep = 4 if ep > TABLE.PER_NODE else 2 if ep > 1 else 1
+    shrunk_ep = 4 if ep > PER_NODE else 2 if ep > 1 else 1
     return [
         f"overrides.zero_stage={pick['zero_stage']}",
         f"overrides.ep_size={shrunk_ep}",

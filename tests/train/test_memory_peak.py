@@ -1,19 +1,41 @@
 """bench/memsnap's replay of the allocator's history: the peak it reports is the one torch's statistics
-keep, and the allocations live at it are grouped by the code that made them."""
+keep, and the allocations live at it are grouped by the code that made them. The replay is the bench
+script's: it runs here as a program (`--analyse TRACE.json --start N`), not imported."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _memsnap():
-    spec = importlib.util.spec_from_file_location("memsnap", REPO / "bench" / "memsnap" / "sitecustomize.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # DSKIT_MEMSNAP_OUT unset: records nothing
-    return module
+class _Memsnap:
+    """bench/memsnap/sitecustomize.py's `analyse`, through its command line."""
+
+    @staticmethod
+    def analyse(trace: list[dict], start: int) -> dict | None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            path.write_text(json.dumps(trace))
+            env = {k: v for k, v in os.environ.items() if k != "DSKIT_MEMSNAP_OUT"}  # records nothing
+            proc = subprocess.run(
+                [sys.executable, str(REPO / "bench" / "memsnap" / "sitecustomize.py"), "--analyse", str(path)]
+                + ["--start", str(start)],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+
+def _memsnap() -> _Memsnap:
+    return _Memsnap()
 
 
 DS = [{"filename": "/x/site-packages/deepspeed/runtime/zero/stage_1_and_2.py", "line": 2192, "name": "copy"}]
