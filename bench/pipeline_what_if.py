@@ -66,6 +66,7 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
     from dskit.plan import memory, search, speed
     from dskit.plan.build import build_plan_searched, resolve_fabric
     from dskit.plan.fit import GPU_MEMORY_MARGIN
+    from dskit.plan.links import Links
     from dskit.plan.model_math import counts, flops_per_token
     from dskit.plan.parallel import attention_compile
     from dskit.spec import load_spec
@@ -130,7 +131,7 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
                         fpt_layer * layers,
                         gpu=gpu,
                         peak_tflops=plan.hardware.peak_tflops,
-                        fabric_gbs=fabric.gbs_per_gpu,
+                        links=Links(gpu.interconnect_gbs, fabric.gbs_per_gpu),
                         layout=speed.Layout(world=dp, per_node=per_node, ep_size=ep),
                         micro_batch=mb,
                         grad_accum=m,

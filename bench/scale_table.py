@@ -89,12 +89,7 @@ def before(model: str, gpu: str, world: int) -> dict | None:
     if not found:
         return None
     rows = [row for row, _ in found]
-    best = search._fastest(rows)
-    resident = [r for r in rows if not r.candidate.offload]
-    if best.candidate.offload and resident:
-        alt = search._fastest(resident)
-        if alt.speed.tokens_per_s >= best.speed.tokens_per_s * (1 - search.OFFLOAD_MARGIN):
-            best = alt
+    best = search.pick(rows)
     return _cell(next(plan for row, plan in found if row is best))
 
 

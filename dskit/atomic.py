@@ -231,3 +231,21 @@ def _restore_marker(tmp: Path, lock: int, text: str) -> None:
     except OSError:
         pass
     (tmp / MARKER).write_text(text)
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write one file all at once: a temporary file beside it, renamed into place, so a failed or killed
+    write leaves the old file (or none), never a truncated one. OSError is the caller's to report."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.dskit-tmp-", dir=path.parent)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(fd, 0o666 & ~umask)  # what a plain open() would have made
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise

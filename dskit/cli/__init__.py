@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from dskit import stdout
-from dskit.cli import data_cmd, host_cmd, plan_cmd, run_cmd, spec_cmd
+from dskit.cli import calibrate_cmd, data_cmd, host_cmd, plan_cmd, run_cmd, spec_cmd
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
@@ -19,6 +19,7 @@ COMMANDS = (
     spec_cmd.add_schema,
     plan_cmd.add_plan,
     plan_cmd.add_render,
+    calibrate_cmd.add_calibrate,
     spec_cmd.add_catalog,
     run_cmd.add_train,
     run_cmd.add_export,

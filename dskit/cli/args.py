@@ -39,6 +39,11 @@ SPEC_FLAGS: dict[str, tuple[str, Any, str]] = {
     "fabric": ("network.fabric", str, "network fabric (spec: network.fabric)"),
     "runtime": ("runtime.kind", str, "Slurm: pyxis | apptainer | none (spec: runtime.kind)"),
     "image": ("runtime.image", str, "container image (spec: runtime.image)"),
+    "calibration": (
+        "hardware.calibration",
+        str,
+        "calibration.json from `dskit calibrate` on this cluster (spec: hardware.calibration)",
+    ),
     "chain": ("slurm.chain", count, "Slurm: a chain of N jobs for long runs (spec: slurm.chain)"),
 }
 

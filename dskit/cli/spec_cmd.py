@@ -13,8 +13,8 @@ from dskit.errors import SpecError
 def cmd_init(a: argparse.Namespace) -> int:
     import os
     import stat
-    import tempfile
 
+    from dskit.atomic import write_file
     from dskit.spec import starter_yaml
 
     if not a.output:
@@ -35,19 +35,9 @@ def cmd_init(a: argparse.Namespace) -> int:
             )
         if not a.force:
             raise SpecError("--output", f"{out} already exists; pass --force to replace it")
-    # a temporary file beside it, renamed into place: a failed write never truncates the old file
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".dskit-init-", suffix=".tmp", dir=out.parent)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(fd, 0o666 & ~umask)  # what a plain open() would have made
-        with os.fdopen(fd, "w") as f:
-            f.write(starter_yaml())
-        os.replace(tmp, out)
+    try:  # a failed write never truncates the old file
+        write_file(out, starter_yaml())
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         raise SpecError("--output", f"cannot write {out}: {e.strerror or e}") from None
     print(f"wrote {out}: edit it, then `dskit plan {out}`")
     return 0

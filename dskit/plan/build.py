@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dskit import catalog, hf_checkpoint
+from dskit import calibration, catalog, hf_checkpoint
+from dskit.calibration import Calibration
 from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import host_memory, search
@@ -19,6 +20,7 @@ from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.hang_timeout import watchdog_timeout_s
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
 from dskit.plan.parallel import plan_parallel, speed_section
+from dskit.plan.prefetch import gathered_layer_params
 from dskit.plan.schema import (
     PLAN_VERSION,
     HardwarePlan,
@@ -94,8 +96,18 @@ def _build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
         )
     precision = _precision(spec, gpu)
     hardware = plan_hardware(spec, gpu, precision)
+    calibration = plan_calibration(spec, gpu, fabric, hardware, warnings)
     parallel, found = plan_parallel(
-        spec, model, model_counts, gpu, fabric, hardware, precision, warnings, tuning=tuning
+        spec,
+        model,
+        model_counts,
+        gpu,
+        fabric,
+        hardware,
+        precision,
+        warnings,
+        tuning=tuning,
+        calibration=calibration,
     )
     optim = plan_optim(spec)
     run, storage_root = plan_storage(spec)
@@ -124,7 +136,13 @@ def _build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
         memory=found.chosen.fit.as_dict(),
         speed=speed_section(found),
         env=launch_env(spec, gpu, fabric, run, launch),
-        deepspeed=deepspeed_config(model, hardware, parallel, optim),
+        deepspeed=deepspeed_config(
+            model,
+            hardware,
+            parallel,
+            optim,
+            gathered_layer_params(model_counts, hardware.world_size, parallel.ep_size),
+        ),
         warnings=warnings,
         spec=spec_record(spec),
         finetune=finetune,
@@ -140,6 +158,29 @@ def resolve_fabric(spec: Spec, gpu: catalog.GPU) -> catalog.Fabric:
     if spec.network.ib_hca and not fabric.rdma:
         raise SpecError("network.ib_hca", f"only applies to RDMA fabrics; {fabric.name} is not one")
     return fabric
+
+
+def plan_calibration(
+    spec: Spec, gpu: catalog.GPU, fabric: catalog.Fabric, hardware: HardwarePlan, warnings: list[str]
+) -> Calibration | None:
+    """The user's calibration (`hardware.calibration`), checked against this hardware, and its
+    preflight findings as warnings; None without one."""
+    if spec.hardware.calibration is None:
+        return None
+    cal = calibration.load(
+        spec.hardware.calibration,
+        field="hardware.calibration",
+        gpu=gpu.name,
+        fabric=fabric.name,
+        procs_per_node=hardware.procs_per_node,
+    )
+    if cal.hardware.nodes < hardware.nodes:
+        warnings.append(
+            f"hardware.calibration measured {cal.hardware.nodes} node(s), this plan has {hardware.nodes}: "
+            "groups across more nodes take the widest measured ring's bandwidth"
+        )
+    warnings.extend(f"calibration: {w}" for w in cal.warnings)
+    return cal
 
 
 def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
@@ -321,3 +362,14 @@ def launch_env(
     if gpu.is_cpu:
         env["DS_ACCELERATOR"] = "cpu"
     return env
+
+
+def build_calibration_plan(spec: Spec) -> Plan:
+    """The plan of `spec` with a calibration job's section (`dskit calibrate`): the same run.yaml, launch
+    contract and targets, and a trainer that measures instead of training."""
+    from dskit.plan.calibrate_job import calibrate_plan
+
+    plan = build_plan(spec)
+    gpu = catalog.gpu(spec.hardware.gpu)
+    _, model_counts = plan_model(spec)
+    return calibrate_plan(plan, model_counts, gpu, resolve_fabric(spec, gpu), spec.hardware.cpus_per_node)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dskit.plan.memory import REDUCE_BUCKET_ELEMENTS
+from dskit.plan.prefetch import zero3_keys
 from dskit.plan.schema import HardwarePlan, ModelPlan, OptimPlan, ParallelPlan
 
 # DeepSeek-V2 paper (Sec. 3.1.2): AdamW with beta1 0.9, beta2 0.95.
@@ -17,9 +18,14 @@ AUTOEP_PRESETS = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
 
 
 def deepspeed_config(
-    model: ModelPlan, hardware: HardwarePlan, parallel: ParallelPlan, optim: OptimPlan
+    model: ModelPlan,
+    hardware: HardwarePlan,
+    parallel: ParallelPlan,
+    optim: OptimPlan,
+    gathered_layer: int,
 ) -> dict[str, Any]:
-    """The config for the plan's sections; every value comes from them (nothing is decided here)."""
+    """The config for the plan's sections; every value comes from them (nothing is decided here).
+    `gathered_layer`: the parameters ZeRO-3 gathers for the largest layer (dskit/plan/prefetch.py)."""
     on_gpu, offload_optimizer = hardware.on_gpu, parallel.offload_optimizer
     micro_batch, grad_accum = parallel.micro_batch, parallel.grad_accum
     autoep_preset = AUTOEP_PRESETS.get(model.config.get("model_type"), "deepseek_v2")
@@ -34,11 +40,7 @@ def deepspeed_config(
         "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
     }
     if parallel.zero_stage == 3:
-        zero |= {
-            "stage3_prefetch_bucket_size": 5 * 10**7,
-            "stage3_param_persistence_threshold": 10**5,
-            "stage3_max_live_parameters": 10**9,
-            "stage3_max_reuse_distance": 10**9,
+        zero |= zero3_keys(gathered_layer) | {
             # dskit exports Hugging Face weights itself (`dskit export`): gathering 16-bit weights on save
             # raises NotImplementedError under AutoEP, and costs a full all-gather per checkpoint anyway.
             "stage3_gather_16bit_weights_on_model_save": False,

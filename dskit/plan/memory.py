@@ -42,6 +42,7 @@ from typing import Any
 
 from dskit.plan.adapters import BF16_BYTES, Tuning
 from dskit.plan.model_math import ModelCounts, head_dims
+from dskit.plan.prefetch import gathered_layer_params
 
 GIB = 2**30
 OVERHEAD_GIB = 2.5
@@ -304,9 +305,7 @@ def estimate(
         states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)
     elif zero_stage == 3:
         states = gpu_state_bytes(offload_optimizer) * c.total / world
-        layer = c.largest_layer
-        if world // ep_size > 1:  # local experts sharded over the expert-data-parallel group: gathered too
-            layer = max(layer, c.moe_layer_non_expert + c.experts_per_layer // ep_size)
+        layer = gathered_layer_params(c, world, ep_size)
         working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
     else:
         local = local_params(c, ep_size)

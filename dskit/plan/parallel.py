@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from dskit import catalog
+from dskit.calibration import Calibration
 from dskit.errors import SpecError, one_of
-from dskit.plan import fit, host_memory, memory, search, speed
+from dskit.plan import calibrated, fit, host_memory, links, memory, search, speed
 from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
@@ -41,9 +42,11 @@ def plan_parallel(
     precision: str,
     warnings: list[str],
     tuning: Tuning | None = None,
+    calibration: Calibration | None = None,
 ) -> tuple[ParallelPlan, search.Search]:
     """EP size and batch split, checkpointing and offload: the fastest candidate that fits
-    (`dskit/plan/search.py`), and the attention backend. `tuning`: a LoRA run's (same search)."""
+    (`dskit/plan/search.py`), and the attention backend. `tuning`: a LoRA run's (same search).
+    `calibration`: what `dskit calibrate` measured on this cluster (None: the catalogs' rates)."""
     cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
     if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
         _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
@@ -68,6 +71,7 @@ def plan_parallel(
         compiled_attention=attention,
         tuning=tuning,
         cpus_per_node=spec.hardware.cpus_per_node,
+        calibration=calibration,
     )
     found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings)
     c = found.chosen.candidate
@@ -223,11 +227,14 @@ def _speed_of(
     compiled_attention: bool,
     tuning: Tuning | None = None,
     cpus_per_node: int | None = None,
+    calibration: Calibration | None = None,
 ) -> search.SpeedOf:
     """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`); an offloaded
     optimizer steps on the rank's OMP_NUM_THREADS cores (`cpus_per_node`: hardware.cpus_per_node)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
     threads = host_memory.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
+    rates = links.Links(gpu.interconnect_gbs, fabric.gbs_per_gpu, calibration)
+    factors = calibrated.scales(calibration)
 
     def speed_of(c: fit.Candidate) -> speed.StepTime | None:
         return speed.predict(
@@ -236,7 +243,7 @@ def _speed_of(
             model.flops_per_token,
             gpu=gpu,
             peak_tflops=hardware.peak_tflops,
-            fabric_gbs=fabric.gbs_per_gpu,
+            links=rates,
             layout=speed.Layout(world=world, per_node=per_node, ep_size=c.ep_size),
             micro_batch=c.micro_batch,
             grad_accum=per_rank // c.micro_batch,
@@ -249,6 +256,7 @@ def _speed_of(
             compiled_attention=compiled_attention,
             tuning=tuning,
             host_threads=threads,
+            scales=factors,
         )
 
     return speed_of
@@ -335,7 +343,8 @@ def _search_warnings(
             warnings.append("optimizer states offloaded to CPU: set by overrides.offload_optimizer")
         elif any(r.fits and not r.candidate.offload for r in found.rows):
             warnings.append(
-                "optimizer states offloaded to CPU: predicted faster than every fitting plan without it"
+                f"optimizer states offloaded to CPU: predicted more than {search.OFFLOAD_MARGIN:.0%} faster than "
+                "every fitting plan without it"
             )
         else:
             warnings.append("optimizer states offloaded to CPU: no plan without it fits; expect slower steps")

@@ -139,6 +139,36 @@ class RayPlan(_Frozen):
     storage_path: str  # absolute: Ray Train's checkpoints and results
 
 
+class CalibrateGroup(_Frozen):
+    """One kind of process group the calibration job forms and times (dskit/plan/calibrate_job.py)."""
+
+    key: str  # its shape, as links.Group.key names it ("8x2": 8 ranks on each of 2 nodes)
+    role: str  # which of the plan's groups has this shape ("dense", "ep 8", "expert-data-parallel at ep 8")
+    size: int  # ranks per group
+    stride: int  # 1: consecutive ranks; N: every N-th rank (the world splits into N such groups)
+    #: op -> bytes a rank sends per byte of the whole tensor (the fit's x), for each op timed
+    moved_share: dict[str, float]
+    #: op -> the catalog's bus rate for this shape, GB/s (None: unknown): the preflight's yardstick
+    expected_gbs: dict[str, float | None]
+
+
+class CalibratePlan(_Frozen):
+    """A calibration job (`dskit calibrate`): run.yaml's trainer measures instead of training."""
+
+    file: str  # where rank 0 writes calibration.json (the run's output dir)
+    groups: list[CalibrateGroup]
+    sizes_bytes: list[int]  # whole-tensor sizes each op is timed at
+    iters: int  # timed calls per size, after one warm-up
+    #: (tokens, in, out) of one expert GEMM at the plan's micro-step (GPU only)
+    gemm: tuple[int, int, int] | None
+    #: (batch, heads, seq, qk head dim, v head dim) of the plan's attention (GPU only)
+    attention: tuple[int, int, int, int, int] | None
+    cpu_adam_params: int  # per rank, every rank of the node stepping at once
+    threads_per_rank: int
+    #: the spec's fabric (the file names it; a plan on another fabric refuses the file)
+    fabric: str
+
+
 class Plan(_Frozen):
     version: int
     name: str
@@ -161,6 +191,8 @@ class Plan(_Frozen):
     spec: dict[str, Any]  # the validated spec, for the record only: nothing outside dskit/plan reads it
     # last, and left out of run.yaml when None: a full fine-tune's run.yaml is what it was before LoRA
     finetune: FinetunePlan | None = None
+    # a calibration job's section (None, and left out of run.yaml: a training run)
+    calibrate: CalibratePlan | None = None
 
     def summary(self) -> str:
         p, h = self.parallel, self.hardware
@@ -190,7 +222,8 @@ class Plan(_Frozen):
 
 
 def dump_plan(plan: Plan) -> str:
-    data = plan.model_dump(mode="json", exclude={"finetune"} if plan.finetune is None else None)
+    unset = {name for name in ("finetune", "calibrate") if getattr(plan, name) is None}
+    data = plan.model_dump(mode="json", exclude=unset or None)
     return yaml.safe_dump(data, sort_keys=False, width=120)
 
 

@@ -21,7 +21,8 @@ tenth, either way, at one or two micro-steps per step, so a tie between them cos
 V3's width ZeRO-1 ran 3-6% faster, which the model's gradient-copy term puts outside the tie where the
 micro-steps add up. Moving the preference changes picks that were measured under older defaults
 (compiled regions, DeepSpeed's step, and LoRA) to ZeRO-1 runs that were not, so it waits for them. Then memory: less of it is less risk. A plan
-with optimizer offload must moreover beat every fitting plan without it by OFFLOAD_MARGIN.
+with optimizer offload must moreover be predicted more than OFFLOAD_MARGIN faster than every fitting plan
+without it (`offload_wins`).
 
 Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of
 its predicted speed and memory (bench/results/training/h200-ckpt-2026-11-30.json). An earlier run of it five times
@@ -49,7 +50,7 @@ from dskit.plan.speed import StepTime
 SPEED_TIE = 0.03
 #: optimizer offload's CPU Adam rate was fitted on one host's cores only and is scaled to others by their
 #: cores (docs/planner.md "Optimizer offload, measured"): a plan with it must be predicted faster than
-#: every fitting plan without it by more than the step-time model's validated error
+#: every fitting plan without it by more than the step-time model's validated error (`offload_wins`)
 OFFLOAD_MARGIN = 0.15
 
 SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
@@ -229,7 +230,10 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
     speed = f"{abs(d):.0%} {'slower' if d >= 0 else 'faster'} than the winner"
     c, b = row.candidate, best.candidate
     if c.offload and not b.offload and d < 0:
-        return f"{speed}, not by the {OFFLOAD_MARGIN:.0%} an optimizer offload must win by (its host rate is extrapolated)"
+        return (
+            f"{speed}, not more than the {OFFLOAD_MARGIN:.0%} an optimizer offload must win by "
+            "(its host rate is extrapolated)"
+        )
     behind = 1 - row.speed.tokens_per_s / fastest
     if behind > SPEED_TIE:  # outside the tie window, which is measured from the fastest
         return speed if d > 0 else f"{speed}: outside {SPEED_TIE:.0%} of the fastest"
@@ -250,6 +254,24 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
     return f"tie ({speed}; within {SPEED_TIE:.0%} of the fastest): {why}"
 
 
+def offload_wins(offload: StepTime, resident: StepTime) -> bool:
+    """The one offload rule (code, --explain and docs/planner.md): a plan with optimizer offload is taken
+    only where it is predicted more than OFFLOAD_MARGIN faster than the fastest fitting plan without it."""
+    return offload.tokens_per_s > resident.tokens_per_s * (1 + OFFLOAD_MARGIN)
+
+
+def pick(rows: list[Row]) -> Row:
+    """The winner among fitting, fully timed rows: the fastest (tie-broken), unless it offloads and does
+    not win by OFFLOAD_MARGIN over the fastest resident row."""
+    best = _fastest(rows)
+    resident = [r for r in rows if not r.candidate.offload]
+    if best.candidate.offload and resident:
+        alt = _fastest(resident)
+        if not offload_wins(best.speed, alt.speed):  # type: ignore[arg-type]
+            best = alt
+    return best
+
+
 def _fastest(rows: list[Row]) -> Row:
     top = max(r.speed.tokens_per_s for r in rows)  # type: ignore[union-attr]
     return min((r for r in rows if r.speed.tokens_per_s >= top * (1 - SPEED_TIE)), key=_rank_key)  # type: ignore[union-attr]
@@ -267,13 +289,8 @@ def rank(shape: fit.Shape, candidates: list[fit.Candidate], speed_of: SpeedOf) -
         return rows
     fastest = None
     if all(timed(r) for r in ok):
-        best = _fastest(ok)
+        best = pick(ok)
         fastest = max(r.speed.tokens_per_s for r in ok)  # type: ignore[union-attr]
-        resident = [r for r in ok if not r.candidate.offload]
-        if best.candidate.offload and resident:
-            alt = _fastest(resident)
-            if alt.speed.tokens_per_s >= best.speed.tokens_per_s * (1 - OFFLOAD_MARGIN):  # type: ignore[union-attr]
-                best = alt
         ok.sort(key=lambda r: -r.speed.tokens_per_s)  # type: ignore[union-attr]
     else:
         best = ok[0]  # candidates arrive in the fit order

@@ -45,8 +45,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.catalog import GPU
+from dskit.plan import links as links_
 from dskit.plan.adapters import Tuning
+from dskit.plan.calibrated import Scales
+from dskit.plan.links import Links
 from dskit.plan.model_math import ModelCounts
+from dskit.plan.prefetch import PREFETCH_BUCKET, gathered_layer_params, max_live, prefetches
 
 # ---- measured: the first four fitted together to the worst relative step-time error of one-GPU runs
 # (bench/plan_bench.py --fit), kept when the optimizer terms were refitted (bench/optimizer_refit.py);
@@ -192,6 +196,8 @@ class StepTime:
     unknown: tuple[str, ...]  # terms left out for want of a bandwidth (named in --explain)
     #: ZeRO-1/2, once per step after the backward, not overlapped: collectives and ZeRO-1's copies
     boundary_s: float = 0.0
+    #: (term, where its rate comes from: measured on this cluster, fitted on the bench, the catalog)
+    sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def gpu_s(self) -> float:
@@ -224,18 +230,14 @@ class StepTime:
         d["mfu"] = round(self.mfu, 4)
         if self.unknown:
             d["not_counted"] = list(self.unknown)
+        if self.sources:
+            d["sources"] = dict(self.sources)
         return d
 
 
 def checkpointed_fraction(layers: int, ckpt_every: int) -> float:
     """Share of layers recomputed in backward (dskit/train/model.py checkpoints layer i when i % N == 0)."""
     return 0.0 if not ckpt_every else math.ceil(layers / ckpt_every) / layers
-
-
-def _bandwidth(group: int, spans_nodes: bool, gpu: GPU, fabric_gbs: float | None) -> float | None:
-    """GB/s per GPU for a collective over `group` ranks: NVLink/PCIe inside a node, else the fabric (a
-    ring or all-to-all spanning nodes runs at its slowest link)."""
-    return gpu.interconnect_gbs if not spans_nodes else fabric_gbs
 
 
 def predict(
@@ -245,7 +247,7 @@ def predict(
     *,
     gpu: GPU,
     peak_tflops: float | None,
-    fabric_gbs: float | None,
+    links: Links,
     layout: Layout,
     micro_batch: int,
     grad_accum: int,
@@ -258,13 +260,16 @@ def predict(
     compiled_attention: bool = False,
     tuning: Tuning | None = None,
     host_threads: int = 8,
+    scales: Scales | None = None,
 ) -> StepTime | None:
     """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
     `offload`: the optimizer stepped on the host's CPU Adam, on `host_threads` cores per rank.
     `peak_tflops`: at the plan's precision. `tuning`: a LoRA run (`flops_per_token` is then its own,
-    `Tuning.flops_per_token`); None: full fine-tuning."""
+    `Tuning.flops_per_token`); None: full fine-tuning. `links`: the cluster's collective rates
+    (dskit/plan/links.py). `scales`: a calibration's factors on the fitted terms (dskit/plan/calibrated.py)."""
     if peak_tflops is None or gpu.memory_bw_gbs is None:
         return None
+    scales = scales or Scales()
     L = cfg["num_hidden_layers"]
     T = micro_batch * seq_len
     frac = checkpointed_fraction(L, ckpt_every)
@@ -273,10 +278,14 @@ def predict(
 
     attention = compiled_attention and zero_stage < 3  # the plan's compile_attention
     fwd = None if tuning is None else tuning.forward_share(c)
-    compute = _compute_s(T, flops_per_token, frac, peak_tflops * 1e12, compiled, fwd, attention)
+    compute = scales.compute * _compute_s(
+        T, flops_per_token, frac, peak_tflops * 1e12, compiled, fwd, attention
+    )
     groups = _zero_groups(c, layout, tuning)
-    per_micro, per_step = _collectives_s(groups, layout, gpu, fabric_gbs, zero_stage, frac, passes, unknown)
-    a2a = _all_to_all_s(cfg, c, layout, gpu, fabric_gbs, T, frac, unknown)
+    shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
+    overlap = zero3_overlap(c, layout)
+    per_micro, per_step = _collectives_s(groups, shapes, links, zero_stage, frac, passes, L, overlap, unknown)
+    a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = (
         HOST_LAYER_PASS_S
@@ -305,7 +314,7 @@ def predict(
         collectives_s=grad_accum * per_micro,
         grad_copy_s=grad_copy,
         all_to_all_s=grad_accum * a2a,
-        host_s=grad_accum * (host_pass * passes + HOST_MICRO_STEP_S),
+        host_s=grad_accum * scales.host * (host_pass * passes + HOST_MICRO_STEP_S),
         optimizer_s=_optimizer_s(
             c.total if tuning is None else tuning.trainable,
             layout,
@@ -314,12 +323,14 @@ def predict(
             zero_stage,
             fused_step,
             host_threads,
+            CPU_ADAM_CORE_S_PER_BPARAM * scales.cpu_adam,
         ),
         tokens_per_step=grad_accum * T,
         flops_per_token=flops_per_token,
         peak_tflops=peak_tflops,
         unknown=tuple(dict.fromkeys(unknown)),
         boundary_s=per_step,
+        sources=tuple(scales.sources.items()),
     )
 
 
@@ -352,9 +363,9 @@ def _compute_s(
     return compute
 
 
-def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tuple[float, float, int], ...]:
+def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tuple[float, float, str], ...]:
     """ZeRO's traffic per group: (bytes gathered per layer pass under ZeRO-3, bytes reduced per
-    micro-step and, under ZeRO-1/2, all-gathered once per step, the group's ranks). Experts are sharded
+    micro-step and, under ZeRO-1/2, all-gathered once per step, the group: `links.groups`' name). Experts are sharded
     over the expert-data-parallel group, the rest over all ranks. AutoEP's groups: EP = consecutive
     ranks (inside a node when ep <= per_node); the expert-data-parallel group strides by ep over all
     ranks, so it spans every node, as the dense group does. A LoRA run (`t`) still gathers every frozen
@@ -362,46 +373,58 @@ def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tupl
     (the dense group; routed-expert adapters the expert-data-parallel group)."""
     dense, routed = (WIRE_BYTES * n for n in _trained_grads(c, layout, t))
     if t is None:  # every weight is trained: gathered and reduced alike
-        return (dense, dense, layout.world), (routed, routed, layout.expert_dp)
+        return (dense, dense, "dense"), (routed, routed, "expert_dp")
     trained = dense  # the routed adapters are reduced over the experts' own group
     return (
-        (t.other_bytes * t.frozen_other + trained, trained, layout.world),
-        (t.expert_bytes * t.frozen_experts / layout.ep_size + routed, routed, layout.expert_dp),
+        (t.other_bytes * t.frozen_other + trained, trained, "dense"),
+        (t.expert_bytes * t.frozen_experts / layout.ep_size + routed, routed, "expert_dp"),
     )
 
 
+def zero3_overlap(c: ModelCounts, layout: Layout) -> float:
+    """The share of ZeRO-3's collective time its prefetch hides: ZERO3_OVERLAP where the rendered
+    config lets DeepSpeed fetch the next layer while the largest one is gathered, else none
+    (dskit/plan/prefetch.py; the config's limits come from the same functions)."""
+    layer = gathered_layer_params(c, layout.world, layout.ep_size)
+    return ZERO3_OVERLAP if prefetches(max_live(layer), PREFETCH_BUCKET, layer) else 0.0
+
+
 def _collectives_s(
-    groups: tuple[tuple[float, float, int], ...],
-    layout: Layout,
-    gpu: GPU,
-    fabric_gbs: float | None,
+    groups: tuple[tuple[float, float, str], ...],
+    shapes: dict[str, links_.Group],
+    links: Links,
     zero_stage: int,
     frac: float,
     passes: float,
+    layers: int,
+    overlap: float,
     unknown: list[str],
 ) -> tuple[float, float]:
     """ZeRO's collective seconds (every micro-step, once per optimizer step) for `_zero_groups`' traffic,
-    their synchronisation included; a group whose bandwidth is unknown is named in `unknown` and not
-    counted. A group of one rank moves nothing."""
-    multi_node = layout.world > layout.per_node
+    their synchronisation included; a group whose rate is unknown is named in `unknown` and not
+    counted. ZeRO-3 gathers each layer once per pass and reduce-scatters each layer's gradients once
+    per micro-step (one call each, for the latency)."""
     per_micro = per_step = 0.0
-    for gathered, reduced, group in groups:
-        if group == 1:
-            continue
-        bw = _bandwidth(group, multi_node, gpu, fabric_gbs)
-        if bw is None:
+    for gathered, reduced, name in groups:
+        g = shapes[name]
+
+        def t(op: str, nbytes: float, calls: float = 1.0, g: links_.Group = g) -> float:
+            return links.seconds(op, g, nbytes, calls) or 0.0
+
+        if g.size > 1 and any(links.rate(op, g) is None for op in ("all_gather", "reduce_scatter")):
             unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
             continue
-        share = (group - 1) / group / (bw * GB)
         if zero_stage == 3:  # gathers per layer pass and one gradient reduce-scatter, per micro-step
-            per_micro += (gathered * (2 + frac) + reduced) * share * (1 - ZERO3_OVERLAP)
+            exposed = t("all_gather", gathered * (2 + frac), passes) + t("reduce_scatter", reduced, layers)
+            per_micro += exposed * (1 - overlap)
         else:  # the updated weights all-gathered once per step, exposed
-            per_step += reduced * share
+            per_step += t("all_gather", reduced)
             if zero_stage == 2:
-                per_micro += reduced * share * (1 - ZERO3_OVERLAP)
+                per_micro += t("reduce_scatter", reduced, layers) * (1 - ZERO3_OVERLAP)
             else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
-                per_step += reduced * share
-    syncs = layout.world > 1 if zero_stage == 3 else layout.ep_size > 1  # AutoEP's count exchange
+                per_step += t("reduce_scatter", reduced)
+    world = shapes["dense"].size
+    syncs = world > 1 if zero_stage == 3 else shapes["ep"].size > 1  # AutoEP's count exchange
     if syncs:
         per_micro += SYNC_LAYER_PASS_S * passes
     return per_micro, per_step
@@ -411,23 +434,25 @@ def _all_to_all_s(
     cfg: dict[str, Any],
     c: ModelCounts,
     layout: Layout,
-    gpu: GPU,
-    fabric_gbs: float | None,
+    ep: links_.Group,
+    links: Links,
     tokens: int,
     frac: float,
     unknown: list[str],
 ) -> float:
-    """One micro-step's AutoEP dispatch and combine seconds (0 without EP, or where the bandwidth is
-    unknown: then named in `unknown`)."""
-    if layout.ep_size == 1:
+    """One micro-step's AutoEP dispatch and combine seconds (0 without EP, or where the rate is
+    unknown: then named in `unknown`). AutoEP moves less than its link's rate (A2A_EFFICIENCY): uneven
+    splits, the count exchange before each dispatch."""
+    if ep.size == 1:
         return 0.0
-    bw = _bandwidth(layout.ep_size, layout.ep_size > layout.per_node, gpu, fabric_gbs)
-    if bw is None:
+    rate = links.rate("all_to_all", ep)
+    if rate is None:
         unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
         return 0.0
     moe_passes = c.moe_layers * (2 * 2 + 2 * frac)  # dispatch + combine per pass
     copy_bytes = tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
-    return moe_passes * copy_bytes * (layout.ep_size - 1) / layout.ep_size / (bw * GB * A2A_EFFICIENCY)
+    sent = moe_passes * copy_bytes * links_.moved_share("all_to_all", ep.size)
+    return moe_passes * rate.latency_s + sent / (rate.bus_gbs * GB * A2A_EFFICIENCY)
 
 
 def _optimizer_s(
@@ -438,6 +463,7 @@ def _optimizer_s(
     zero_stage: int = 3,
     fused: bool = False,
     host_threads: int = 8,
+    cpu_adam_core_s: float = CPU_ADAM_CORE_S_PER_BPARAM,
 ) -> float:
     """Adam over this rank's shard of every trained parameter (`optimized`: all of them, or a LoRA
     run's trainable ones): GPU memory bandwidth, or with offload the host's CPU Adam on the rank's
@@ -447,7 +473,7 @@ def _optimizer_s(
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
         return (
-            local_params / 1e9 * CPU_ADAM_CORE_S_PER_BPARAM / host_threads
+            local_params / 1e9 * cpu_adam_core_s / host_threads
             + local_params * OFFLOAD_BYTES_PER_PARAM / (pcie * GB)
         )
     if zero_stage == 3:

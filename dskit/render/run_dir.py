@@ -4,6 +4,7 @@ directory carries the same files, modes and refusals."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,14 +35,15 @@ def render_run(
     *,
     force: bool = False,
     spec_file: str | Path | None = None,
+    build: Callable[[Spec], Plan] = build_plan,
 ) -> RenderedRun:
     """Plan `spec`, render it for `target` into `out` (default runs/NAME-TARGET) and write it
     atomically; `force` replaces a run directory dskit wrote. `spec_file` is the spec's YAML, one of
-    the inputs `out` must not contain."""
+    the inputs `out` must not contain. `build`: how the plan is made (`dskit calibrate`'s adds its job)."""
     if target not in TARGETS:
         raise SpecError("TARGET", f"unknown target {target!r}; one of {', '.join(TARGETS)}")
     t = TARGETS[target]
-    plan = build_plan(spec)
+    plan = build(spec)
     # what the render reads: --force must never replace a directory holding one of them
     sources = [x.path for x in spec.data.sources or []]
     inputs = [spec_file, spec.data.path, spec.data.eval_path, *sources, spec.model.path]

@@ -58,6 +58,12 @@ class HardwareSpec(_Section):
         "Default: the GPU profile's host_memory_gib_per_gpu (its reference node, e.g. DGX H100: 2 TiB / 8) x "
         "gpus_per_node; unknown, so unchecked, for cpu.",
     )
+    calibration: str | None = Field(
+        None,
+        min_length=1,
+        description="calibration.json written by `dskit calibrate` on this cluster: the plan then times "
+        "collectives and CPU Adam at the rates measured there (docs/planner.md). Default: the catalogs' rates.",
+    )
 
 
 class NetworkSpec(_Section):

@@ -101,6 +101,9 @@ def table(plan: Plan, found: Search) -> str:
         tail.append("chosen, where the step goes: " + step_breakdown(s))
     if s and s.unknown:
         tail.append("not counted: " + "; ".join(s.unknown))
+    if s and s.sources:
+        tail.append("where each term's rate comes from:")
+        tail += [f"  {term}: {source}" for term, source in s.sources]
     if found.unforced_best is not None:
         tail.append(
             f"without the overrides the planner would take: {found.unforced_best.candidate.describe()}"

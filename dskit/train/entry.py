@@ -65,6 +65,8 @@ def read_contract(*, launcher_env: bool = True):
                 f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
                 f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
             )
+    if plan.calibrate is not None:  # a calibration job reads no data (dskit/train/calibrate.py)
+        return plan, None, None, None
     vocab = plan.model.config["vocab_size"]
     if plan.run.data_sources:
         parts, samplers = [], []
@@ -388,6 +390,10 @@ def _main() -> int:
     from dskit.train.checkpoints.reshard import ConversionFailed
     from dskit.train.checkpoints.store import DiskFull
 
+    if plan.calibrate is not None:
+        from dskit.train.calibrate import calibrate
+
+        return calibrate(plan, *start_distributed(plan))
     try:
         return run(plan, data, sampler, eval_sampler)
     except SpecError as e:

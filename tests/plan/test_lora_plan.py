@@ -333,6 +333,7 @@ def test_a_lora_step_copies_only_the_trainable_gradients():
     """ZeRO-2's per-micro-step gradient copies are over what trains: the adapters (routed ones too,
     1/ep of them per rank), not the frozen base."""
     from dskit.plan import speed
+    from dskit.plan.links import Links
 
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
     c = counts(cfg, 4096)
@@ -352,7 +353,7 @@ def test_a_lora_step_copies_only_the_trainable_gradients():
         t.flops_per_token(c),
         gpu=gpu,
         peak_tflops=989,
-        fabric_gbs=None,
+        links=Links(gpu.interconnect_gbs, None),
         layout=layout,
         micro_batch=2,
         grad_accum=3,

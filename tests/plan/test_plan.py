@@ -31,9 +31,9 @@ def plan_for(*sets: str, **flags):
 def test_default_two_node_plan():
     p = plan_for(hardware__nodes=2)
     assert p.hardware.world_size == 16
-    # the step-time model's pick among ZeRO 1-3 and the divisors of 64 (docs/planner.md: ZeRO-2 has no
-    # per-layer gathers over the fabric; EP 4 stays inside a node)
-    assert p.parallel.zero_stage == 2 and p.parallel.ep_size == 4 and p.parallel.expert_dp_size == 4
+    # the step-time model's pick among ZeRO 1-3 and the divisors of 64: with 8 NICs per node a ZeRO-3
+    # group spanning both nodes gathers at 8 x 50 GB/s (dskit/plan/links.py), and EP 1 needs no all-to-all
+    assert p.parallel.zero_stage == 3 and p.parallel.ep_size == 1 and p.parallel.expert_dp_size == 16
     assert p.speed["tokens_per_s_per_gpu"] > 0 and p.speed["mfu"] > 0
     assert p.parallel.micro_batch * p.parallel.grad_accum * 16 == p.parallel.global_batch
     assert p.parallel.precision == "bf16" and p.parallel.attention == "flash_attention_4"
@@ -45,9 +45,7 @@ def test_default_two_node_plan():
     }
     zero = ds["zero_optimization"]
     assert (
-        zero["stage"] == 2
-        and not any(k.startswith("stage3") for k in zero)
-        and ds["bf16"] == {"enabled": True}
+        zero["stage"] == 3 and zero["stage3_max_live_parameters"] >= 10**9 and ds["bf16"] == {"enabled": True}
     )
     assert ds["train_batch_size"] == 256 and "fp16" not in ds
     m = p.memory
@@ -189,7 +187,7 @@ def test_issue_examples():
     m = v3.memory
     assert v3.parallel.global_batch == 1024 and v3.parallel.micro_batch == 4
     assert v3.parallel.offload_optimizer and any(
-        "predicted faster than every fitting plan without it" in w for w in v3.warnings
+        "predicted more than 15% faster than every fitting plan without it" in w for w in v3.warnings
     )
     assert (
         max(m["total_gib"], m["construction_gib"]) <= m["limit_gib"] and m["host_gib"] <= m["host_limit_gib"]

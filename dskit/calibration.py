@@ -1,0 +1,180 @@
+"""The calibration file: what `dskit calibrate` measured on a cluster, and the one reader the plan uses.
+
+Written by the calibration job's rank 0 (dskit/train/calibrate.py), read by the plan
+(`hardware.calibration` or `--calibration`) through `load`. It names the hardware it was measured on;
+a plan for other hardware, a file from another version, or a damaged one is refused in one line, never
+half-used. Neither side decides anything here: the measurement writes numbers, the step-time model
+(dskit/plan/links.py, dskit/plan/speed.py) decides what they mean.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dskit.atomic import write_file
+from dskit.errors import SpecError
+
+VERSION = 1
+#: a calibration of a few hundred groups and sizes is tens of KiB: anything near this is not one
+MAX_BYTES = 4 * 2**20
+SHAPE_KEY = r"^[1-9][0-9]{0,3}x[1-9][0-9]{0,4}$"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Hardware(_Frozen):
+    """What the plan must match to use the file (gpu, fabric, procs_per_node) and what it records."""
+
+    gpu: str  # the catalog profile the calibration job was planned for
+    fabric: str
+    nodes: int = Field(ge=1)
+    procs_per_node: int = Field(ge=1)
+    device: str  # torch's device name ("NVIDIA H200", "cpu")
+    backend: str  # nccl, gloo
+    torch: str
+    nccl: str | None
+    driver: str | None
+
+
+class Fit(_Frozen):
+    """One collective over one group shape: latency + bytes sent / bus bandwidth, fitted by least
+    squares to the timed points (whole-tensor bytes, seconds)."""
+
+    bus_gbs: float = Field(gt=0)
+    latency_s: float = Field(ge=0)
+    points: list[tuple[float, float]]
+
+
+class CpuAdam(_Frozen):
+    core_s_per_bparam: float = Field(gt=0)  # DeepSpeed's CPU Adam with every rank of a node stepping
+    ranks: int = Field(ge=1)
+    threads_per_rank: int = Field(ge=1)
+
+
+class Compute(_Frozen):
+    gemm_tflops: float | None = None  # bf16 (fp16) matmul at the model's expert GEMM shape
+    attention_tflops: float | None = None  # SDPA forward + backward at the model's head shape
+    host_layer_pass_s: float | None = None  # the host probe (dskit/train/calibrate.py `host_probe`)
+
+
+class Calibration(_Frozen):
+    version: int
+    dskit: str
+    created: str  # UTC, ISO 8601
+    hardware: Hardware
+    #: op -> group shape key ("8x2": 8 ranks on each of 2 nodes) -> fit
+    collectives: dict[str, dict[str, Fit]]
+    compute: Compute = Compute()
+    cpu_adam: CpuAdam | None = None
+    #: the preflight's findings: a group far below what its fabric should give
+    warnings: list[str] = []
+
+    def rate(self, op: str, key: str) -> tuple[float, float] | None:
+        """(bus GB/s, latency s) measured for `op` over groups shaped `key`; a shape across more nodes
+        than were calibrated takes the widest calibrated one with as many ranks per node (a ring's bus
+        bandwidth does not depend on its length), its latency scaled by the ring steps across nodes."""
+        fits = self.collectives.get(op, {})
+        if key in fits:
+            return fits[key].bus_gbs, fits[key].latency_s
+        per_node, nodes = (int(x) for x in key.split("x"))
+        wider = [
+            (n, f)
+            for k, f in fits.items()
+            for r, n in [tuple(int(x) for x in k.split("x"))]
+            if r == per_node and 1 < n < nodes
+        ]
+        if not wider or nodes < 2:
+            return None
+        n, f = max(wider, key=lambda nf: nf[0])
+        return f.bus_gbs, f.latency_s * (nodes - 1) / (n - 1)
+
+
+def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node: int) -> Calibration:
+    """The calibration at `path`, checked against the plan's hardware; SpecError (exit 2) naming
+    `field` on anything else."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if not p.is_file():
+            raise SpecError(field, f"{p} is not a file (give the calibration.json `dskit calibrate` wrote)")
+        if size > MAX_BYTES:
+            raise SpecError(field, f"{p} is {size:,} bytes, over the {MAX_BYTES:,} a calibration can be")
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(field, f"{p} does not exist (run `dskit calibrate` first)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(field, f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise SpecError(field, f"{p} is damaged (not JSON: {str(e)[:80]})") from None
+    if not isinstance(data, dict) or data.get("version") != VERSION:
+        got = data.get("version") if isinstance(data, dict) else type(data).__name__
+        raise SpecError(
+            field, f"{p}: calibration version {got!r}, this dskit reads {VERSION}; re-run calibrate"
+        )
+    try:
+        cal = Calibration.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise SpecError(field, f"{p} is damaged at {where}: {err['msg']}") from None
+    h = cal.hardware
+    for name, theirs, ours in (
+        ("gpu", h.gpu, gpu),
+        ("fabric", h.fabric, fabric),
+        ("procs_per_node", h.procs_per_node, procs_per_node),
+    ):
+        if theirs != ours:
+            raise SpecError(
+                field,
+                f"{p} was measured with {name} {theirs!r}, this plan has {ours!r}: calibrate this hardware",
+            )
+    for op, fits in cal.collectives.items():
+        bad = next((k for k in fits if not _is_key(k)), None)
+        if bad is not None:
+            raise SpecError(field, f"{p} is damaged at collectives.{op}: group shape {bad[:40]!r}")
+    return cal
+
+
+def _is_key(key: str) -> bool:
+    return re.fullmatch(SHAPE_KEY, key) is not None
+
+
+def write(path: str | Path, cal: Calibration) -> None:
+    """Atomically: a killed job leaves the previous file (or none), never half of one."""
+    write_file(Path(path), json.dumps(cal.model_dump(mode="json"), indent=1) + "\n")
+
+
+def versions() -> dict[str, Any]:
+    """The software the measurement ran on (recorded, not compared)."""
+    import torch
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except (RuntimeError, AttributeError):
+            nccl = None
+    driver = None
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()
+            driver = out[0] if out else None
+        except (OSError, subprocess.SubprocessError):
+            driver = None
+    return {"torch": torch.__version__, "nccl": nccl, "driver": driver}

@@ -1,0 +1,67 @@
+"""`dskit calibrate`: measure the cluster the plan runs on, as a short job launched like a run."""
+
+from __future__ import annotations
+
+import argparse
+
+from dskit.cli.args import Subparsers, add_spec_args, spec_from_args
+
+LOCAL = "local"
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from dskit.plan.build import build_calibration_plan
+    from dskit.render.run_dir import render_run
+
+    spec = spec_from_args(a)
+    target = "slurm" if a.target == LOCAL else a.target  # local: the same run dir, started here
+    out = a.output or f"runs/{spec.name}-calibrate-{a.target}"
+    run = render_run(spec, target, out, force=a.force, spec_file=a.spec, build=build_calibration_plan)
+    c = run.plan.calibrate
+    assert c is not None  # build_calibration_plan always adds it
+    shapes = ", ".join(f"{g.key} ({g.role})" for g in c.groups) or "none (one rank)"
+    print(
+        f"wrote {run.out}: a calibration job for {run.plan.hardware.nodes}x{run.plan.hardware.procs_per_node} "
+        f"{run.plan.hardware.gpu}; groups: {shapes}"
+    )
+    if a.target != LOCAL:
+        print(f"next: {run.next_step()}")
+        print(f"then: dskit plan SPEC --calibration {c.file} --explain")
+        return 0
+    from dskit.train.local import run_local
+
+    code = run_local(str(run.out))
+    if code == 0:
+        print(f"calibration: {c.file}")
+        print(f"next: dskit plan SPEC --calibration {c.file} --explain")
+    return code
+
+
+def add_calibrate(sub: Subparsers) -> None:
+    from dskit.render import TARGETS
+
+    targets = [LOCAL, *(t for t in TARGETS if t != "image")]
+    s = sub.add_parser(
+        "calibrate",
+        help="measure this cluster's collectives, GEMM and CPU Adam rates for the plan (a short job)",
+        description="Render (and with `local`, run) a short job, launched like a training run of the same "
+        "spec, that times what the plan's step-time model depends on, on your hardware: all-gather, "
+        "reduce-scatter, all-reduce and all-to-all over every process-group shape a plan of this size forms "
+        "(inside a node, across nodes, each EP size's expert-parallel and expert-data-parallel groups), at "
+        "sizes around the plan's messages; the GPU's GEMM and attention rates; the host's cost per layer "
+        "pass; DeepSpeed's CPU Adam with every rank of a node stepping at once. Rank 0 writes "
+        "calibration.json to the run's output dir (atomically: a killed job leaves none). Give it to "
+        "`dskit plan`/`render` with --calibration FILE (spec: hardware.calibration); `--explain` then "
+        "names each term's source. A group measuring far below its fabric (NCCL on TCP sockets, a missing "
+        "NIC or GPUDirect, a small /dev/shm) is named in one line: a preflight before a long run.",
+    )
+    s.add_argument(
+        "target",
+        choices=targets,
+        help=f"{LOCAL}: run it here now (torchrun, like `dskit train --local`); "
+        + "; ".join(f"{t}: render it as `dskit render {t}` does" for t in targets[1:]),
+    )
+    add_spec_args(s)
+    s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-calibrate-TARGET)")
+    s.add_argument("--force", action="store_true", help="replace an existing run directory")
+    s.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,107 @@
+"""What a calibration job measures (`dskit calibrate`): decided here from the plan, so the job itself
+(dskit/train/calibrate.py) only times what run.yaml lists.
+
+It times the process groups a plan of this size forms, for every EP size the search weighs (not only
+the pick's: the pick may change once the rates are measured): the dense group (every rank), each EP
+size's expert-parallel group (all-to-all) and its expert-data-parallel group (all-gather and
+reduce-scatter). Groups of one shape are timed once, all of them at the same moment, as a training
+step runs them. Sizes are spread around the plan's own messages (a layer's gathered weights, a
+micro-step's dispatched tokens) so the fitted latency and bandwidth hold where the plan uses them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from dskit.catalog import GPU, Fabric
+from dskit.plan import links, search
+from dskit.plan.host_memory import threads_per_rank
+from dskit.plan.model_math import ModelCounts, head_dims
+from dskit.plan.prefetch import gathered_layer_params
+from dskit.plan.schema import CalibrateGroup, CalibratePlan, Plan
+
+FILE = "calibration.json"
+#: sizes per op: few enough for a short job, spread enough to separate latency from bandwidth
+SIZES = 4
+#: sizes timed, bytes: on GPUs from MIN_BYTES_GPU to the plan's largest message (a layer's gathered
+#: weights, a micro-step's dispatched tokens) within [MIN_TOP_GPU, MAX_BYTES_GPU]; the cpu profile (gloo,
+#: the test clusters) a fixed small range, where bandwidth still dominates latency
+MIN_BYTES_GPU, MIN_TOP_GPU, MAX_BYTES_GPU = 2**20, 64 * 2**20, 2 * 2**30
+CPU_BYTES = (256 * 2**10, 8 * 2**20)
+ITERS_GPU, ITERS_CPU = 5, 3
+#: parameters each rank's CPU Adam steps (every rank of a node at once): long enough to time, short
+#: enough not to matter
+CPU_ADAM_PARAMS_GPU, CPU_ADAM_PARAMS_CPU = 200_000_000, 4_000_000
+WIRE_BYTES = 2
+
+
+def calibrate_plan(
+    plan: Plan, counts: ModelCounts, gpu: GPU, fabric: Fabric, cpus_per_node: int | None
+) -> Plan:
+    """`plan` with the calibration job's section: what to time, at which sizes, where to write."""
+    h, p, cfg = plan.hardware, plan.parallel, plan.model.config
+    world, per_node = h.world_size, h.procs_per_node
+    rates = links.Links(gpu.interconnect_gbs, fabric.gbs_per_gpu)
+    shapes: dict[str, CalibrateGroup] = {}
+
+    def add(g: links.Group, role: str, stride: int, ops: tuple[str, ...]) -> None:
+        if g.size == 1:
+            return
+        had = shapes.get(g.key)
+        ops = tuple(dict.fromkeys((*(had.moved_share if had else ()), *ops)))
+        expected = {}
+        for op in ops:
+            r = rates.catalog_rate(op, g)
+            expected[op] = None if r is None else round(r.bus_gbs, 3)
+        shapes[g.key] = CalibrateGroup(
+            key=g.key,
+            role=had.role if had else role,
+            size=g.size,
+            stride=had.stride if had else stride,
+            moved_share={op: links.moved_share(op, g.size) for op in ops},
+            expected_gbs=expected,
+        )
+
+    ring = ("all_gather", "reduce_scatter", "all_reduce")
+    add(links.groups(world, per_node, 1)["dense"], "dense: every rank", 1, ring)
+    for ep in search.ep_sizes(cfg["n_routed_experts"], world, per_node):
+        g = links.groups(world, per_node, ep)
+        add(g["ep"], f"expert-parallel at EP {ep}", 1, ("all_to_all",))
+        add(g["expert_dp"], f"expert-data-parallel at EP {ep}", ep, ("all_gather", "reduce_scatter"))
+    on_gpu = h.on_gpu
+    layer = WIRE_BYTES * gathered_layer_params(counts, world, p.ep_size)
+    dispatch = p.micro_batch * p.seq_len * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+    lo, hi = (MIN_BYTES_GPU, min(MAX_BYTES_GPU, max(MIN_TOP_GPU, layer, dispatch))) if on_gpu else CPU_BYTES
+    sizes = _spread(lo, hi, SIZES, multiple=world * 64)
+    qk, v = head_dims(cfg)
+    section = CalibratePlan(
+        file=str(Path(plan.run.output_dir) / FILE),
+        groups=list(shapes.values()),
+        sizes_bytes=sizes,
+        iters=ITERS_GPU if on_gpu else ITERS_CPU,
+        gemm=(
+            p.micro_batch * p.seq_len,
+            cfg["hidden_size"],
+            cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        )
+        if on_gpu
+        else None,
+        attention=(p.micro_batch, cfg["num_attention_heads"], p.seq_len, qk, v) if on_gpu else None,
+        cpu_adam_params=CPU_ADAM_PARAMS_GPU if on_gpu else CPU_ADAM_PARAMS_CPU,
+        threads_per_rank=threads_per_rank(cpus_per_node, per_node, gpu.is_cpu),
+        fabric=fabric.name,
+    )
+    return plan.model_copy(update={"calibrate": section})
+
+
+def _spread(lo: int, hi: int, n: int, *, multiple: int) -> list[int]:
+    """`n` sizes from `lo` to `hi`, evenly on a log scale, each a multiple of `multiple` (so every
+    rank's share of a reduce-scatter is whole)."""
+    if hi <= lo:
+        hi = lo * 2
+    out = []
+    for i in range(n):
+        x = lo * (hi / lo) ** (i / (n - 1))
+        out.append(max(multiple, int(math.ceil(x / multiple)) * multiple))
+    return sorted(set(out))

@@ -1,0 +1,150 @@
+"""How long one collective takes over one process group: the communication half of the step-time model.
+
+A group is known by its shape (`Group`): how many of its ranks share a node, over how many nodes. The
+shape, not the world, sets the bandwidth. NCCL runs all-gather, reduce-scatter and all-reduce as rings
+(its tuning model, NVIDIA/nccl src/graph/tuning.cc `ncclTopoTuneModel`): a rank moves `(g-1)/g` of the
+gathered bytes for an all-gather or reduce-scatter and `2(g-1)/g` for an all-reduce (nccl-tests
+doc/PERFORMANCE.md, "bus bandwidth"), at the group's bus bandwidth, after a latency of a few
+microseconds per ring step. Inside a node the bus bandwidth is the GPU's link (NVLink, else PCIe).
+Across nodes a ring leaves each node once per channel, and NCCL gives every local rank of the group a
+channel on its own NIC: the node's share of the fabric that the group's local ranks own, `r x` the
+fabric's per-GPU rate, bounds it. The node's other ranks run their own groups of the same kind at the
+same moment (every expert-data-parallel group reduces at once), so they keep their NICs.
+
+An all-to-all has no ring: each rank sends `(g-1)/g` of its bytes, `(g-r)/g` of them through its own
+share of the NICs and `(r-1)/g` over the node's links, both at once.
+
+Where the user calibrated their cluster (`dskit calibrate`, dskit/calibration.py), each shape's
+measured latency and bus bandwidth replace the catalog's for that shape; `Rate.source` says which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dskit.calibration import Calibration
+
+#: the collectives the model times (the names calibrate measures them under)
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+#: NCCL's ring latency model, protocol Simple (the one large messages take), microseconds: a base per
+#: call, plus one hardware latency per ring step that crosses a network link (tuning.cc `baseLat`,
+#: `hwLat[NCCL_HW_NET]`). The steps inside a node are not counted here: their latency is part of the
+#: per-layer-pass synchronisation fitted on one node (speed.SYNC_LAYER_PASS_S).
+NCCL_RING_BASE_US = 8.4
+NCCL_NET_STEP_US = 9.6
+US = 1e-6
+GB = 1e9
+
+#: where a rate came from, as --explain prints it
+MEASURED = "measured on this cluster (dskit calibrate)"
+CATALOG = "catalog (gpus.yaml link, fabrics.yaml NICs)"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The shape of one kind of process group: `ranks_per_node` of its ranks on each of `nodes` nodes."""
+
+    ranks_per_node: int
+    nodes: int
+
+    @property
+    def size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.nodes > 1
+
+    @property
+    def key(self) -> str:
+        """How a calibration file names the shape: `8x4` is 8 ranks on each of 4 nodes."""
+        return f"{self.ranks_per_node}x{self.nodes}"
+
+    def describe(self) -> str:
+        if not self.spans_nodes:
+            return f"{self.size} ranks inside a node"
+        return f"{self.size} ranks, {self.ranks_per_node} on each of {self.nodes} nodes"
+
+
+def groups(world: int, per_node: int, ep_size: int) -> dict[str, Group]:
+    """The groups a plan forms (AutoEP's layout): `dense` is every rank (ZeRO shards the non-expert
+    weights over it); `ep`, consecutive ranks holding different experts; `expert_dp`, the ranks holding
+    the same experts, strided by ep over the world."""
+    per_node = min(per_node, world)
+    nodes = world // per_node
+    if ep_size <= per_node:
+        ep = Group(ep_size, 1)
+        edp = Group(per_node // ep_size, nodes)
+    else:
+        ep = Group(per_node, ep_size // per_node)
+        edp = Group(1, world // ep_size)
+    return {"dense": Group(per_node, nodes), "ep": ep, "expert_dp": edp}
+
+
+def moved_share(op: str, size: int) -> float:
+    """Bytes a rank sends per byte of the collective's whole tensor (NCCL's bus-bandwidth factor)."""
+    ring = (size - 1) / size
+    return 2 * ring if op == "all_reduce" else ring
+
+
+def ring_steps(op: str, g: Group) -> tuple[int, int]:
+    """(every step, the steps that cross nodes) of a ring (tuning.cc `nsteps`, `nInterSteps`)."""
+    per_pass = (g.size - 1, g.nodes - 1)
+    return (2 * per_pass[0], 2 * per_pass[1]) if op == "all_reduce" else per_pass
+
+
+@dataclass(frozen=True)
+class Rate:
+    bus_gbs: float  # bytes a rank sends, per second of the transfer, in GB/s
+    latency_s: float  # per call
+    source: str  # MEASURED or CATALOG
+
+
+@dataclass(frozen=True)
+class Links:
+    """The rates of one cluster: a GPU's link inside a node, the fabric's per-GPU share across nodes
+    (None: unknown), and the user's measurements where they calibrated."""
+
+    intra_gbs: float | None
+    fabric_gbs: float | None
+    calibration: Calibration | None = None
+
+    def rate(self, op: str, g: Group) -> Rate | None:
+        """The rate of `op` over groups shaped `g`, or None where nothing says (a fabric without a
+        catalog rate, not calibrated)."""
+        if self.calibration is not None:
+            measured = self.calibration.rate(op, g.key)
+            if measured is not None:
+                bus, latency = measured
+                # steps inside a node are the fitted synchronisation's (see NCCL_NET_STEP_US)
+                return Rate(bus, latency if g.spans_nodes else 0.0, MEASURED)
+        return self.catalog_rate(op, g)
+
+    def catalog_rate(self, op: str, g: Group) -> Rate | None:
+        intra = self.intra_gbs
+        if not g.spans_nodes:
+            return None if intra is None else Rate(intra, 0.0, CATALOG)
+        if self.fabric_gbs is None or intra is None:
+            return None
+        if op == "all_to_all":
+            # per-rank time per byte sent: the network share and the node's share run at once
+            net = (g.size - g.ranks_per_node) / g.size / self.fabric_gbs
+            node = (g.ranks_per_node - 1) / g.size / intra
+            bus = moved_share(op, g.size) / max(net, node)
+            latency = NCCL_NET_STEP_US * US  # one exchange with every peer, in parallel
+        else:
+            bus = min(intra, g.ranks_per_node * self.fabric_gbs)
+            latency = (NCCL_RING_BASE_US + NCCL_NET_STEP_US * ring_steps(op, g)[1]) * US
+        return Rate(bus, latency, CATALOG)
+
+    def seconds(self, op: str, g: Group, nbytes: float, calls: float = 1.0) -> float | None:
+        """Seconds for `calls` collectives moving `nbytes` of whole tensor in all (None: rate unknown);
+        a group of one rank moves nothing."""
+        if g.size == 1:
+            return 0.0
+        r = self.rate(op, g)
+        if r is None:
+            return None
+        return calls * r.latency_s + nbytes * moved_share(op, g.size) / (r.bus_gbs * GB)
