@@ -7,9 +7,10 @@ DeepSpeed 0.19.8 prefetches the next modules' parameters only while fewer than
 `min(max_live - available, bucket)`). A layer whose gathered parameters exceed the live limit leaves
 no room while it is computed, so nothing of the next layer is fetched ahead: every gather is exposed.
 At expert parallelism 8, one DeepSeek-V3 layer's local experts are 1.41 B parameters, over DeepSpeed's
-default limit of 1e9. The memory model already holds two gathered layers
-(dskit/plan/memory.py), so the limit is raised to two of the plan's largest gathered layers where
-that is above the default; the bucket stays DeepSpeed's default, with which the overlap was fitted.
+default limit of 1e9. So the limit is raised, where it must be, to the plan's largest gathered layer
+plus one prefetch bucket: the room the default leaves smaller models, with which the overlap was
+fitted (the bucket stays DeepSpeed's default). The memory model holds two gathered layers
+(dskit/plan/memory.py), more than that.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def gathered_layer_params(c: ModelCounts, world: int, ep_size: int) -> int:
 
 
 def max_live(layer_params: int) -> int:
-    """The live limit the plan renders: room for the layer being computed and the next one."""
-    return max(MAX_LIVE_DEFAULT, 2 * layer_params)
+    """The live limit the plan renders: the layer being computed and one bucket of the next."""
+    return max(MAX_LIVE_DEFAULT, layer_params + PREFETCH_BUCKET)
 
 
 def prefetches(live_limit: int, bucket: int, layer_params: int) -> bool:

@@ -1,0 +1,96 @@
+"""The communication model: each collective over its process group's shape (dskit/plan/links.py), and
+ZeRO-3's prefetch limits chosen so the overlap the model counts is the one the config allows."""
+
+from __future__ import annotations
+
+import pytest
+
+from dskit import catalog
+from dskit.plan import links, prefetch, speed
+from dskit.plan.build import build_plan
+from dskit.plan.links import Group, Links
+from dskit.plan.model_math import counts
+from dskit.spec import load_spec
+
+H100 = catalog.gpu("h100-80gb")
+IB = catalog.fabric("infiniband")
+CATALOG = Links(H100.interconnect_gbs, IB.gbs_per_gpu)
+
+
+def test_groups_follow_autoeps_layout():
+    """EP groups are consecutive ranks, expert-data-parallel ones stride by EP: on 32 nodes of 8,
+    EP 8 keeps the all-to-all inside a node and puts one rank per node in each expert-DP group."""
+    g = links.groups(world=256, per_node=8, ep_size=8)
+    assert g["dense"] == Group(8, 32) and g["ep"] == Group(8, 1) and g["expert_dp"] == Group(1, 32)
+    g = links.groups(world=256, per_node=8, ep_size=64)
+    assert g["ep"] == Group(8, 8) and g["expert_dp"] == Group(1, 4)
+    g = links.groups(world=256, per_node=8, ep_size=2)
+    assert g["ep"] == Group(2, 1) and g["expert_dp"] == Group(4, 32)
+    assert links.groups(world=2, per_node=8, ep_size=1)["dense"] == Group(2, 1)
+
+
+def test_a_ring_across_nodes_runs_on_every_local_ranks_nic():
+    """NCCL's ring bus bandwidth across nodes: each local rank of the group drives its own NIC share,
+    bounded by the node's link; one rank per node gets one NIC."""
+    assert CATALOG.rate("all_gather", Group(8, 32)).bus_gbs == min(450, 8 * 50)
+    assert CATALOG.rate("reduce_scatter", Group(1, 32)).bus_gbs == 50
+    assert CATALOG.rate("all_gather", Group(8, 1)).bus_gbs == 450
+    # inside a node the latency is the fitted per-layer-pass synchronisation's (not counted twice)
+    assert CATALOG.rate("all_gather", Group(8, 1)).latency_s == 0
+    # across nodes: NCCL's base plus one network step per node boundary (tuning.cc)
+    lat = CATALOG.rate("all_gather", Group(8, 32)).latency_s
+    assert lat == pytest.approx((links.NCCL_RING_BASE_US + 31 * links.NCCL_NET_STEP_US) * 1e-6)
+    assert CATALOG.rate("all_reduce", Group(8, 32)).latency_s > lat  # two passes of the ring
+
+
+def test_bytes_moved_are_ncclss_bus_bandwidth_factors():
+    """nccl-tests' bus bandwidth: (g-1)/g of the tensor per rank for all-gather and reduce-scatter,
+    2(g-1)/g for all-reduce; one rank moves nothing."""
+    g = Group(8, 1)
+    gb = 1e9
+    assert CATALOG.seconds("all_gather", g, 450 * gb) == pytest.approx(7 / 8)
+    assert CATALOG.seconds("all_reduce", g, 450 * gb) == pytest.approx(2 * 7 / 8)
+    assert CATALOG.seconds("all_gather", Group(1, 1), 1e12) == 0
+
+
+def test_an_all_to_all_across_nodes_is_bound_by_the_nic_share():
+    """EP 16 on nodes of 8: half of each rank's bytes leave the node on its own NIC (50 GB/s), the
+    rest cross NVLink at the same time: the NIC sets the pace."""
+    r = CATALOG.rate("all_to_all", Group(8, 2))
+    sent = 15 / 16
+    assert r.bus_gbs == pytest.approx(sent / (8 / 16 / 50))
+
+
+def test_an_unknown_fabric_has_no_rate_across_nodes():
+    tcp = Links(H100.interconnect_gbs, catalog.fabric("tcp").gbs_per_gpu)
+    assert tcp.rate("all_gather", Group(8, 2)) is None and tcp.seconds("all_gather", Group(8, 2), 1) is None
+    assert tcp.rate("all_gather", Group(8, 1)) is not None
+
+
+def _v3(nodes: int, *sets: str):
+    return build_plan(
+        load_spec(None, [f"hardware.nodes={nodes}", "model.preset=deepseek-v3", *sets], {})
+    )
+
+
+def test_zero3_may_prefetch_what_the_model_overlaps():
+    """At EP 8 a V3 layer's local experts exceed DeepSpeed's default live-parameter limit (1e9): the
+    plan raises the limit to that layer plus one prefetch bucket, so DeepSpeed can fetch ahead while it
+    is computed, and the model's overlap is the config's."""
+    plan = _v3(32, "overrides.zero_stage=3", "overrides.ep_size=8")
+    z = plan.deepspeed["zero_optimization"]
+    c = counts(plan.model.config, plan.parallel.seq_len)
+    layer = prefetch.gathered_layer_params(c, plan.hardware.world_size, 8)
+    assert layer > prefetch.MAX_LIVE_DEFAULT  # the case the default config could not prefetch
+    assert z["stage3_max_live_parameters"] == layer + prefetch.PREFETCH_BUCKET
+    assert prefetch.prefetches(z["stage3_max_live_parameters"], z["stage3_prefetch_bucket_size"], layer)
+    assert not prefetch.prefetches(prefetch.MAX_LIVE_DEFAULT, prefetch.PREFETCH_BUCKET, layer)
+    layout = speed.Layout(world=256, per_node=8, ep_size=8)
+    assert speed.zero3_overlap(c, layout) == speed.ZERO3_OVERLAP
+
+
+def test_small_models_keep_deepspeeds_defaults():
+    """Where DeepSpeed's default leaves room to prefetch, the rendered config is what the one- and
+    two-GPU runs were measured with."""
+    plan = build_plan(load_spec(None, ["overrides.zero_stage=3", "hardware.gpus_per_node=2"], {}))
+    assert plan.deepspeed["zero_optimization"]["stage3_max_live_parameters"] == prefetch.MAX_LIVE_DEFAULT
