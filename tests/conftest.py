@@ -65,10 +65,12 @@ def render_tiny(
     nodes: int = 1,
     gpus_per_node: int = 2,
     flags: list[str] | tuple[str, ...] = (),
+    command: str = "render",
 ) -> Path:
     """Render a run dir for a tiny CPU plan with storage under `tmp`; returns the run dir. Jobs run the
     trainer with this test's interpreter (Slurm: runtime none; Ray: the entrypoint's python). With
-    `model=None` the model comes from `extra` (e.g. `model.path=DIR`)."""
+    `model=None` the model comes from `extra` (e.g. `model.path=DIR`). `command`: `calibrate` renders
+    the same plan's calibration job (`dskit calibrate TARGET`)."""
     out = tmp / name
     sets = [
         *TINY_SETS,
@@ -78,7 +80,7 @@ def render_tiny(
         *(extra or []),
     ]
     args = [
-        "render",
+        command,
         target,
         "--gpu",
         "cpu",

@@ -135,8 +135,14 @@ def _eval_sampler(plan, data):
 
 
 def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], None] | None = None) -> int:
-    """Build model + engine and train. The caller owns the process group's lifetime."""
+    """Build model + engine and train (a calibration job measures instead: dskit/train/calibrate.py).
+    The caller owns the process group's lifetime."""
     import warnings
+
+    if plan.calibrate is not None:
+        from dskit.train.calibrate import calibrate
+
+        return calibrate(plan, *start_distributed(plan))
 
     # DeepSpeed calls torch's deprecated collective names on every step; one line each, per rank.
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -390,10 +396,6 @@ def _main() -> int:
     from dskit.train.checkpoints.reshard import ConversionFailed
     from dskit.train.checkpoints.store import DiskFull
 
-    if plan.calibrate is not None:
-        from dskit.train.calibrate import calibrate
-
-        return calibrate(plan, *start_distributed(plan))
     try:
         return run(plan, data, sampler, eval_sampler)
     except SpecError as e:

@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dskit import calibration
 from dskit.checkpoint_layout import newest_verified_tag
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan
@@ -210,3 +211,18 @@ def test_ray_refuses_dollar_values_it_would_expand(tmp_path):
         "expands and cannot escape; remove it from the spec (network.*, storage.*) for the ray target"
     ]
     assert not (tmp_path / "o").exists()
+
+
+def test_ray_runs_the_calibration_job(ray_cluster, tmp_path):
+    """`dskit calibrate ray` + `ray job submit`: the Ray Train workers measure instead of training, and
+    rank 0 writes the calibration the plan takes."""
+    rd = render_tiny(tmp_path, name="raycal", target="ray", command="calibrate")
+    r = subprocess.run(
+        ["bash", str(rd / "submit.sh")], env=ray_cluster, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
+    plan = load_plan(rd / "run.yaml")
+    cal = calibration.load(
+        plan.calibrate.file, field="f", gpu="cpu", fabric=plan.launch.fabric, procs_per_node=2
+    )
+    assert cal.hardware.procs_per_node == 2 and "2x1" in cal.collectives["all_to_all"]

@@ -68,9 +68,7 @@ def test_an_unknown_fabric_has_no_rate_across_nodes():
 
 
 def _v3(nodes: int, *sets: str):
-    return build_plan(
-        load_spec(None, [f"hardware.nodes={nodes}", "model.preset=deepseek-v3", *sets], {})
-    )
+    return build_plan(load_spec(None, [f"hardware.nodes={nodes}", "model.preset=deepseek-v3", *sets], {}))
 
 
 def test_zero3_may_prefetch_what_the_model_overlaps():

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from dskit import catalog
+from dskit import calibration, catalog
 from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE, REQUIRED
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.build import build_plan
@@ -387,11 +387,13 @@ def pods_for(tmp_path):
         pytest.skip(f"needs root and {', '.join(tools)} (missing: {missing})")
     made: list[Pods] = []
 
-    def make(steps: int, every: int, *, tamper=None, dns_timeout: int = 120) -> tuple[Pods, Path]:
+    def make(
+        steps: int, every: int, *, tamper=None, dns_timeout: int = 120, command: str = "render"
+    ) -> tuple[Pods, Path]:
         run_dir = render_tiny(
             tmp_path, name=RELEASE, target="helm", steps=steps, nodes=2, gpus_per_node=1,
             extra=[f"checkpoint.every={every}", "network.interface=eth0",
-                   f"kubernetes.peer_dns_timeout={dns_timeout}"],
+                   f"kubernetes.peer_dns_timeout={dns_timeout}"], command=command,
         )  # fmt: skip
         values = yaml.safe_load((run_dir / helm_render.VALUES).read_text())
         if tamper:
@@ -454,6 +456,22 @@ def test_pods_train_across_two_hosts_checkpoint_and_resume_after_preemption(pods
     assert seen["DSKIT_RUN_FILE"] == helm_render.run_file_path()
     assert {k: seen[k] for k in plan.env} == plan.env
     assert seen["DSKIT_SHM_BYTES"] == str(plan.launch.shm_bytes)
+
+
+@pytest.mark.train
+def test_pods_run_the_calibration_job_across_two_hosts(pods_for):
+    """`dskit calibrate helm`: the same chart and pods, run.yaml's calibrate section; rank 0 writes the
+    calibration of the group across the two hosts to the shared volume."""
+    pods, run_dir = pods_for(steps=1, every=1, command="calibrate")
+    plan = load_plan(run_dir / "run.yaml")
+    pods.publish([0, 1])
+    started = [pods.run_pod(i) for i in (0, 1)]
+    assert [p.wait(300) for p in started] == [0, 0], pods.logs()
+    cal = calibration.load(
+        plan.calibrate.file, field="f", gpu="cpu", fabric=plan.launch.fabric, procs_per_node=1
+    )
+    assert cal.hardware.nodes == 2 and all("1x2" in cal.collectives[op] for op in cal.collectives)
+    assert "dskit: calibrate: wrote" in pods.log(0)
 
 
 @pytest.mark.train

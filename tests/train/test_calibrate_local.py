@@ -1,0 +1,99 @@
+"""`dskit calibrate local`: the real calibration job (2 gloo ranks on this machine, started like a
+training run) writes a calibration the plan takes, shows its progress, and leaves nothing half-written
+when it is killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dskit import calibration
+from tests.conftest import TINY_SETS, dskit
+
+pytestmark = pytest.mark.train
+
+
+def _args(tmp: Path, name: str) -> list[str]:
+    sets = [*TINY_SETS, f"storage.root={tmp / 'storage'}", f"runtime.python={sys.executable}"]
+    return [
+        "calibrate",
+        "local",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--model",
+        "tiny-v2",
+        "--runtime",
+        "none",
+        "--job-name",
+        name,
+        "-o",
+        str(tmp / name),
+        *(x for s in sets for x in ("--set", s)),
+    ]
+
+
+def test_calibrate_writes_what_the_plan_reads(tmp_path):
+    r = dskit(*_args(tmp_path, "cal"), check=True)
+    out = tmp_path / "storage" / "cal" / "outputs" / "calibration.json"
+    steps = [line for line in r.stdout.splitlines() if line.startswith("dskit: calibrate [")]
+    assert steps and steps[-1].startswith(f"dskit: calibrate [{len(steps)}/{len(steps)},")
+    assert f"calibration: {out}" in r.stdout
+    cal = calibration.load(out, field="f", gpu="cpu", fabric="tcp", procs_per_node=2)
+    assert cal.hardware.backend == "gloo" and cal.hardware.nodes == 1
+    for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+        fit = cal.collectives[op]["2x1"]
+        assert fit.bus_gbs > 0 and len(fit.points) >= 3
+    assert cal.compute.gemm_tflops is None  # a GPU probe: not on the cpu profile
+    assert cal.compute.host_layer_pass_s > 0
+    assert cal.cpu_adam is not None and cal.cpu_adam.ranks == 2
+    plan = dskit(
+        "plan",
+        "--gpu",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--model",
+        "tiny-v2",
+        "--calibration",
+        str(out),
+        *(x for s in TINY_SETS for x in ("--set", s)),
+        check=True,
+    )
+    assert plan.returncode == 0
+    # the run.yaml the job ran: a training run's, plus the calibrate section
+    run_yaml = (tmp_path / "cal" / "run.yaml").read_text()
+    assert "calibrate:" in run_yaml and str(out) in run_yaml
+
+
+def test_a_killed_calibration_leaves_no_file(tmp_path):
+    """Killed after it started measuring: no calibration.json, no temporary file beside it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dskit", *_args(tmp_path, "killed")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in proc.stdout:  # waits on the job's own progress, not on a clock
+            seen.append(line)
+            if line.startswith("dskit: calibrate [2/"):
+                break
+        else:
+            raise AssertionError("the job ended before measuring:\n" + "".join(seen))
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    outputs = tmp_path / "storage" / "killed" / "outputs"
+    left = sorted(p.name for p in outputs.glob("*calibration*")) if outputs.exists() else []
+    assert left == [], f"after {seen[-1].strip()!r}: {left}"
