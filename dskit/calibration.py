@@ -78,13 +78,13 @@ class Calibration(_Frozen):
     #: the preflight's findings: a group far below what its fabric should give
     warnings: list[str] = []
 
-    def rate(self, op: str, key: str) -> tuple[float, float] | None:
-        """(bus GB/s, latency s) measured for `op` over groups shaped `key`; a shape across more nodes
+    def rate(self, op: str, key: str) -> tuple[float, float, str] | None:
+        """(bus GB/s, latency s, the shape measured) for `op` over groups shaped `key`; a shape across more nodes
         than were calibrated takes the widest calibrated one with as many ranks per node (a ring's bus
         bandwidth does not depend on its length), its latency scaled by the ring steps across nodes."""
         fits = self.collectives.get(op, {})
         if key in fits:
-            return fits[key].bus_gbs, fits[key].latency_s
+            return fits[key].bus_gbs, fits[key].latency_s, key
         per_node, nodes = (int(x) for x in key.split("x"))
         wider = [
             (n, f)
@@ -95,7 +95,7 @@ class Calibration(_Frozen):
         if not wider or nodes < 2:
             return None
         n, f = max(wider, key=lambda nf: nf[0])
-        return f.bus_gbs, f.latency_s * (nodes - 1) / (n - 1)
+        return f.bus_gbs, f.latency_s * (nodes - 1) / (n - 1), f"{per_node}x{n}"
 
 
 def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node: int) -> Calibration:

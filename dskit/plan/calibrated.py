@@ -1,5 +1,5 @@
-"""What a user's calibration (`dskit calibrate`) changes in the step-time model, and where each term of
-a prediction comes from (`dskit plan --explain`).
+"""What a user's calibration (`dskit calibrate`) changes in the fitted terms of the step-time model, and
+where each comes from (`dskit plan --explain`; the collectives' sources are dskit/plan/links.py's).
 
 Collective rates are used as measured (dskit/plan/links.py). The other fitted constants of
 dskit/plan/speed.py were fitted to whole training steps on the machine the bench ran on, and hold more
@@ -31,11 +31,9 @@ REFERENCE = Path(__file__).resolve().parent.parent / "catalog" / "calibration-re
 #: a probe's run-to-run spread on one machine (above): ratios within it do not scale
 SPREAD = {"compute": 0.05, "host": 0.30, "cpu_adam": 0.20}
 
-MEASURED = "measured on this cluster"
 FITTED = "fitted on the bench's H200 (dskit/plan/speed.py)"
 SCALED = "fitted on the bench's H200, scaled by this cluster's probe"
 SAME = "fitted on the bench's H200; this cluster's probe is within its run-to-run spread of that machine's"
-CATALOG = "catalog (gpus.yaml, fabrics.yaml)"
 
 
 @dataclass(frozen=True)
@@ -56,17 +54,10 @@ def reference() -> Calibration:
 def scales(cal: Calibration | None) -> Scales:
     """The factors `cal` implies against REFERENCE, and each term's source. GEMM rates compare as
     shares of each GPU's bf16 peak (the probe runs bf16)."""
-    src = {
-        "collectives": CATALOG,
-        "all_to_all": f"{CATALOG}; AutoEP's share (A2A_EFFICIENCY) {FITTED}",
-        "compute": FITTED,
-        "host": FITTED,
-        "cpu_adam": FITTED,
-    }
+    src = {"compute": FITTED, "host": FITTED, "cpu_adam": FITTED}
     if cal is None:
         return Scales(sources=src)
     ref = reference()
-    src["collectives"] = src["all_to_all"] = f"{MEASURED} (all-to-all: AutoEP's share {FITTED})"
     found = {"compute": 1.0, "host": 1.0, "cpu_adam": 1.0}
     here, there = cal.compute, ref.compute
     peak, reference_peak = (catalog.gpu(c.hardware.gpu).peak_tflops_bf16 for c in (cal, ref))

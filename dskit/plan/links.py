@@ -117,9 +117,10 @@ class Links:
         if self.calibration is not None:
             measured = self.calibration.rate(op, g.key)
             if measured is not None:
-                bus, latency = measured
+                bus, latency, at = measured
+                source = MEASURED if at == g.key else f"{MEASURED} on {at}, latency scaled to {g.nodes} nodes"
                 # steps inside a node are the fitted synchronisation's (see NCCL_NET_STEP_US)
-                return Rate(bus, latency if g.spans_nodes else 0.0, MEASURED)
+                return Rate(bus, latency if g.spans_nodes else 0.0, source)
         return self.catalog_rate(op, g)
 
     def catalog_rate(self, op: str, g: Group) -> Rate | None:

@@ -47,7 +47,7 @@ from typing import Any
 from dskit.catalog import GPU
 from dskit.plan import links as links_
 from dskit.plan.adapters import Tuning
-from dskit.plan.calibrated import Scales
+from dskit.plan.calibrated import FITTED, Scales
 from dskit.plan.links import Links
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import PREFETCH_BUCKET, gathered_layer_params, max_live, prefetches
@@ -330,8 +330,20 @@ def predict(
         peak_tflops=peak_tflops,
         unknown=tuple(dict.fromkeys(unknown)),
         boundary_s=per_step,
-        sources=tuple(scales.sources.items()),
+        sources=(*_link_sources(shapes, links), *scales.sources.items()),
     )
+
+
+def _link_sources(shapes: dict[str, links_.Group], links: Links) -> list[tuple[str, str]]:
+    """Where each group's collective rate came from: measured on this cluster or the catalog."""
+    out = []
+    for name, op in (("dense", "all_gather"), ("expert_dp", "all_gather"), ("ep", "all_to_all")):
+        g = shapes[name]
+        r = links.rate(op, g) if g.size > 1 else None
+        if r is not None:
+            extra = f"; AutoEP's share (A2A_EFFICIENCY) {FITTED}" if op == "all_to_all" else ""
+            out.append((f"{name.replace('_', '-')} group ({g.describe()})", r.source + extra))
+    return out
 
 
 def _trained_grads(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[float, float]:

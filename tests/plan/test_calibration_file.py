@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dskit import calibration
+from dskit.plan import links as links_mod
 from dskit.plan.build import build_plan_searched
 from dskit.plan.links import Group, Links
 from dskit.spec import load_spec
@@ -71,7 +72,14 @@ def test_measured_rates_replace_the_catalogs(tmp_path):
     wide = links.rate("all_gather", Group(8, 4))
     assert wide.bus_gbs == 40.0 and wide.latency_s == pytest.approx(5e-5 * 3)
     plan, found = _plan(f"hardware.calibration={tmp_path / 'calibration.json'}")
-    assert "measured on this cluster" in found.chosen.speed.as_dict()["sources"]["collectives"]
+    sources = found.chosen.speed.as_dict()["sources"]
+    groups = [k for k in sources if k.endswith(" nodes)")]  # the groups across the two nodes
+    assert groups and all(sources[k].startswith(links_mod.MEASURED) for k in groups)
+    assert all(
+        v.startswith(links_mod.CATALOG)
+        for k, v in _plan()[1].chosen.speed.as_dict()["sources"].items()
+        if "group" in k
+    )
 
 
 def test_a_slow_fabric_moves_the_pick_to_less_cross_node_traffic(tmp_path):
