@@ -73,9 +73,8 @@ REDUCE_BUCKET_ELEMENTS = 5 * 10**8
 def gpu_state_bytes(offload: bool) -> float:
     """Bytes per trained parameter of a ZeRO-3 rank's shard on its GPU: the 16 of mixed-precision Adam,
     or with the optimizer offloaded the 16-bit weight alone (2): the gradients are partitioned straight
-    into a pinned host buffer (DeepSpeed 0.19.8 stage3.py `grad_partitions_flat_buffer`). Measured on one
-    H200 (bench/results/offload/h200-offload-2026-12-03.json): resident minus offloaded was 27.2 GiB for 2.25 B
-    parameters, where 16 - 2 bytes give 29.4 and the 4 counted before 25.2."""
+    into a pinned host buffer (DeepSpeed 0.19.8 stage3.py `grad_partitions_flat_buffer`); the measured
+    difference between resident and offloaded runs agrees (docs/planner.md "Optimizer offload, measured")."""
     return 2.0 if offload else 16.0
 
 
@@ -210,8 +209,8 @@ def boundary_grad_copy(trained: float, world: int, zero_stage: int, grad_accum: 
     own `.grad` (reduced only at the boundary), ZeRO-2's in the previous micro-step's buffer, which
     `all_grad_tensors` still holds after `_release_ipg_buffers` dropped it. Without accumulation the
     parameters' gradients are made one at a time and moved into the buffer as they come: no second copy.
-    Measured on one H200 (bench/results/memory/h200-memory-peak-2026-12-03.json: V3's width, accumulation 2):
-    two 12.6 GiB gradient copies live at the peak, for ZeRO-1 and ZeRO-2 alike. On several GPUs this is
+    A memory snapshot at V3's width with accumulation shows both copies live at the peak, for ZeRO-1 and
+    ZeRO-2 alike (docs/planner.md "The second gradient copy at the accumulation boundary"). On several GPUs this is
     a floor: the buffer holds every parameter that reaches into the partition whole, so one straddling a
     partition's edge counts in full. `trained`: the parameters with gradients (all, or a LoRA run's
     trainable ones)."""
@@ -271,9 +270,8 @@ def compiled_saving_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
     """Activation bytes per token that a layer does not keep when its RMSNorms and SwiGLU are compiled:
     the fp32 copy of every norm's input (eager `hidden_states.to(float32)` saved by pow and mul) and the
     SiLU output of the shared experts' (or the dense layer's) SwiGLU, saved by the eager product.
-    Routed experts are AutoEP's own grouped GEMMs, not compiled. For 4-layer V2-Lite this is 28.2 kB per
-    token and layer; measured on one H200 (bench/results/training/h200-compile-*-2026-11-30.json, peak allocated
-    eager minus compiled): 26.6 kB at micro-batch 16, 29.8 kB at micro-batch 2."""
+    Routed experts are AutoEP's own grouped GEMMs, not compiled. The count agrees with the peak allocated
+    eager minus compiled on the GPU (docs/planner.md "The step-time model")."""
     norm_widths = 2 * cfg["hidden_size"] + (cfg.get("kv_lora_rank") or 0) + (cfg.get("q_lora_rank") or 0)
     if dense:
         silu = cfg["intermediate_size"]

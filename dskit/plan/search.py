@@ -2,37 +2,27 @@
 
 Candidates are ZeRO stage (3, 2, 1) x EP size x micro-batch (the rest of the per-rank batch is gradient
 accumulation) x activation checkpointing (off, every 2nd layer, every layer) x optimizer offload (off,
-on; with ZeRO-3 only). Each is checked against
-memory (`fit.py`) and timed (`speed.py`); the fastest that fits wins. Near-ties (within SPEED_TIE of
-the fastest) go to no offload, then no recomputation, then fewer accumulation steps, then ZeRO-2
-over the other stages, then less memory, then the faster: a tie may give up up to SPEED_TIE of predicted speed for these. Offload and recompute
-first: offload's host rate was measured on one machine's cores only, and the model under-predicted checkpointed runs near
-capacity by up to 11% on H200 (bench/results/planner/h200x2-planner-*), so a tie with either is usually a loss.
-Then accumulation: the seed post warns that long accumulation hurts MoE convergence, and a bigger
-micro-step is the same work in fewer, larger kernels. Then the ZeRO stage: in all 11 pairs measured on
-one H200 (bench/results/planner/h200-planner-Z2*-2026-12-01.json beside the ZeRO-3 runs of the same
-candidate), ZeRO-2 ran from 1% slower to 21% faster than ZeRO-3, 3% faster in the median, where the model
-then called GPU-bound shapes even (the refit of 2026-12-02 gives ZeRO-1/2 a smaller GPU cost per layer
-pass than ZeRO-3's, yet eight of the eleven pairs are still within the tie, so the preference stays). Over ZeRO-1 the
-preference has no measurement behind it, only history (every calibration run of a tie was ZeRO-2 or
-ZeRO-3): beside each other on ten one-GPU configurations, each pair in one call
-(bench/results/planner/h200-zero12-*-2026-12-02.json), the two ran within 1.6% on nine and 4.1% apart on the
-tenth, either way, at one or two micro-steps per step, so a tie between them costs at most that; at
-V3's width ZeRO-1 ran 3-6% faster, which the model's gradient-copy term puts outside the tie where the
-micro-steps add up. Moving the preference changes picks that were measured under older defaults
-(compiled regions, DeepSpeed's step, and LoRA) to ZeRO-1 runs that were not, so it waits for them. Then memory: less of it is less risk. A plan
-with optimizer offload must moreover be predicted more than OFFLOAD_MARGIN faster than every fitting plan
-without it (`offload_wins`).
+on; with ZeRO-3 only). Each is checked against memory (`fit.py`) and timed (`speed.py`); the fastest
+that fits wins.
 
-Checkpointing every 2nd layer is searched: on one H200 it ran 10% faster than every layer, within 2% of
-its predicted speed and memory (bench/results/training/h200-ckpt-2026-11-30.json). An earlier run of it five times
-slower than every layer sat at 135.6 of ~140 GiB reserved: the allocator retrying near capacity, which
-the memory limit keeps plans away from and the trainer now reports (`alloc_retries`). Every 3rd and
-beyond are not searched (not measured); a user may set any N (`overrides.activation_checkpointing`).
+Near-ties (within SPEED_TIE of the fastest, the model's own error) are broken by risk, in this order
+(`_rank_key`): no offload, then no recomputation, then fewer accumulation steps, then ZeRO-2 over the
+other stages, then less memory, then the faster. Offload and recompute come first because their terms
+are the least certain (offload's host rate was fitted on one machine; checkpointed runs near capacity
+were predicted fast). Accumulation next: long accumulation hurts MoE convergence, and a bigger
+micro-step is the same work in fewer, larger kernels. ZeRO-2 next, because where the model called
+ZeRO-2 and ZeRO-3 even, ZeRO-2 measured as fast or faster; ZeRO-2 over ZeRO-1 has only history behind
+it (ZeRO-1 and ZeRO-2 measured within the tie either way). Then memory: less of it is less risk. A plan
+with optimizer offload must moreover be predicted more than OFFLOAD_MARGIN faster than every fitting
+plan without it (`offload_wins`). The measurements behind each rule: docs/planner.md.
+
+Checkpointing every 2nd layer is searched because it measured faster than every layer at the same
+predicted accuracy; every 3rd and beyond are not searched (not measured); a user may set any N
+(`overrides.activation_checkpointing`).
 
 Where no step time can be predicted (the cpu profile has no peak), or a fitting candidate has a term
-left out for an unknown bandwidth (multi-node on `network.fabric: tcp`), the order is the fit order:
-ZeRO-3, no offload, the largest EP inside a node, the largest micro-batch, no checkpointing.
+left out for an unknown bandwidth (multi-node on `network.fabric: tcp`, uncalibrated), the order is the
+fit order: ZeRO-3, no offload, the largest EP inside a node, the largest micro-batch, no checkpointing.
 """
 
 from __future__ import annotations

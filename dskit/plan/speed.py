@@ -1,7 +1,9 @@
 """Predicted step time of one candidate configuration: the planner picks the fastest that fits.
 
 A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
-derived measured on H200 (`bench/results/planner/h200x2-planner-*.json`, pinned by tests/plan/test_plan_calibration.py). Per GPU,
+derived fitted to training steps measured on H200 (the runs and the fits: docs/planner.md; pinned by
+tests/plan/test_plan_calibration.py). A user's `dskit calibrate` replaces the collective rates with
+its measurements and scales the fitted terms by its probes (dskit/plan/calibrated.py). Per GPU,
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 
@@ -19,8 +21,10 @@ side by side, because the host enqueues kernels ahead of the GPU:
   of small kernels per layer. Small micro-steps are host-bound (measured: 4096-token micro-steps of a
   4-layer V2-Lite take as long as 8192-token ones), large ones GPU-bound.
 - collectives: all-gathers of the 16-bit weights (forward, backward, recompute) and the gradient
-  reduce-scatter over the group's bandwidth (NVLink inside a node, the fabric across nodes), of which
-  ZeRO-3's prefetch hides ZERO3_OVERLAP; plus a measured synchronisation cost per layer pass.
+  reduce-scatter, each over its process group's shape (dskit/plan/links.py: NCCL's ring over the node's
+  link inside a node, over the NICs the group's local ranks own across nodes), of which ZeRO-3's
+  prefetch hides ZERO3_OVERLAP where the rendered config lets it prefetch (dskit/plan/prefetch.py);
+  plus a measured synchronisation cost per layer pass.
 - ZeRO-1 and 2 (`zero_stage`) keep the 16-bit weights on every rank: no per-layer gathers and no
   module hooks. Stage 2 reduce-scatters the gradients every micro-step, overlapped with the backward
   like ZeRO-3's; stage 1 once per step, at the accumulation boundary. Both all-gather the updated
@@ -29,7 +33,7 @@ side by side, because the host enqueues kernels ahead of the GPU:
   reduce buckets and the rank's partition, stage 2 in every micro-step (on the GPU timeline), stage 1
   once per step, exposed with its boundary (on one GPU that is all that tells them apart).
 - all_to_all: AutoEP's dispatch and combine of every routed token copy (k per token), forward and
-  backward (and recompute), to the (ep-1)/ep of experts held elsewhere.
+  backward (and recompute), to the (ep-1)/ep of experts held elsewhere, over the EP group's shape.
 - optimizer: Adam over this rank's shard of ALL parameters (not just the active ones), bound by memory
   bandwidth on the GPU, at each engine's own measured rate; with offload, DeepSpeed's CPU Adam on the
   rank's host cores, plus the PCIe round trip of gradients and weights.

@@ -7,10 +7,10 @@ Why dskit's own functions rather than transformers' `flash_attention_2` / `_4`:
   attend to each other. Here the boundaries come from the batch itself for any micro-batch.
 - head dims: it pads V from 128 to the q/k head dim 192 for every flash kernel; FA4 takes DeepSeek's
   192/128 natively on sm90 (flash_attn/cute/interface.py `_validate_head_dims`), FA2 needs the padding.
-Measured on one H200 (bench/attention_bench.py, bench/results/attention/h200-attention-2026-12-02.json): FA4 is
-4-5% faster than cuDNN SDPA on plain causal rows, and on packed chat rows its varlen kernel runs at
-247-276 TFLOP/s against 6-22 for cuDNN with the dense block-diagonal mask transformers builds from
-per-sample position ids. FA2 (sm80/86/89) is not measured: no such GPU is lent.
+On packed rows this matters most: a varlen kernel skips the attention between samples, where cuDNN with
+the dense block-diagonal mask transformers builds computes it and masks it out, which measured more
+than ten times slower (bench/attention_bench.py; the figures in bench/README.md). FA2 (sm80/86/89) is
+not measured: no such GPU is lent.
 
 Packed rows: the kernels need each sample's cumulative start (`cu_seqlens`) and the longest sample. The
 training loop derives them on the host from the batch's position ids (`packed_rows`, no GPU sync) and

@@ -102,9 +102,8 @@ class LMOutput(ModelOutput):
     function that runs the module's pre-backward hook (gather its parameters, record it in the
     prefetch trace). A plain dataclass hid the loss from that hook: DeepSpeed warned at every start,
     and the root module's hook never ran (harmless only because the root holds no parameters of its
-    own). Losses are bit-identical either way. Speed on CPU at `make demo`'s shape (2026-12-01, two
-    runs each, mean logged tokens/s/GPU): 9,004 and 9,562 as a dataclass, 9,320 and 9,549 as this; the
-    10% loss once measured for a NamedTuple output is within one run's spread (6.8k-11.4k per log step).
+    own). Losses are bit-identical either way, and the speed matched the dataclass's within
+    run-to-run spread on CPU.
     """
 
     loss: torch.Tensor | None = None
