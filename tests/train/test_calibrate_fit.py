@@ -1,0 +1,39 @@
+"""The calibration job's arithmetic (dskit/train/calibrate.py): the latency/bandwidth fit and the
+preflight's verdict, on numbers whose answer is known."""
+
+from __future__ import annotations
+
+import pytest
+
+from dskit.plan.schema import CalibrateGroup
+from dskit.train.calibrate import PREFLIGHT_SHARE, fit, preflight
+
+
+def test_the_fit_recovers_latency_and_bandwidth():
+    share, latency, gbs = 7 / 8, 30e-6, 200.0
+    points = [(b, latency + b * share / (gbs * 1e9)) for b in (2**20, 2**24, 2**28)]
+    f = fit(points, share)
+    assert f.latency_s == pytest.approx(latency) and f.bus_gbs == pytest.approx(gbs)
+
+
+def test_noise_that_makes_the_latency_negative_fits_through_the_origin():
+    points = [(1_000_000, 0.0001), (2_000_000, 0.0003), (4_000_000, 0.0007)]
+    f = fit(points, 1.0)
+    assert f.latency_s == 0 and f.bus_gbs > 0
+
+
+def _group(expected: float | None) -> CalibrateGroup:
+    return CalibrateGroup(
+        key="8x2", role="dense: every rank", size=16, stride=1,
+        moved_share={"all_gather": 15 / 16}, expected_gbs={"all_gather": expected},
+    )  # fmt: skip
+
+
+def test_the_preflight_names_a_group_far_below_its_fabric():
+    slow = fit([(2**20, 1e-3), (2**24, 1.6e-2)], 15 / 16)  # about 1 GB/s where 400 are expected
+    lines = preflight([_group(400.0)], {"all_gather": {"8x2": slow}})
+    assert len(lines) == 1 and lines[0].startswith("all_gather over 8x2 (dense: every rank) measured")
+    assert "across nodes" in lines[0] and "NCCL" in lines[0]
+    fine = fit([(2**20, 1e-5), (2**30, 1e-5 + 2**30 * 15 / 16 / (PREFLIGHT_SHARE * 1.2 * 400e9))], 15 / 16)
+    assert preflight([_group(400.0)], {"all_gather": {"8x2": fine}}) == []
+    assert preflight([_group(None)], {"all_gather": {"8x2": slow}}) == []  # nothing to compare with
