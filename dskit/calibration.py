@@ -66,6 +66,17 @@ class Compute(_Frozen):
     host_layer_pass_s: float | None = None  # the host probe (dskit/train/calibrate.py `host_probe`)
 
 
+class CandidateRun(_Frozen):
+    """One of the plan's candidates trained for a few steps after calibrating (`--candidates`)."""
+
+    candidate: str
+    predicted_tokens_per_s: int | None  # None: the profile has no peak to predict from (cpu)
+    measured_tokens_per_s: int
+    predicted_gib: float
+    measured_peak_gib: float
+    steps: int
+
+
 class Calibration(_Frozen):
     version: int
     dskit: str
@@ -77,6 +88,8 @@ class Calibration(_Frozen):
     cpu_adam: CpuAdam | None = None
     #: the preflight's findings: a group far below what its fabric should give
     warnings: list[str] = []
+    #: `dskit calibrate local --candidates N`: what the plan's top candidates measured (not read by the plan)
+    candidates: list[CandidateRun] = []
 
     def rate(self, op: str, key: str) -> tuple[float, float, str] | None:
         """(bus GB/s, latency s, the shape measured) for `op` over groups shaped `key`; a shape across more nodes
@@ -101,6 +114,25 @@ class Calibration(_Frozen):
 def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node: int) -> Calibration:
     """The calibration at `path`, checked against the plan's hardware; SpecError (exit 2) naming
     `field` on anything else."""
+    p = Path(path)
+    cal = read(p, field=field)
+    h = cal.hardware
+    for name, theirs, ours in (
+        ("gpu", h.gpu, gpu),
+        ("fabric", h.fabric, fabric),
+        ("procs_per_node", h.procs_per_node, procs_per_node),
+    ):
+        if theirs != ours:
+            raise SpecError(
+                field,
+                f"{p} was measured with {name} {theirs!r}, this plan has {ours!r}: calibrate this hardware",
+            )
+    return cal
+
+
+def read(path: str | Path, *, field: str = "calibration") -> Calibration:
+    """The calibration at `path`, whatever hardware it names; SpecError naming `field` where it is
+    missing, damaged, of another version or not one."""
     p = Path(path)
     try:
         size = p.stat().st_size
@@ -128,17 +160,6 @@ def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node:
         err = e.errors()[0]
         where = ".".join(str(x) for x in err["loc"])
         raise SpecError(field, f"{p} is damaged at {where}: {err['msg']}") from None
-    h = cal.hardware
-    for name, theirs, ours in (
-        ("gpu", h.gpu, gpu),
-        ("fabric", h.fabric, fabric),
-        ("procs_per_node", h.procs_per_node, procs_per_node),
-    ):
-        if theirs != ours:
-            raise SpecError(
-                field,
-                f"{p} was measured with {name} {theirs!r}, this plan has {ours!r}: calibrate this hardware",
-            )
     for op, fits in cal.collectives.items():
         bad = next((k for k in fits if not _is_key(k)), None)
         if bad is not None:

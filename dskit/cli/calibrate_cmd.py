@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from dskit.cli.args import Subparsers, add_spec_args, spec_from_args
+from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args
+from dskit.errors import SpecError
 
 LOCAL = "local"
 
@@ -13,6 +15,12 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from dskit.plan.build import build_calibration_plan
     from dskit.render.run_dir import render_run
 
+    if a.candidates and a.target != LOCAL:
+        raise SpecError(
+            "--candidates",
+            f"trains here, so it runs with `local` only; on {a.target}, render a candidate with "
+            "`dskit render` and its overrides.* (the table of `dskit plan --explain`)",
+        )
     spec = spec_from_args(a)
     target = "slurm" if a.target == LOCAL else a.target  # local: the same run dir, started here
     out = a.output or f"runs/{spec.name}-calibrate-{a.target}"
@@ -31,10 +39,21 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from dskit.train.local import run_local
 
     code = run_local(str(run.out))
-    if code == 0:
-        print(f"calibration: {c.file}")
-        print(f"next: dskit plan SPEC --calibration {c.file} --explain")
-    return code
+    if code != 0:
+        return code
+    if a.candidates:
+        from dskit import candidate_runs
+
+        def spec_with(extra: list[str], name: str | None = None):
+            # the name through its flag: --job-name, where given, takes precedence over --set name=
+            named = {"job_name": name} if name else {}
+            return spec_from_args(argparse.Namespace(**{**vars(a), "set": [*a.set, *extra], **named}))
+
+        records = candidate_runs.measure(spec_with, Path(c.file), a.candidates, run.out / "candidates")
+        print(candidate_runs.table(records))
+    print(f"calibration: {c.file}")
+    print(f"next: dskit plan SPEC --calibration {c.file} --explain")
+    return 0
 
 
 def add_calibrate(sub: Subparsers) -> None:
@@ -64,4 +83,12 @@ def add_calibrate(sub: Subparsers) -> None:
     add_spec_args(s)
     s.add_argument("-o", "--output", help="run directory to create (default: runs/NAME-calibrate-TARGET)")
     s.add_argument("--force", action="store_true", help="replace an existing run directory")
+    s.add_argument(
+        "--candidates",
+        type=count,
+        default=0,
+        metavar="N",
+        help=f"with {LOCAL}: then train the calibrated plan's top N candidates for a few steps each and "
+        "record their measured tokens/s and peak memory beside the predictions in the calibration file",
+    )
     s.set_defaults(func=cmd_calibrate)

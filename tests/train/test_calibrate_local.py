@@ -40,7 +40,9 @@ def _args(tmp: Path, name: str) -> list[str]:
 
 
 def test_calibrate_writes_what_the_plan_reads(tmp_path):
-    r = dskit(*_args(tmp_path, "cal"), check=True)
+    """With --candidates 2 it then trains the plan's two first candidates for a few steps each and
+    records them beside their predictions."""
+    r = dskit(*_args(tmp_path, "cal"), "--candidates", "2", check=True)
     out = tmp_path / "storage" / "cal" / "outputs" / "calibration.json"
     steps = [line for line in r.stdout.splitlines() if line.startswith("dskit: calibrate [")]
     assert steps and steps[-1].startswith(f"dskit: calibrate [{len(steps)}/{len(steps)},")
@@ -53,6 +55,11 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     assert cal.compute.gemm_tflops is None  # a GPU probe: not on the cpu profile
     assert cal.compute.host_layer_pass_s > 0
     assert cal.cpu_adam is not None and cal.cpu_adam.ranks == 2
+    assert len(cal.candidates) == 2 and len({c.candidate for c in cal.candidates}) == 2
+    for c in cal.candidates:
+        assert c.measured_tokens_per_s > 0 and c.measured_peak_gib > 0 and c.steps == 8
+        assert c.predicted_tokens_per_s is None  # the cpu profile has no peak to predict from
+        assert c.candidate in r.stdout
     plan = dskit(
         "plan",
         "--gpu",
@@ -70,6 +77,12 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     # the run.yaml the job ran: a training run's, plus the calibrate section
     run_yaml = (tmp_path / "cal" / "run.yaml").read_text()
     assert "calibrate:" in run_yaml and str(out) in run_yaml
+
+
+def test_candidates_are_trained_here_only(tmp_path):
+    r = dskit("calibrate", "slurm", "--candidates", "2", "-o", str(tmp_path / "x"), "--gpu", "cpu")
+    assert r.returncode == 2 and "dskit: error: --candidates: trains here" in r.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_killed_calibration_leaves_no_file(tmp_path):

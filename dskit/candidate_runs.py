@@ -1,0 +1,92 @@
+"""`dskit calibrate local --candidates N`: train the plan's top N candidates for a few steps each on this
+machine, once the calibration is written, and record what each measured beside what the plan (now
+calibrated) predicted, in the same calibration file.
+
+Each candidate is the user's spec with its configuration pinned through `overrides.*` (the way a user
+would force it), a short run without checkpoints, rendered and started like any local run. Its speed is
+the median of the steps after a warm-up; its memory the peak the trainer logged. The plan does not
+read these records: they are the user's evidence of how far to trust the prediction on their hardware.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from dskit import calibration
+from dskit.calibration import CandidateRun
+from dskit.errors import SpecError
+from dskit.plan.build import build_plan_searched
+from dskit.spec import Spec
+
+#: steps per candidate, of which the first WARMUP are not timed (compilation, allocator growth)
+STEPS, WARMUP = 8, 3
+
+
+def pins(c) -> list[str]:
+    """The overrides that force candidate `c`, as `--set` values."""
+    return [
+        f"overrides.zero_stage={c.zero_stage}",
+        f"overrides.ep_size={c.ep_size}",
+        f"overrides.micro_batch={c.micro_batch}",
+        f"overrides.activation_checkpointing={c.ckpt_every}",
+        f"overrides.offload_optimizer={'cpu' if c.offload else 'none'}",
+        f"training.steps={STEPS}",
+        "training.log_every=1",
+        "checkpoint.final=false",
+        f"checkpoint.every={STEPS + 1}",
+    ]
+
+
+def measure(spec_with: Callable[..., Spec], cal_file: Path, n: int, out_root: Path) -> list[CandidateRun]:
+    """Train the top `n` fitting candidates of the calibrated plan; `spec_with(extra_sets, name=None)`
+    is the user's spec with more `--set` values (and another run name). Adds the records to `cal_file`
+    (atomically) and returns them."""
+    from dskit.render.run_dir import render_run
+    from dskit.train.local import run_local
+
+    _, found = build_plan_searched(spec_with([f"hardware.calibration={cal_file}"]))
+    rows = [r for r in found.rows if r.fits][:n]
+    records = []
+    for i, row in enumerate(rows):
+        c = row.candidate
+        print(f"dskit: calibrate: candidate {i + 1}/{len(rows)}: {c.describe()} ({STEPS} steps)", flush=True)
+        base = spec_with([])
+        spec = spec_with(pins(c), name=f"{base.name}-candidate{i + 1}")
+        run = render_run(spec, "slurm", out_root / f"candidate-{i + 1}", force=True)
+        code = run_local(str(run.out))
+        if code != 0:
+            raise SpecError(
+                "--candidates", f"candidate {i + 1} ({c.describe()}) exited with {code}; see its log above"
+            )
+        records.append(_record(row, Path(run.plan.run.output_dir) / "metrics.jsonl"))
+    cal = calibration.read(cal_file)
+    calibration.write(cal_file, cal.model_copy(update={"candidates": records}))
+    return records
+
+
+def _record(row, metrics: Path) -> CandidateRun:
+    import json
+
+    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    recs = [r for r in recs if "step_time_s" in r]
+    after = [r for r in recs if r["step"] > WARMUP] or recs
+    return CandidateRun(
+        candidate=row.candidate.describe(),
+        predicted_tokens_per_s=round(row.speed.tokens_per_s) if row.speed else None,
+        measured_tokens_per_s=round(statistics.median(r["tokens_per_s_per_gpu"] for r in after)),
+        predicted_gib=round(row.fit.steady.total_gib, 2),
+        measured_peak_gib=round(max(r["peak_reserved_gib"] for r in recs), 2),
+        steps=len(recs),
+    )
+
+
+def table(records: list[CandidateRun]) -> str:
+    lines = ["candidate | predicted tok/s/GPU | measured | predicted GiB | peak GiB"]
+    for r in records:
+        pred = f"{r.predicted_tokens_per_s:,}" if r.predicted_tokens_per_s is not None else "-"
+        lines.append(
+            f"{r.candidate} | {pred} | {r.measured_tokens_per_s:,} | {r.predicted_gib} | {r.measured_peak_gib}"
+        )
+    return "\n".join(lines)
