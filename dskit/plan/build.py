@@ -16,6 +16,7 @@ from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import host_memory, search
 from dskit.plan.adapters import base_precision, plan_finetune
+from dskit.plan.balancing import plan_balance
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.hang_timeout import watchdog_timeout_s
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
@@ -205,7 +206,7 @@ def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
             f"{seq_len} exceeds the model's max_position_embeddings ({cfg['max_position_embeddings']})",
         )
     balance = preset.balance or {}
-    aux = spec.training.aux_loss_coeff
+    chosen = plan_balance(spec, preset.name, cfg, float(balance.get("aux_loss_alpha", 0.0)))
     mc = counts(cfg, seq_len)
     model = ModelPlan(
         name=preset.name,
@@ -214,8 +215,10 @@ def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
         untrainable_reason=preset.untrainable_reason,
         path=weights_path,
         config=cfg,
-        aux_loss_coeff=aux if aux is not None else float(balance.get("aux_loss_alpha", 0.0)),
+        aux_loss_coeff=chosen.aux_loss_coeff,
         seq_aux=bool(balance.get("seq_aux", True)),
+        balance=chosen.mode,
+        bias_update_speed=chosen.bias_update_speed,
         params_total=mc.total,
         params_active=mc.active,
         flops_per_token=flops_per_token(mc),

@@ -33,6 +33,11 @@ class ModelPlan(_Frozen):
     config: dict[str, Any]  # HF config.json keys, layers already truncated
     aux_loss_coeff: float
     seq_aux: bool
+    # how the experts' load is balanced (dskit/plan/balancing.py): aux_loss (no routing bias), frozen (the
+    # bias as loaded), aux_free (the bias moves by bias_update_speed after each step); run.yaml files
+    # from before balanced with the loss alone
+    balance: Literal["aux_loss", "aux_free", "frozen"] = "aux_loss"
+    bias_update_speed: float = 0.0  # gamma; 0 unless aux_free
     params_total: int
     params_active: int
     flops_per_token: float

@@ -144,7 +144,23 @@ class TrainingSpec(_Section):
         None,
         ge=0,
         le=1e3,
-        description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha.",
+        description="MoE balance loss coefficient. Default: the model config's aux_loss_alpha; with "
+        "balance aux_free, the paper's sequence-wise 1e-4.",
+    )
+    balance: Literal["auto", "aux_free", "frozen"] = Field(
+        "auto",
+        description="Expert load balancing of models with a routing bias (DeepSeek-V3's e_score_correction_bias, "
+        "noaux_tc routing). aux_free: after each step every expert's bias moves by bias_update_speed towards "
+        "the mean load (arXiv:2412.19437 Sec. 2.1.2), beside a small balance loss; frozen: the bias stays as "
+        "loaded and the balance loss alone balances. auto: aux_free on models with the bias (frozen for LoRA "
+        "runs); models without one balance with the loss alone.",
+    )
+    bias_update_speed: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="The bias update speed gamma of balance aux_free. Default: 0.001, the paper's for most "
+        "of pre-training.",
     )
 
 
