@@ -7,6 +7,15 @@ sequence and the loss is averaged over the batch. DeepSeek-V3 (arXiv:2412.19437,
 same form on sigmoid scores normalised over experts. Layers' losses are summed, as DeepSeek's reference
 code adds one per gate.
 
+Auxiliary-loss-free balancing (DeepSeek-V3, arXiv:2412.19437 Sec. 2.1.2): the router adds a per-expert
+bias (`e_score_correction_bias`, which AutoEP copies into its router as an fp32 buffer) to the affinities
+for top-k selection only. With the plan's `bias_update_speed` gamma > 0, `after_step` moves it after each
+optimizer step by gamma * sign(mean load - load), from that step's token counts summed over every rank
+(one all-reduce of the [layers, experts] counts). The counts are integers and the sign is taken on them
+exactly (total - experts * load), so every rank adds the same fp32 values and the bias stays
+bit-identical across ranks (checked at every log step: `expert_bias_rank_max_diff`). A buffer is no
+parameter: the optimizer never touches it, and DeepSpeed saves it with the module's state.
+
 The hooks sit on AutoEP's router (`TokenChoiceTopKRouter`: its `gate` Linear gives the logits, its
 output the chosen experts and per-expert counts). They collect only while `collecting` is set, so the
 recomputation of checkpointed layers during backward adds nothing.
@@ -15,26 +24,34 @@ recomputation of checkpointed layers during backward adds nothing.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+BIAS = "e_score_correction_bias"
 
 
 class RouterTap:
-    def __init__(self, model: nn.Module, *, score_func: str, top_k: int):
+    def __init__(self, model: nn.Module, *, score_func: str, top_k: int, bias_update_speed: float = 0.0):
         self.score_func, self.top_k = score_func, top_k
         self.collecting = False
         self.logits: list[torch.Tensor] = []
         self.selected: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []
+        self.step_from = 0  # counts[step_from:] belong to the step not yet closed by after_step
         self.layers = 0
+        routers = []
         for mod in model.modules():
             if type(mod).__name__ == "TokenChoiceTopKRouter":
                 mod.gate.register_forward_hook(self._on_gate)
                 mod.register_forward_hook(self._on_router)
+                routers.append(mod)
                 self.layers += 1
         if self.layers == 0:
             raise RuntimeError(
                 "no AutoEP router found: was the model wrapped by deepspeed.initialize with expert_parallel?"
             )
+        self.speed = bias_update_speed
+        self.biases = routing_biases(routers, updated=bias_update_speed > 0)
 
     def _on_gate(self, _mod, _inp, out: torch.Tensor) -> None:
         if self.collecting:
@@ -85,7 +102,62 @@ class RouterTap:
         per_forward = len(self.counts) // self.layers
         stacked = torch.stack([c.float() for c in self.counts]).view(per_forward, self.layers, -1).sum(0)
         self.counts.clear()
+        self.step_from = 0
         return stacked
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """Collective when the bias is updated: bias += gamma * sign(mean load - load) per MoE layer, from
+        the token counts of the step just taken summed over all ranks. Call after engine.step()."""
+        step = self.counts[self.step_from :]
+        self.step_from = len(self.counts)
+        if not self.speed:
+            return
+        per_forward = len(step) // self.layers
+        load = torch.stack([c.long() for c in step]).view(per_forward, self.layers, -1).sum(0)
+        dist.all_reduce(load)  # int64: exact, the same on every rank
+        total = load.sum(-1, keepdim=True)
+        direction = torch.sign(total - load.shape[-1] * load).float()  # sign(mean - load), exactly
+        for bias, d in zip(self.biases, direction, strict=True):
+            bias.add_(d.to(bias.device), alpha=self.speed)
+
+    @torch.no_grad()
+    def bias_stats(self) -> dict[str, object]:
+        """Collective (at log steps): each layer's bias spread (max - min), and the largest difference
+        between any rank's bias and rank 0's (0.0: identical everywhere). Empty without a routing bias."""
+        if not self.biases:
+            return {}
+        stacked = torch.stack([b.float() for b in self.biases])
+        spread = (stacked.max(-1).values - stacked.min(-1).values).tolist()
+        first = stacked.clone()
+        dist.broadcast(first, src=0)
+        diff = (stacked - first).abs().max().reshape(1)
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        return {
+            "expert_bias_spread": max(spread),
+            "expert_bias_spread_per_layer": [round(x, 6) for x in spread],
+            "expert_bias_rank_max_diff": diff.item(),
+        }
+
+
+def routing_biases(routers: list[nn.Module], *, updated: bool) -> list[torch.Tensor]:
+    """Each router's routing bias, in layer order (none: a model without one). One the bias update
+    would move must be an fp32 buffer: a parameter would be stepped by the optimizer too (weight decay
+    shrinks it), and a bf16 one drops steps of 0.001 at values near 1."""
+    biases = [getattr(r, BIAS, None) for r in routers]
+    if any(b is None for b in biases):
+        if updated:
+            raise RuntimeError(f"balance aux_free: AutoEP's routers carry no {BIAS} to update")
+        return []
+    if updated:
+        for r, b in zip(routers, biases, strict=True):
+            if BIAS not in r._buffers:
+                raise RuntimeError(
+                    f"balance aux_free: the router's {BIAS} is a {type(b).__name__}, not a buffer"
+                )
+            if b.dtype != torch.float32:
+                raise RuntimeError(f"balance aux_free: the router's {BIAS} is {b.dtype}, not torch.float32")
+    return biases
 
 
 def load_stats(load: torch.Tensor) -> dict[str, object]:

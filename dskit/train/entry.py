@@ -160,7 +160,12 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
         )
     engine = build_engine(plan, device, rank=rank)
     score = "sigmoid" if plan.model.config["model_type"] == "deepseek_v3" else "softmax"
-    tap = RouterTap(engine.module, score_func=score, top_k=plan.model.config["num_experts_per_tok"])
+    tap = RouterTap(
+        engine.module,
+        score_func=score,
+        top_k=plan.model.config["num_experts_per_tok"],
+        bias_update_speed=plan.model.bias_update_speed,
+    )
     if eval_sampler is not None:
         log.info("eval: %s, every %d steps and at the end", eval_sampler.data.source, plan.run.eval_every)
     # armed once the engine is built: construction's long phases (JIT builds, weight loading) are bounded

@@ -262,7 +262,7 @@ def _micro_steps(
     device: torch.device,
 ) -> None:
     """One optimizer step: grad_accum micro-steps of forward, balance loss and backward (DeepSpeed's
-    engine.step() updates the weights at the accumulation boundary)."""
+    engine.step() updates the weights at the accumulation boundary), then the routing bias update."""
     par = plan.parallel
     for micro in range(par.grad_accum):
         first = position.micro_batch_start(
@@ -279,6 +279,7 @@ def _micro_steps(
             engine.backward(ce + aux)
         engine.step()
         window.add(ce, aux, real_tokens=batch.real_tokens, row_tokens=inputs.numel())
+    tap.after_step()  # balance aux_free: the routing bias moves against this step's load (collective)
 
 
 def _checkpoint_or_stop(done: int, every: int, stop: StopRequest, save: _Saver, window: LogWindow) -> bool:

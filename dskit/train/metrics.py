@@ -220,6 +220,7 @@ class LogWindow:
         }
         if load is not None:
             rec.update(load_stats(load))
+        rec.update(tap.bias_stats())
         if self.device.type == "cuda":
             rec["alloc_retries"] = self._retries_since_last(rec)
         if self.resumed_from is not None:

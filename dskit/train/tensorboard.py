@@ -29,6 +29,7 @@ SCALARS = {
     "peak_alloc_gib": "memory/peak_alloc_gib",
     "peak_reserved_gib": "memory/peak_reserved_gib",
     "expert_load_max_over_mean": "experts/max_over_mean_worst_layer",
+    "expert_bias_spread": "experts/bias_spread_widest_layer",
 }
 
 
@@ -63,6 +64,8 @@ class TensorBoardLog:
                 w.add_scalar(tag, rec[key], step)
         for i, x in enumerate(rec.get("expert_load_per_layer") or []):
             w.add_scalar(f"experts/max_over_mean/moe_layer_{i}", x, step)
+        for i, x in enumerate(rec.get("expert_bias_spread_per_layer") or []):
+            w.add_scalar(f"experts/bias_spread/moe_layer_{i}", x, step)
         for i, row in enumerate(rec.get("expert_counts") or []):
             _expert_histogram(w, f"experts/tokens_per_expert/moe_layer_{i}", row, step)
         w.flush()
