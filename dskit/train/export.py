@@ -17,6 +17,7 @@ Everything is written to a temporary sibling directory and renamed into place at
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -243,14 +244,40 @@ def _consolidated(
     parts = [_load_universal(udir, s) for s in sources]
     if any(p is None for p in parts):
         if name.endswith("e_score_correction_bias"):
-            # a buffer, never trained by AutoEP: keep the model's initial value (zeros)
-            return torch.zeros(shape, dtype=torch.float32)
+            # a buffer, so not in the universal checkpoint: the module state DeepSpeed saved holds it
+            # (the value loaded from model.path, or as training.balance aux_free moved it)
+            return _saved_buffer(src, sources[0], shape)
         raise RuntimeError(f"checkpoint {src} has no tensor for {name} (looked for {sources})")
     t = torch.cat(parts, dim=1) if how == "cat1" else parts[0]
     del parts
     if t.numel() != math.prod(shape):
         raise RuntimeError(f"{name}: checkpoint has {tuple(t.shape)}, model expects {shape}")
     return t.reshape(shape).to(dtype).contiguous()
+
+
+def _saved_buffer(src: Path, autoep_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A buffer (the routing bias) from rank 0's module state in the checkpoint; every rank saves the
+    same one (dskit/train/balance.py keeps it identical). Zeros where none was saved (the model's init)."""
+    import torch
+
+    saved = _saved_buffers(str(src)).get(autoep_name)
+    if saved is None:
+        return torch.zeros(shape, dtype=torch.float32)
+    return saved.float().reshape(shape).contiguous()
+
+
+@functools.cache
+def _saved_buffers(src: str) -> dict[str, torch.Tensor]:
+    """The routing biases of the checkpoint's first module-state file (memory-mapped: ZeRO-1/2's holds
+    the 16-bit model)."""
+    import torch
+
+    for f in sorted(Path(src).glob("*model_states.pt")):
+        module = torch.load(f, weights_only=False, map_location="cpu", mmap=True).get("module") or {}
+        found = {k: v.clone() for k, v in module.items() if k.endswith("e_score_correction_bias")}
+        if found:
+            return found
+    return {}
 
 
 def _verify(model_dir: Path, src: Path, plan: Plan, dtype: torch.dtype) -> None:
