@@ -5,11 +5,13 @@ Kubernetes pod harness. `down()` removes everything `up()` made, also after a fa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -56,6 +58,25 @@ class PrivateNet:
         except BaseException:
             self.down()
             raise
+
+    def veth(self, i: int) -> str:
+        """Host i's veth on the bridge side (its peer in the namespace is eth0)."""
+        return f"{self.prefix}v{i}"
+
+    @contextlib.contextmanager
+    def shaped(self, rate: str, *, burst: str = "64kb", latency: str = "50ms") -> Iterator[list[str]]:
+        """Every host's traffic from the bridge limited to `rate` (a tc token bucket on the bridge side of
+        each veth, so what enters each host is shaped, in each direction between two hosts) for the
+        `with` block; the qdiscs are removed on leaving it, whatever happened inside."""
+        devs = [self.veth(i) for i in range(1, self.hosts + 1)]
+        try:
+            tbf = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+            for d in devs:
+                sh("tc", "qdisc", "add", "dev", d, "root", *tbf)
+            yield devs
+        finally:
+            for d in devs:
+                sh("tc", "qdisc", "del", "dev", d, "root", check=False)
 
     def pids(self, i: int) -> list[int]:
         if not Path(f"/run/netns/{self.netns(i)}").exists():
