@@ -25,10 +25,16 @@ VERSION = 1
 #: a calibration of a few hundred groups and sizes is tens of KiB: anything near this is not one
 MAX_BYTES = 4 * 2**20
 SHAPE_KEY = r"^[1-9][0-9]{0,3}x[1-9][0-9]{0,4}$"
+#: the collectives timed, by the names the file and the step-time model use
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+RING_OPS = OPS[:3]  # NCCL runs these as rings: a ring's bus bandwidth does not depend on its length
+#: the longest text of the file that is echoed (warnings, names in refusals)
+ECHO_CHARS = 300
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a number that is not finite is damage, never a rate (json.loads reads NaN and Infinity)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Hardware(_Frozen):
@@ -61,9 +67,11 @@ class CpuAdam(_Frozen):
 
 
 class Compute(_Frozen):
-    gemm_tflops: float | None = None  # bf16 (fp16) matmul at the model's expert GEMM shape
-    attention_tflops: float | None = None  # SDPA forward + backward at the model's head shape
-    host_layer_pass_s: float | None = None  # the host probe (dskit/train/calibrate.py `host_probe`)
+    """The probes, at fixed shapes so that clusters compare (dskit/plan/calibrate_job.py)."""
+
+    gemm_tflops: float | None = Field(None, gt=0)  # bf16 matmul
+    attention_tflops: float | None = Field(None, gt=0)  # SDPA forward + backward, MLA's head dims
+    host_layer_pass_s: float | None = Field(None, gt=0)  # the host probe (dskit/train/calibrate.py)
 
 
 class CandidateRun(_Frozen):
@@ -87,27 +95,25 @@ class Calibration(_Frozen):
     compute: Compute = Compute()
     cpu_adam: CpuAdam | None = None
     #: the preflight's findings: a group far below what its fabric should give
-    warnings: list[str] = []
+    warnings: list[str] = []  # echoed through `_echo` by the reader (`warning_lines`)
     #: `dskit calibrate local --candidates N`: what the plan's top candidates measured (not read by the plan)
     candidates: list[CandidateRun] = []
 
     def rate(self, op: str, key: str) -> tuple[float, float, str] | None:
-        """(bus GB/s, latency s, the shape measured) for `op` over groups shaped `key`; a shape across more nodes
-        than were calibrated takes the widest calibrated one with as many ranks per node (a ring's bus
-        bandwidth does not depend on its length), its latency scaled by the ring steps across nodes."""
+        """(bus GB/s, latency s, the shape measured) for `op` over groups shaped `key`. A ring across
+        another number of nodes than was calibrated takes the measured ring with as many ranks per node
+        across the nearest number of nodes (a ring's bus bandwidth does not depend on its length), its
+        latency scaled by the ring steps across nodes. An all-to-all is no ring: only its own shape."""
         fits = self.collectives.get(op, {})
         if key in fits:
             return fits[key].bus_gbs, fits[key].latency_s, key
-        per_node, nodes = (int(x) for x in key.split("x"))
-        wider = [
-            (n, f)
-            for k, f in fits.items()
-            for r, n in [tuple(int(x) for x in k.split("x"))]
-            if r == per_node and 1 < n < nodes
-        ]
-        if not wider or nodes < 2:
+        per_node, nodes = _shape(key)
+        if op not in RING_OPS or nodes < 2:
             return None
-        n, f = max(wider, key=lambda nf: nf[0])
+        rings = [(n, f) for k, f in fits.items() for r, n in [_shape(k)] if r == per_node and n > 1]
+        if not rings:
+            return None
+        n, f = min(rings, key=lambda nf: (abs(nf[0] - nodes), -nf[0]))
         return f.bus_gbs, f.latency_s * (nodes - 1) / (n - 1), f"{per_node}x{n}"
 
 
@@ -125,7 +131,8 @@ def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node:
         if theirs != ours:
             raise SpecError(
                 field,
-                f"{p} was measured with {name} {theirs!r}, this plan has {ours!r}: calibrate this hardware",
+                f"{p} was measured with {name} {_echo(repr(theirs))}, this plan has {ours!r}: "
+                "calibrate this hardware",
             )
     return cal
 
@@ -149,8 +156,9 @@ def read(path: str | Path, *, field: str = "calibration") -> Calibration:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:
         raise SpecError(field, f"{p} is damaged (not JSON: {str(e)[:80]})") from None
-    if not isinstance(data, dict) or data.get("version") != VERSION:
-        got = data.get("version") if isinstance(data, dict) else type(data).__name__
+    version = data.get("version") if isinstance(data, dict) else None
+    if type(version) is not int or version != VERSION:
+        got = version if isinstance(data, dict) else type(data).__name__
         raise SpecError(
             field, f"{p}: calibration version {got!r}, this dskit reads {VERSION}; re-run calibrate"
         )
@@ -161,14 +169,38 @@ def read(path: str | Path, *, field: str = "calibration") -> Calibration:
         where = ".".join(str(x) for x in err["loc"])
         raise SpecError(field, f"{p} is damaged at {where}: {err['msg']}") from None
     for op, fits in cal.collectives.items():
+        if op not in OPS:
+            raise SpecError(
+                field, f"{p} is damaged at collectives: {_echo(repr(op))} is none of {', '.join(OPS)}"
+            )
         bad = next((k for k in fits if not _is_key(k)), None)
+        if bad is None:
+            bad = next((k for k in fits if _shape(k)[0] > cal.hardware.procs_per_node), None)
         if bad is not None:
-            raise SpecError(field, f"{p} is damaged at collectives.{op}: group shape {bad[:40]!r}")
+            raise SpecError(field, f"{p} is damaged at collectives.{op}: group shape {_echo(repr(bad))}")
     return cal
+
+
+def warning_lines(cal: Calibration) -> list[str]:
+    """The file's preflight findings, fit to print."""
+    return [_echo(w) for w in cal.warnings]
 
 
 def _is_key(key: str) -> bool:
     return re.fullmatch(SHAPE_KEY, key) is not None
+
+
+def _shape(key: str) -> tuple[int, int]:
+    per_node, nodes = key.split("x")
+    return int(per_node), int(nodes)
+
+
+def _echo(text: str) -> str:
+    """File text fit for one line of a terminal: escaped, and cut."""
+    from dskit.text import escape
+
+    text = escape(text)
+    return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."
 
 
 def write(path: str | Path, cal: Calibration) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from dskit import calibration
 from dskit.calibration import CandidateRun
-from dskit.errors import SpecError
 from dskit.plan.build import build_plan_searched
+from dskit.plan.calibrate_job import job_name
 from dskit.spec import Spec
 
 #: steps per candidate, of which the first WARMUP are not timed (compilation, allocator growth)
@@ -39,6 +39,10 @@ def pins(c) -> list[str]:
     ]
 
 
+class CandidateFailed(Exception):
+    """A candidate's run failed (not bad input): the records before it are in the file."""
+
+
 def measure(spec_with: Callable[..., Spec], cal_file: Path, n: int, out_root: Path) -> list[CandidateRun]:
     """Train the top `n` fitting candidates of the calibrated plan; `spec_with(extra_sets, name=None)`
     is the user's spec with more `--set` values (and another run name). Adds the records to `cal_file`
@@ -53,23 +57,30 @@ def measure(spec_with: Callable[..., Spec], cal_file: Path, n: int, out_root: Pa
         c = row.candidate
         print(f"dskit: calibrate: candidate {i + 1}/{len(rows)}: {c.describe()} ({STEPS} steps)", flush=True)
         base = spec_with([])
-        spec = spec_with(pins(c), name=f"{base.name}-candidate{i + 1}")
+        spec = spec_with(pins(c), name=job_name(base.name, f"candidate{i + 1}"))
         run = render_run(spec, "slurm", out_root / f"candidate-{i + 1}", force=True)
+        metrics = Path(run.plan.run.output_dir) / "metrics.jsonl"
+        before = _lines(metrics)  # the trainer appends: an earlier call's records are not this run's
         code = run_local(str(run.out))
         if code != 0:
-            raise SpecError(
-                "--candidates", f"candidate {i + 1} ({c.describe()}) exited with {code}; see its log above"
+            raise CandidateFailed(
+                f"candidate {i + 1} ({c.describe()}) exited with {code} (its log is above); "
+                f"{len(records)} record(s) before it are in {cal_file}"
             )
-        records.append(_record(row, Path(run.plan.run.output_dir) / "metrics.jsonl"))
-    cal = calibration.read(cal_file)
-    calibration.write(cal_file, cal.model_copy(update={"candidates": records}))
+        records.append(_record(row, metrics.read_text().splitlines()[before:]))
+        cal = calibration.read(cal_file)
+        calibration.write(cal_file, cal.model_copy(update={"candidates": records}))
     return records
 
 
-def _record(row, metrics: Path) -> CandidateRun:
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _record(row, lines: list[str]) -> CandidateRun:
     import json
 
-    recs = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    recs = [json.loads(x) for x in lines if x.strip()]
     recs = [r for r in recs if "step_time_s" in r]
     after = [r for r in recs if r["step"] > WARMUP] or recs
     return CandidateRun(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args
@@ -49,7 +50,11 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             named = {"job_name": name} if name else {}
             return spec_from_args(argparse.Namespace(**{**vars(a), "set": [*a.set, *extra], **named}))
 
-        records = candidate_runs.measure(spec_with, Path(c.file), a.candidates, run.out / "candidates")
+        try:
+            records = candidate_runs.measure(spec_with, Path(c.file), a.candidates, run.out / "candidates")
+        except candidate_runs.CandidateFailed as e:  # a run that failed, not bad input: not exit 2
+            sys.stderr.write(f"dskit: calibrate: {e}\n")
+            return 1
         print(candidate_runs.table(records))
     print(f"calibration: {c.file}")
     print(f"next: dskit plan SPEC --calibration {c.file} --explain")

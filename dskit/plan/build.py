@@ -175,12 +175,23 @@ def plan_calibration(
         fabric=fabric.name,
         procs_per_node=hardware.procs_per_node,
     )
-    if cal.hardware.nodes < hardware.nodes:
+    if hardware.peak_tflops is None:
         warnings.append(
-            f"hardware.calibration measured {cal.hardware.nodes} node(s), this plan has {hardware.nodes}: "
-            "groups across more nodes take the widest measured ring's bandwidth"
+            f"hardware.calibration: read and checked, but the {gpu.name} profile predicts no step time, so "
+            "its measured rates rank nothing"
         )
-    warnings.extend(f"calibration: {w}" for w in cal.warnings)
+    elif hardware.nodes > 1 and cal.hardware.nodes == 1:
+        warnings.append(
+            "hardware.calibration measured one node: groups across nodes keep the catalog's rates "
+            "(calibrate with --nodes 2 or more)"
+        )
+    elif cal.hardware.nodes != hardware.nodes:
+        warnings.append(
+            f"hardware.calibration measured {cal.hardware.nodes} nodes, this plan has {hardware.nodes}: rings "
+            "across nodes take the nearest measured ring's bandwidth; an all-to-all across nodes is used only "
+            "at a measured shape, else the catalog's rate (--explain names each group's source)"
+        )
+    warnings.extend(f"calibration: {w}" for w in calibration.warning_lines(cal))
     return cal
 
 
@@ -370,8 +381,10 @@ def launch_env(
 def build_calibration_plan(spec: Spec) -> Plan:
     """The plan of `spec` with a calibration job's section (`dskit calibrate`): the same run.yaml, launch
     contract and targets, and a trainer that measures instead of training."""
-    from dskit.plan.calibrate_job import calibrate_plan
+    from dskit.plan.calibrate_job import calibrate_plan, job_name
 
+    # its own name, so its storage dirs (and launch-env.json) are not the training run's
+    spec = spec.model_copy(update={"name": job_name(spec.name, "calibrate")})
     plan = build_plan(spec)
     gpu = catalog.gpu(spec.hardware.gpu)
     _, model_counts = plan_model(spec)

@@ -17,7 +17,7 @@ from pathlib import Path
 from dskit.catalog import GPU, Fabric
 from dskit.plan import links, search
 from dskit.plan.host_memory import threads_per_rank
-from dskit.plan.model_math import ModelCounts, head_dims
+from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import gathered_layer_params
 from dskit.plan.schema import CalibrateGroup, CalibratePlan, Plan
 
@@ -34,6 +34,17 @@ ITERS_GPU, ITERS_CPU = 5, 3
 #: enough not to matter
 CPU_ADAM_PARAMS_GPU, CPU_ADAM_PARAMS_CPU = 200_000_000, 4_000_000
 WIRE_BYTES = 2
+#: the GPU probes' shapes, fixed so that every cluster's reading compares with the reference's
+#: (dskit/plan/calibrated.py): V2-Lite's expert GEMM and attention at 2 x 4096 tokens, where the
+#: reference was read. A probe at each plan's own shape would compare shapes, not hardware: one H200
+#: ran 234 to 819 TFLOP/s over the presets' shapes.
+PROBE_GEMM = (8192, 2048, 1408)
+PROBE_ATTENTION = (2, 16, 4096, 192, 128)
+
+
+def job_name(name: str, suffix: str) -> str:
+    """`NAME-SUFFIX` within the spec's 52 characters (NAME cut, never the suffix)."""
+    return f"{name[: 52 - len(suffix) - 1].rstrip('-')}-{suffix}"
 
 
 def calibrate_plan(
@@ -74,20 +85,13 @@ def calibrate_plan(
     dispatch = p.micro_batch * p.seq_len * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
     lo, hi = (MIN_BYTES_GPU, min(MAX_BYTES_GPU, max(MIN_TOP_GPU, layer, dispatch))) if on_gpu else CPU_BYTES
     sizes = _spread(lo, hi, SIZES, multiple=world * 64)
-    qk, v = head_dims(cfg)
     section = CalibratePlan(
         file=str(Path(plan.run.output_dir) / FILE),
         groups=list(shapes.values()),
         sizes_bytes=sizes,
         iters=ITERS_GPU if on_gpu else ITERS_CPU,
-        gemm=(
-            p.micro_batch * p.seq_len,
-            cfg["hidden_size"],
-            cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
-        )
-        if on_gpu
-        else None,
-        attention=(p.micro_batch, cfg["num_attention_heads"], p.seq_len, qk, v) if on_gpu else None,
+        gemm=PROBE_GEMM if on_gpu else None,
+        attention=PROBE_ATTENTION if on_gpu else None,
         cpu_adam_params=CPU_ADAM_PARAMS_GPU if on_gpu else CPU_ADAM_PARAMS_CPU,
         threads_per_rank=threads_per_rank(cpus_per_node, per_node, gpu.is_cpu),
         fabric=fabric.name,

@@ -21,13 +21,11 @@ measured latency and bus bandwidth replace the catalog's for that shape; `Rate.s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from dskit.calibration import Calibration
+from dskit.calibration import OPS, Calibration
 
-#: the collectives the model times (the names calibrate measures them under)
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+__all__ = ["OPS", "Group", "Links", "Rate", "groups", "moved_share", "ring_steps"]
+
 #: NCCL's ring latency model, protocol Simple (the one large messages take), microseconds: a base per
 #: call, plus one hardware latency per ring step that crosses a network link (tuning.cc `baseLat`,
 #: `hwLat[NCCL_HW_NET]`). The steps inside a node are not counted here: their latency is part of the
@@ -71,8 +69,11 @@ class Group:
 def groups(world: int, per_node: int, ep_size: int) -> dict[str, Group]:
     """The groups a plan forms (AutoEP's layout): `dense` is every rank (ZeRO shards the non-expert
     weights over it); `ep`, consecutive ranks holding different experts; `expert_dp`, the ranks holding
-    the same experts, strided by ep over the world."""
+    the same experts, strided by ep over the world. EP divides the ranks per node or is a multiple of
+    them (search.ep_tiles_nodes), so each kind of group has one shape."""
     per_node = min(per_node, world)
+    if per_node % ep_size and ep_size % per_node:
+        raise ValueError(f"EP {ep_size} straddles nodes of {per_node} ranks unevenly")
     nodes = world // per_node
     if ep_size <= per_node:
         ep = Group(ep_size, 1)

@@ -143,6 +143,13 @@ def attention_compile(choice: str, gpu: catalog.GPU) -> bool:
 
 
 def _check_pinned_ep(n_experts: int, world: int, per_node: int, ep: int) -> None:
+    if search.ep_divides(n_experts, world, ep) and not search.ep_tiles_nodes(ep, min(per_node, world)):
+        valid = ", ".join(str(d) for d in sorted(search.ep_sizes(n_experts, world, per_node)))
+        raise SpecError(
+            "overrides.ep_size",
+            f"{ep} must divide the ranks per node ({per_node}) or be a multiple of it, so that AutoEP's groups "
+            f"of consecutive ranks do not straddle nodes unevenly; valid: {valid}",
+        )
     if not search.ep_divides(n_experts, world, ep):
         valid = ", ".join(str(d) for d in sorted(search.ep_sizes(n_experts, world, per_node)))
         raise SpecError(

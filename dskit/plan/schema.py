@@ -164,9 +164,9 @@ class CalibratePlan(_Frozen):
     groups: list[CalibrateGroup]
     sizes_bytes: list[int]  # whole-tensor sizes each op is timed at
     iters: int  # timed calls per size, after one warm-up
-    #: (tokens, in, out) of one expert GEMM at the plan's micro-step (GPU only)
+    #: (tokens, in, out) of the GEMM probe (GPU only; a fixed shape: calibrate_job.PROBE_GEMM)
     gemm: tuple[int, int, int] | None
-    #: (batch, heads, seq, qk head dim, v head dim) of the plan's attention (GPU only)
+    #: (batch, heads, seq, qk head dim, v head dim) of the attention probe (GPU only; fixed likewise)
     attention: tuple[int, int, int, int, int] | None
     cpu_adam_params: int  # per rank, every rank of the node stepping at once
     threads_per_rank: int

@@ -71,10 +71,20 @@ def ep_divides(n_experts: int, world: int, ep: int) -> bool:
     return n_experts % ep == 0 and world % ep == 0
 
 
+def ep_tiles_nodes(ep: int, per_node: int) -> bool:
+    """EP groups (consecutive ranks) that fill whole nodes or sit inside one, so every group has one
+    shape (dskit/plan/links.py): EP divides the ranks per node, or is a multiple of them."""
+    return per_node % ep == 0 or ep % per_node == 0
+
+
 def ep_sizes(n_experts: int, world: int, per_node: int) -> list[int]:
     """Every EP size AutoEP takes, in the fit order: inside a node, largest first (the all-to-all runs
     on NVLink), then across nodes, where it runs over the fabric."""
-    every = [d for d in range(1, math.gcd(n_experts, world) + 1) if ep_divides(n_experts, world, d)]
+    every = [
+        d
+        for d in range(1, math.gcd(n_experts, world) + 1)
+        if ep_divides(n_experts, world, d) and ep_tiles_nodes(d, min(per_node, world))
+    ]
     return sorted((d for d in every if d <= per_node), reverse=True) + [d for d in every if d > per_node]
 
 

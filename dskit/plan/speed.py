@@ -288,7 +288,17 @@ def predict(
     groups = _zero_groups(c, layout, tuning)
     shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
     overlap = zero3_overlap(c, layout)
-    per_micro, per_step = _collectives_s(groups, shapes, links, zero_stage, frac, passes, L, overlap, unknown)
+    per_micro, per_step = _collectives_s(
+        groups,
+        shapes,
+        links,
+        zero_stage,
+        frac,
+        passes,
+        {"dense": L, "expert_dp": c.moe_layers},
+        overlap,
+        unknown,
+    )
     a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = (
@@ -412,14 +422,15 @@ def _collectives_s(
     zero_stage: int,
     frac: float,
     passes: float,
-    layers: int,
+    layers: dict[str, int],
     overlap: float,
     unknown: list[str],
 ) -> tuple[float, float]:
     """ZeRO's collective seconds (every micro-step, once per optimizer step) for `_zero_groups`' traffic,
     their synchronisation included; a group whose rate is unknown is named in `unknown` and not
     counted. ZeRO-3 gathers each layer once per pass and reduce-scatters each layer's gradients once
-    per micro-step (one call each, for the latency)."""
+    per micro-step (one call each, for the latency), over the layers whose weights the group holds
+    (`layers`: every layer for the dense group, the MoE layers for the expert-data-parallel one)."""
     per_micro = per_step = 0.0
     for gathered, reduced, name in groups:
         g = shapes[name]
@@ -430,13 +441,16 @@ def _collectives_s(
         if g.size > 1 and any(links.rate(op, g) is None for op in ("all_gather", "reduce_scatter")):
             unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
             continue
+        calls = layers[name]  # the layers whose weights the group holds: every layer, or the MoE ones
         if zero_stage == 3:  # gathers per layer pass and one gradient reduce-scatter, per micro-step
-            exposed = t("all_gather", gathered * (2 + frac), passes) + t("reduce_scatter", reduced, layers)
+            exposed = t("all_gather", gathered * (2 + frac), calls * (2 + frac)) + t(
+                "reduce_scatter", reduced, calls
+            )
             per_micro += exposed * (1 - overlap)
         else:  # the updated weights all-gathered once per step, exposed
             per_step += t("all_gather", reduced)
             if zero_stage == 2:
-                per_micro += t("reduce_scatter", reduced, layers) * (1 - ZERO3_OVERLAP)
+                per_micro += t("reduce_scatter", reduced, calls) * (1 - ZERO3_OVERLAP)
             else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
                 per_step += t("reduce_scatter", reduced)
     world = shapes["dense"].size

@@ -104,6 +104,7 @@ def table(plan: Plan, found: Search) -> str:
     if s and s.sources:
         tail.append("where each term's rate comes from:")
         tail += [f"  {term}: {source}" for term, source in s.sources]
+
     if found.unforced_best is not None:
         tail.append(
             f"without the overrides the planner would take: {found.unforced_best.candidate.describe()}"

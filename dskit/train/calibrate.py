@@ -49,14 +49,18 @@ def calibrate(plan: Any, device: Any, rank: int, world: int) -> int:
             points = [(s, _timed(op, mine, g.size, s, device, c.iters)) for s in c.sizes_bytes]
             collectives.setdefault(op, {})[g.key] = fit(points, share)
     say("GEMM and attention rates" if c.gemm else "GEMM and attention rates (not on CPU)")
+    gemm, gemm_why = _probe(_gemm_tflops, c.gemm, device) if c.gemm else (None, None)
+    attention, attention_why = _probe(_attention_tflops, c.attention, device) if c.attention else (None, None)
     compute = Compute(
-        gemm_tflops=_gemm_tflops(c.gemm, device) if c.gemm else None,
-        attention_tflops=_attention_tflops(c.attention, device) if c.attention else None,
-        host_layer_pass_s=_slowest(host_probe(device)),
+        gemm_tflops=gemm, attention_tflops=attention, host_layer_pass_s=_slowest(host_probe(device))
     )
-    say(f"CPU Adam, every rank of a node stepping at once ({c.cpu_adam_params:,} parameters each)")
-    adam, adam_warning = _cpu_adam(c.cpu_adam_params, c.threads_per_rank, plan.hardware.procs_per_node)
-    warnings = preflight(c.groups, collectives) + ([adam_warning] if adam_warning else []) + _shm(plan)
+    say(
+        f"CPU Adam, every rank of a node stepping at once ({c.cpu_adam_params:,} parameters each; "
+        "DeepSpeed builds its extension on first use, a minute or more)"
+    )
+    adam, adam_why = _cpu_adam(c.cpu_adam_params, c.threads_per_rank, plan.hardware.procs_per_node)
+    skipped = [w for w in (gemm_why, attention_why, adam_why) if w]
+    warnings = preflight(c.groups, collectives) + skipped + _shm(plan)
     say("writing the calibration")
     if rank == 0:
         cal = Calibration(
@@ -210,7 +214,7 @@ def _gemm_tflops(shape: tuple[int, int, int], device: Any) -> float:
     a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     b = torch.randn(k, n, dtype=torch.bfloat16, device=device)
     seconds = _best(lambda: [a @ b for _ in range(LOOP)], device) / LOOP
-    return _slowest_rate(2 * m * k * n / seconds / 1e12)
+    return 2 * m * k * n / seconds / 1e12
 
 
 def _attention_tflops(shape: tuple[int, int, int, int, int], device: Any) -> float:
@@ -228,7 +232,31 @@ def _attention_tflops(shape: tuple[int, int, int, int, int], device: Any) -> flo
 
     seconds = _best(step, device) / LOOP
     forward = 2 * batch * heads * seq * seq * (qk + v) / 2  # causal: half the score matrix
-    return _slowest_rate(3.5 * forward / seconds / 1e12)  # backward is 2.5 forwards
+    return 3.5 * forward / seconds / 1e12  # backward is 2.5 forwards
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (each rank learns the same answer)."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _probe(fn: Any, *args: Any) -> tuple[float | None, str | None]:
+    """A GPU probe's rate, or (None, why) on every rank where it failed on any (out of memory, a
+    kernel missing): the ranks skip its collectives together."""
+    try:
+        rate, why = fn(*args), None
+    except Exception as e:
+        rate, why = None, f"{type(e).__name__}: {str(e)[:120]}"
+    if _everywhere(rate is not None):
+        return _slowest_rate(rate), None
+    return None, f"{fn.__name__.strip('_')} not measured ({why or 'failed on another rank'})"
 
 
 def _slowest_rate(rate: float) -> float:
@@ -288,6 +316,7 @@ def _cpu_adam(params: int, threads: int, ranks: int) -> tuple[CpuAdam | None, st
     import torch
     import torch.distributed as dist
 
+    why = None
     try:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -297,10 +326,11 @@ def _cpu_adam(params: int, threads: int, ranks: int) -> tuple[CpuAdam | None, st
         opt = DeepSpeedCPUAdam([p], lr=1e-4)
         opt.step()
     except Exception as e:  # its C++ build needs a compiler; say so rather than guess a rate
-        dist.barrier()
+        why = f"{type(e).__name__}: {str(e)[:120]}"
+    if not _everywhere(why is None):  # every rank skips together, or the next collectives would not pair
         return (
             None,
-            f"CPU Adam not measured ({type(e).__name__}: {str(e)[:120]}): the plan keeps the catalog's rate",
+            f"CPU Adam not measured ({why or 'failed on another rank'}): the plan keeps its fitted rate",
         )
     seconds = float("inf")
     for _ in range(3):

@@ -43,7 +43,7 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     """With --candidates 2 it then trains the plan's two first candidates for a few steps each and
     records them beside their predictions."""
     r = dskit(*_args(tmp_path, "cal"), "--candidates", "2", check=True)
-    out = tmp_path / "storage" / "cal" / "outputs" / "calibration.json"
+    out = tmp_path / "storage" / "cal-calibrate" / "outputs" / "calibration.json"
     steps = [line for line in r.stdout.splitlines() if line.startswith("dskit: calibrate [")]
     assert steps and steps[-1].startswith(f"dskit: calibrate [{len(steps)}/{len(steps)},")
     assert f"calibration: {out}" in r.stdout
@@ -107,6 +107,6 @@ def test_a_killed_calibration_leaves_no_file(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    outputs = tmp_path / "storage" / "killed" / "outputs"
+    outputs = tmp_path / "storage" / "killed-calibrate" / "outputs"
     left = sorted(p.name for p in outputs.glob("*calibration*")) if outputs.exists() else []
     assert left == [], f"after {seen[-1].strip()!r}: {left}"
