@@ -149,7 +149,15 @@ def arithmetic_here() -> dict:
         traffic = ((reduce_b, reduce_b, group),)  # _zero_groups' form: bytes per gather pass, per reduce
         unknown: list[str] = []
         per_micro, _ = speed._collectives_s(
-            traffic, shapes, links, p.zero_stage, frac, passes, L, 0.0, unknown
+            traffic,
+            shapes,
+            links,
+            p.zero_stage,
+            frac,
+            passes,
+            {"dense": L, "expert_dp": c.moe_layers},
+            0.0,
+            unknown,
         )
         sync = speed.SYNC_LAYER_PASS_S * passes
         modelled = accum * (per_micro - sync)
