@@ -9,7 +9,6 @@ same plan, its run.yaml edited to time other sizes, gives the held-out measureme
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -23,7 +22,7 @@ from dskit.plan import links
 from dskit.plan.schema import load_plan
 from dskit.train.calibrate import BLOCKS
 from tests.conftest import TINY_SETS, dskit, render_tiny
-from tests.support.slurm_cluster import SlurmCluster, missing_tools
+from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slurm
 
@@ -37,21 +36,6 @@ HELD_OUT_TOL = 0.25
 SHAPED_RATE, SHAPED_BURST, SHAPED_BYTES_S = "200mbit", "16kb", 200e6 / 8
 #: the issue's goal for one calibration job on the cluster
 GOAL_S = 180
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    missing = missing_tools()
-    if os.geteuid() != 0 or missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the Slurm tests: root={os.geteuid() == 0}, missing {missing}")
-        pytest.skip(f"needs root and Debian slurm-wlm + munge (missing: {missing})")
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    c.up()
-    try:
-        yield c
-    finally:
-        c.down()
 
 
 def render_cal(tmp: Path, name: str) -> Path:

@@ -28,24 +28,9 @@ from dskit.render import slurm
 from dskit.spec import load_spec
 from dskit.train.entry import LAUNCH_ENV_FILE
 from tests.conftest import dskit, dskit_status, render_tiny
-from tests.support.slurm_cluster import SlurmCluster, missing_tools
+from tests.support.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slurm
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    missing = missing_tools()
-    if os.geteuid() != 0 or missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the Slurm tests: root={os.geteuid() == 0}, missing {missing}")
-        pytest.skip(f"needs root and Debian slurm-wlm + munge (missing: {missing})")
-    c = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    c.up()
-    try:
-        yield c
-    finally:
-        c.down()
 
 
 def render(
