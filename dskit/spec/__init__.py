@@ -93,13 +93,6 @@ class RuntimeSpec(_Section):
         description="Python interpreter inside the runtime (an absolute venv path for none).",
     )
 
-    @field_validator("python", "image")
-    @classmethod
-    def _not_blank(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must not be blank (only whitespace)")
-        return v
-
 
 class TrainingSpec(_Section):
     seq_len: int = Field(4096, ge=8, description="Tokens per sequence.")

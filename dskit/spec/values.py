@@ -57,6 +57,28 @@ def _check_value(v: Any) -> None:
             _check_value(item)
 
 
+#: The empty-value rule: no spec value, and no item or key inside one, may be empty or only whitespace.
+#: Leaving a key out (or `null`, `--set KEY=null`) is how a default is asked for; an empty value is an
+#: unset variable (`--set model.path=$MODEL_DIR`) and never silently means the default. Mapping values
+#: are exempt: a Kubernetes label value may be empty. Checked before any other rule of the field.
+BLANK = "is empty; leave the key out (or null) for the default"
+BLANK_INSIDE = {
+    list: "holds an empty or blank item; remove it",
+    dict: "has an empty or blank key",
+}
+
+
+def _blank(v: Any) -> bool:
+    """Whether `v`, or a list item or mapping key in it, is an empty or whitespace-only string."""
+    if isinstance(v, str):
+        return not v.strip()
+    if isinstance(v, list):
+        return any(_blank(item) for item in v)
+    if isinstance(v, dict):
+        return any(isinstance(key, str) and not key.strip() for key in v)
+    return False
+
+
 class _Section(BaseModel):
     # allow_inf_nan=False: .inf/.nan would reach deepspeed.json as Infinity/NaN (not JSON) or the trainer.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
@@ -65,6 +87,13 @@ class _Section(BaseModel):
     @classmethod
     def _safe_values(cls, v: Any) -> Any:
         _check_value(v)
+        return v
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_blank_values(cls, v: Any) -> Any:
+        if _blank(v):
+            raise ValueError(BLANK if isinstance(v, str) else BLANK_INSIDE[type(v)])
         return v
 
     @field_validator("*", mode="before")

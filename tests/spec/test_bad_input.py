@@ -270,10 +270,10 @@ CASES: dict[str, tuple[Setup, str]] = {
     ),
     "empty runtime.python": (
         sets("runtime.python="),
-        "runtime.python: String should have at least 1 character",
+        "runtime.python: is empty; leave the key out (or null) for the default",
     ),
     "non-ASCII digits in slurm.time": (sets("slurm.time=٤٨:00:00"), "slurm.time: must look like HH:MM:SS"),
-    "blank runtime.python": (sets("runtime.python= "), "runtime.python: must not be blank"),
+    "blank runtime.python": (sets("runtime.python= "), "runtime.python: is empty"),
     "slurm.time with 99 seconds": (sets("slurm.time=0:99"), "minutes and seconds must be below 60"),
     "slurm.time of zero": (sets("slurm.time=00:00"), "must be more than 0 and at most 365 days"),
     "slurm.time of 9999 days": (sets("slurm.time=9999-00:00"), "must be more than 0 and at most 365 days"),
