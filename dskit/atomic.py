@@ -31,7 +31,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from dskit import owner
+from dskit import bounded_read, owner
 from dskit.errors import SpecError
 from dskit.text import describe, first_unsafe
 
@@ -129,7 +129,7 @@ def _kind_of(d: Path) -> str | None:
 
 def _marker(d: Path) -> dict:
     try:
-        info = json.loads((d / MARKER).read_text())
+        info = bounded_read.read_json(d / MARKER, limit=64 << 10, what="dskit's marker")
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dskit import bounded_read
 from dskit.atomic import write_file
 from dskit.errors import SpecError
 
@@ -142,19 +143,20 @@ def read(path: str | Path, *, field: str = "calibration") -> Calibration:
     missing, damaged, of another version or not one."""
     p = Path(path)
     try:
-        size = p.stat().st_size
-        if not p.is_file():
+        if p.exists() and not p.is_file():
             raise SpecError(field, f"{p} is not a file (give the calibration.json `dskit calibrate` wrote)")
-        if size > MAX_BYTES:
-            raise SpecError(field, f"{p} is {size:,} bytes, over the {MAX_BYTES:,} a calibration can be")
-        text = p.read_text(encoding="utf-8")
+        text = bounded_read.read_bytes(p, limit=MAX_BYTES, what="a calibration").decode("utf-8")
     except FileNotFoundError:
         raise SpecError(field, f"{p} does not exist (run `dskit calibrate` first)") from None
+    except bounded_read.TooLarge as e:
+        raise SpecError(field, str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(field, f"cannot read {p}: {getattr(e, 'strerror', None) or e}") from None
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
+        data = bounded_read.parse_json(text, p)
+    except bounded_read.TooLarge as e:
+        raise SpecError(field, f"{p} is damaged ({e.reason})") from None
+    except ValueError as e:  # JSONDecodeError, an integer beyond Python's digit limit
         raise SpecError(field, f"{p} is damaged (not JSON: {str(e)[:80]})") from None
     version = data.get("version") if isinstance(data, dict) else None
     if type(version) is not int or version != VERSION:

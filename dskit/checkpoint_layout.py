@@ -8,17 +8,30 @@ and `dskit export` read them, the latter refusing a damaged run before it loads 
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import zlib
 from pathlib import Path
 from typing import Any
 
+from dskit import bounded_read
 from dskit.errors import SpecError
 
 TAG_RE = re.compile(r"^step(\d{8})$")
 DONE = "dskit.json"
+#: dskit.json holds the step, world size, layout and a little plan metadata: a few KiB
+MAX_DONE = 1 << 20
+#: a rank's manifest names each file it wrote with [size, crc]: tens of entries, a few KiB
+MAX_MANIFEST = 16 << 20
+
+
+def manifest_name(rank: int) -> str:
+    return f"dskit-manifest-rank{rank}.json"
+
+
+def read_manifest(d: Path, rank: int) -> Any:
+    """Rank `rank`'s manifest in checkpoint `d`, parsed within its limits (OSError, ValueError)."""
+    return bounded_read.read_json(d / manifest_name(rank), limit=MAX_MANIFEST, what="a rank's manifest")
 
 
 def tag_for(step: int) -> str:
@@ -45,12 +58,14 @@ def crc(path: Path) -> int:
 def verify_rank_files(d: Path, rank: int) -> str | None:
     """What is wrong with the files `rank` wrote into checkpoint `d` (its manifest: sizes and CRC-32s),
     or None when they all check out."""
-    mf = d / f"dskit-manifest-rank{rank}.json"
+    mf = d / manifest_name(rank)
     if not mf.is_file():
         return f"{mf.name} missing"
     try:
-        manifest = json.loads(mf.read_text())
-    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        manifest = read_manifest(d, rank)
+    except bounded_read.TooLarge as e:
+        return f"{mf.name} {e.reason}"
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return f"{mf.name} unreadable"
     if not isinstance(manifest, dict):
         return f"{mf.name} is not a mapping of file names to [size, crc]"
@@ -88,10 +103,12 @@ def _plain_name(name: object) -> bool:
 def read_done(d: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(the checkpoint's dskit.json, None), or (None, what is wrong with it)."""
     try:
-        done = json.loads((d / DONE).read_text())
+        done = bounded_read.read_json(d / DONE, limit=MAX_DONE, what=f"a checkpoint's {DONE}")
     except FileNotFoundError:
         return None, f"{DONE} missing"
-    except (OSError, ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except bounded_read.TooLarge as e:
+        return None, f"{DONE} {e.reason}"
+    except (OSError, ValueError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return None, f"{DONE} unreadable (not JSON)"
     if not isinstance(done, dict):
         return None, f"{DONE} is not a mapping"
@@ -142,12 +159,12 @@ def intact(d: Path) -> bool:
         return False
     for r in range(done["world_size"]):
         try:
-            manifest = json.loads((d / f"dskit-manifest-rank{r}.json").read_text())
+            manifest = read_manifest(d, r)
             if not isinstance(manifest, dict):
                 return False
             for name, (size, _) in manifest.items():
                 if not _plain_name(name) or (d / name).stat().st_size != size:
                     return False
-        except (OSError, ValueError, TypeError, RecursionError):
+        except (OSError, ValueError, TypeError):
             return False
     return True

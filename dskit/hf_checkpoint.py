@@ -8,12 +8,12 @@ halfway through loading.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dskit import bounded_read
 from dskit.errors import SpecError
 
 INDEX = "model.safetensors.index.json"
@@ -23,30 +23,11 @@ FP8_DTYPES = {"F8_E4M3", "F8_E5M2"}
 
 
 MAX_INDEX = 64 * 2**20  # an index maps tensor names to file names: tens of MB at the very most
-MAX_JSON_DEPTH = 32  # headers and indexes are two or three levels deep
-
-
-def json_depth(v: Any) -> int:
-    """How deep a parsed JSON value nests (a scalar is 0), without recursion."""
-    deepest, stack = 0, [(v, 1)]
-    while stack:
-        x, d = stack.pop()
-        kids = x.values() if isinstance(x, dict) else x if isinstance(x, list) else None
-        if kids is not None:
-            deepest = max(deepest, d)
-            stack.extend((k, d + 1) for k in kids)
-    return deepest
-
-
-def _load_json(raw: bytes, what: str) -> Any:
-    try:
-        data = json.loads(raw)
-        deep = json_depth(data) > MAX_JSON_DEPTH
-    except RecursionError:
-        deep = True
-    if deep:
-        raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
-    return data
+#: config.json beside the weights; the catalog reads it with the same limit (dskit/catalog CONFIG_MAX_BYTES)
+MAX_CONFIG = 1 << 20
+#: headers and indexes are two or three levels deep
+MAX_JSON_DEPTH = bounded_read.MAX_DEPTH
+json_depth = bounded_read.json_depth  # the catalog's check of a config.json
 
 
 def _is_int(v: Any) -> bool:
@@ -64,10 +45,13 @@ def read_header(path: Path) -> dict[str, Any]:
             if len(raw) != 8:
                 raise ValueError("shorter than its 8-byte header length")
             (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER:
-                raise ValueError(f"header length {n} is not plausible")
-            header = _load_json(f.read(n), "header")
             size = path.stat().st_size
+            if n > min(MAX_HEADER, size - 8):
+                why = "longer than the file" if n <= MAX_HEADER else f"over the {MAX_HEADER:,} it can be"
+                raise bounded_read.TooLarge(path, f"has a header of {n:,} bytes, {why}")
+            header = bounded_read.parse_json(f.read(n), f"{path}'s header")
+    except bounded_read.TooLarge as e:
+        raise SpecError("model.path", str(e)) from None
     except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise SpecError("model.path", f"{path} is not a readable safetensors file: {e}") from None
     if not isinstance(header, dict):
@@ -111,13 +95,12 @@ def _shard(root: Path, name: str, index: Path) -> Path:
 
 def read_index(index: Path) -> dict[str, str]:
     try:
-        if index.stat().st_size > MAX_INDEX:
-            raise ValueError(f"larger than {MAX_INDEX >> 20} MiB")
-        with index.open("rb") as f:
-            data = _load_json(f.read(MAX_INDEX + 1), "index")
+        data = bounded_read.read_json(index, limit=MAX_INDEX, what="a safetensors index")
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         weight_map = data.get("weight_map")
+    except bounded_read.TooLarge as e:
+        raise SpecError("model.path", str(e)) from None
     except (OSError, ValueError) as e:
         raise SpecError("model.path", f"{index} is not a safetensors index: {e}") from None
     if (
@@ -232,7 +215,7 @@ def _config_quantization(root: Path) -> Any:
     """config.json's quantization_config beside the weights (None without one or without config.json;
     an unreadable config.json is the catalog's to report, model_from_path reads it first)."""
     try:
-        cfg = _load_json((root / "config.json").read_bytes(), "config.json")
+        cfg = bounded_read.read_json(root / "config.json", limit=MAX_CONFIG, what="a config.json")
     except (OSError, ValueError):
         return None
     return cfg.get("quantization_config") if isinstance(cfg, dict) else None

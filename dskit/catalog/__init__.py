@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from dskit import bounded_read
 from dskit.errors import SpecError, one_of
 from dskit.hf_checkpoint import check_quantization_config, json_depth
 
@@ -207,13 +208,11 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
         cfg_file = p / "config.json" if p.is_dir() else p
         if not cfg_file.is_file():
             raise SpecError(field_name, f"{cfg_file} not found (expected a model directory with config.json)")
-        if cfg_file.stat().st_size > CONFIG_MAX_BYTES:
-            raise SpecError(
-                field_name, f"{cfg_file} is larger than {CONFIG_MAX_BYTES >> 20} MiB: not a config.json"
-            )
-        cfg = json.loads(cfg_file.read_bytes().decode("utf-8"))
-        if json_depth(cfg) > CONFIG_MAX_DEPTH:
-            raise SpecError(field_name, f"{cfg_file} nests deeper than {CONFIG_MAX_DEPTH} levels")
+        cfg = bounded_read.read_json(
+            cfg_file, limit=CONFIG_MAX_BYTES, what="a config.json", depth=CONFIG_MAX_DEPTH
+        )
+    except bounded_read.TooLarge as e:
+        raise SpecError(field_name, str(e)) from None
     except OSError as e:
         raise SpecError(field_name, f"cannot read {path}: {e.strerror or e}") from None
     except UnicodeDecodeError:

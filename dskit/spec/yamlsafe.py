@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
+from dskit import bounded_read
 from dskit.errors import SpecError
 
 MAX_BYTES = 1 << 20
@@ -137,17 +138,16 @@ def loads(text: str, where: str) -> Any:
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
-    """A user's text file: at most MAX_BYTES, UTF-8 (a leading BOM is dropped)."""
+    """A user's text file: at most MAX_BYTES (dskit.bounded_read), UTF-8 (a leading BOM is dropped)."""
     p = Path(path)
     try:
         if not p.is_file():
             raise SpecError(str(path), f"{what} not found" if not p.exists() else f"{what} is not a file")
-        with p.open("rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = bounded_read.read_bytes(p, limit=MAX_BYTES, what=f"a {what}")
+    except bounded_read.TooLarge as e:
+        raise SpecError(str(path), f"{what} {e.reason}") from None
     except OSError as e:
         raise SpecError(str(path), f"cannot read the {what}: {e.strerror or e}") from None
-    if len(data) > MAX_BYTES:
-        raise SpecError(str(path), f"{what} is larger than {MAX_BYTES // 1024} KiB")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dskit import bounded_read
 from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
 from dskit.train.progress import throughput_text
 
 METRICS_FILE = "metrics.jsonl"
 LAUNCH_ENV_FILE = "launch-env.json"  # written by rank 0 (dskit.train.entry.LAUNCH_ENV_FILE)
+#: one metrics record: the losses, rates and per-expert loads of one step (DeepSeek-V3: ~15k numbers)
+MAX_METRICS_LINE = 4 << 20
+#: the launch environment rank 0 recorded: a few hundred variables
+MAX_LAUNCH_ENV = 1 << 20
 DPI = 100
 
 
@@ -38,16 +42,31 @@ class Series:
         return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def read_launch_env(path: Path) -> dict | None:
+    """launch-env.json within its limit; SpecError naming it when it is damaged."""
+    try:
+        env = bounded_read.read_json(path, limit=MAX_LAUNCH_ENV, what=LAUNCH_ENV_FILE)
+    except bounded_read.TooLarge as e:
+        raise SpecError(str(path), e.reason) from None
+    except (OSError, ValueError) as e:
+        raise SpecError(str(path), f"unreadable (not JSON: {e})") from None
+    if not isinstance(env, dict):
+        raise SpecError(str(path), "is not a mapping of variable names to values")
+    return env
+
+
 def read_metrics(path: Path) -> Series:
     """Parse metrics.jsonl. A torn last line (a run killed mid-write, or still writing) is skipped."""
     by_step: dict[int, dict[str, Any]] = {}
     restarts: list[int] = []
     last = 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    try:
+        records = list(bounded_read.iter_jsonl(path, line_limit=MAX_METRICS_LINE, what=METRICS_FILE))
+    except bounded_read.TooLarge as e:
+        raise SpecError(str(path), e.reason) from None
+    except OSError as e:
+        raise SpecError(str(path), f"cannot read it: {e.strerror or e}") from None
+    for rec in records:
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             continue
         # a hard kill resumes from an older checkpoint (the step goes backwards); a clean stop resumes
@@ -339,6 +358,8 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
     s = read_metrics(metrics)
     if not s.records:
         raise SpecError(str(metrics), "empty: the run has not reached its first log step")
+    env_file = rf.output_dir / LAUNCH_ENV_FILE  # read before anything is made: a damaged one writes nothing
+    launch_env = read_launch_env(env_file) if env_file.is_file() else None
     out = Path(out_dir) if out_dir else rf.run_dir / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -356,8 +377,6 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
     if experts:
         images.append((experts, "expert load heatmaps"))
     images.append((plot_lr(s, out / "lr.png"), "learning rate vs step"))
-    env_file = rf.output_dir / LAUNCH_ENV_FILE
-    launch_env = json.loads(env_file.read_text()) if env_file.is_file() else None
     title = f"dskit report: {plan.name if plan is not None else rf.run_dir.name}"
     page = write_html(out / "index.html", title, s, plan, launch_env, images)
     return [p for p, _ in images] + [page]

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from dskit import bounded_read
 from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
 from dskit.contract import COMPLETE_FILE, JOBS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
@@ -80,11 +81,23 @@ class Registered(Protocol):
     sign: str | None
 
 
+#: the target's name; one line per submission (a job id, a Ray address): thousands of requeues fit
+MAX_TARGET_FILE, MAX_JOBS_FILE = 4 << 10, 4 << 20
+
+
+def _read(f: Path, limit: int) -> str:
+    """A run dir's own text file, within its limit; SpecError naming it otherwise."""
+    try:
+        return bounded_read.read_bytes(f, limit=limit, what=f"a run's {f.name}").decode(errors="replace")
+    except bounded_read.TooLarge as e:
+        raise SpecError(str(f), e.reason) from None
+
+
 def target_of(run_dir: Path, targets: Mapping[str, Registered]) -> Registered:
     """The registered target (of `targets`, dskit.render.targets) a run dir was rendered for."""
     f = run_dir / TARGET_FILE
     if f.is_file():
-        name = f.read_text().strip()
+        name = _read(f, MAX_TARGET_FILE).strip()
         if name not in targets:
             raise SpecError(str(f), f"names an unknown target {name!r}; re-render the run directory")
         return targets[name]
@@ -100,7 +113,7 @@ def read_jobs(run_dir: Path) -> Entries:
     f = run_dir / JOBS_FILE
     if not f.is_file():
         return []
-    text = f.read_text(errors="replace")
+    text = _read(f, MAX_JOBS_FILE)
     lines = text.split("\n")[:-1]  # the part after the last newline is not a whole line
     seen: dict[str, str | None] = {}
     for n, line in enumerate(lines, 1):

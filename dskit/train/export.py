@@ -198,12 +198,22 @@ def _write_meta(work: Path, src: Path, plan: Plan) -> dict:
     """dskit-export.json: which checkpoint, step, plan and model the export came from."""
     meta = {
         "source_checkpoint": str(src),
-        "step": json.loads((src / "dskit.json").read_text())["step"],
+        "step": _step_of(src),
         "plan": plan.name,
         "model": plan.model.name,
     }
     (work / "dskit-export.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
+
+
+def _step_of(src: Path) -> int:
+    """The verified checkpoint's step, read again within dskit.json's limits."""
+    from dskit.checkpoint_layout import read_done
+
+    done, problem = read_done(src)
+    if problem:  # changed since it was verified
+        raise SpecError("checkpoint", f"{src}: {problem}")
+    return done["step"]
 
 
 def _export_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

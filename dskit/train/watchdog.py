@@ -34,10 +34,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dskit import bounded_read
 from dskit.contract import EXIT_REQUEUE, record_exit
 
 log = logging.getLogger("dskit.train")
 HEARTBEAT_DIR = "heartbeats"
+#: a heartbeat is a handful of numbers and a host name
+MAX_HEARTBEAT = 64 << 10
 #: OUTPUT_DIR/watchdog-rank{R}.log: the reason and this rank's stacks when its watchdog fired.
 REPORT_FILE = "watchdog-rank{rank}.log"
 #: Exit code of a hang before the attempt's first step (see the module docstring).
@@ -207,7 +210,7 @@ def read_heartbeats(directory: Path) -> dict[int, dict]:
         return out
     for p in directory.glob("rank*.json"):
         try:
-            rec = json.loads(p.read_text())
+            rec = bounded_read.read_json(p, limit=MAX_HEARTBEAT, what="a heartbeat")
             out[int(rec["rank"])] = {
                 **rec,
                 "step": int(rec["step"]),

@@ -209,7 +209,10 @@ CASES: dict[str, tuple[Setup, str]] = {
         spec("runtime: {mounts: [&m '/" + "a" * 100_000 + ":/b', " + ", ".join(["*m"] * 200) + "]}\n"),
         "more than 4 MiB of text through aliases",
     ),
-    "spec over 1 MiB": (spec("# " + "x" * (1 << 20) + "\n"), "spec file is larger than 1024 KiB"),
+    "spec over 1 MiB": (
+        spec("# " + "x" * (1 << 20) + "\n"),
+        "spec file is 1,048,579 bytes, over the 1,048,576 a spec file can be",
+    ),
     "spec is a directory": (lambda d: ["plan", str(d)], "spec file is not a file"),
     "newline in the spec's name": (
         lambda d: ["plan", str(d / "no\nsuch.yaml")],
@@ -404,11 +407,11 @@ CASES: dict[str, tuple[Setup, str]] = {
     "index weight_map empty": (index({}), "weight_map must be a non-empty mapping"),
     "index nested deep": (
         index(None, raw=b'{"weight_map":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-        "index nests deeper than 32 levels",
+        "index.json nests deeper than 32 levels",
     ),
     "index over 64 MiB": (
         index(None, raw=b'{"weight_map": {}, "x": "' + b"a" * (64 << 20) + b'"}'),
-        "larger than 64 MiB",
+        "over the 67,108,864 a safetensors index can be",
     ),
     "index shard escapes with ..": (index({"a": "../w.safetensors"}), "only files inside"),
     "index shard is absolute": (index({"a": "/etc/passwd"}), "only files inside"),
@@ -422,7 +425,7 @@ CASES: dict[str, tuple[Setup, str]] = {
     ),
     "config.json over 1 MiB": (
         model_config({**TINY_CONFIG, "x": "a" * (1 << 20)}),
-        "is larger than 1 MiB",
+        "over the 1,048,576 a config.json can be",
     ),
     # where the output goes
     "-o under a file": (output_under_file, "is not a directory"),

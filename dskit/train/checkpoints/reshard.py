@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from dskit import bounded_read
 from dskit.errors import SpecError
 from dskit.text import escape
 from dskit.train.checkpoints import universal
@@ -52,6 +53,10 @@ log = logging.getLogger("dskit.train")
 UNIVERSAL_DIR = "universal"
 #: where rank 0 writes the reason when a conversion fails, for the ranks waiting on it
 FAILED = "{tag}.failed"
+#: rank 0's record of a failed conversion: a field and a one-line message
+MAX_FAILURE = 64 << 10
+#: how much of the converter's log a failure reads (its last lines name what went wrong)
+LOG_TAIL = 1 << 20
 #: what a removed copy is renamed to before it is deleted (a crash mid-delete leaves only this)
 TRASH = "universal.removed-{pid}"
 POLL_S = 2.0
@@ -174,13 +179,17 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _read_failure(failed: Path) -> Exception | None:
     try:
-        why = json.loads(failed.read_text())
+        why = bounded_read.read_json(failed, limit=MAX_FAILURE, what="a failed conversion's record")
     except FileNotFoundError:
         return None
+    except bounded_read.TooLarge as e:
+        return ConversionFailed(f"rank 0's record of its failed conversion: {e}")
     except (OSError, ValueError):  # being replaced right now: the next look reads it whole
         return None
+    if not isinstance(why, dict):
+        return ConversionFailed(f"rank 0's record of its failed conversion, {failed}, is not a mapping")
     if "field" in why:
-        return SpecError(why["field"], why["message"])
+        return SpecError(why["field"], why.get("message"))
     return ConversionFailed(f"rank 0 could not convert the checkpoint: {why.get('error')}")
 
 
@@ -243,7 +252,9 @@ def _run_converter(
 def _raise_failure(
     src: Path, logfile: Path, code: int, change: str, free_bytes, needed: int, disk_full
 ) -> None:
-    text = logfile.read_text(errors="replace")
+    with logfile.open("rb") as f:  # its end: the converter's last words, however long the log grew
+        f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL))
+        text = f.read().decode(errors="replace")
     free = free_bytes()
     # torch.save's zip writer names no errno ("file write failed"): a disk left all but full says it
     if "No space left on device" in text or "Disk quota exceeded" in text or free < 16 * 2**20:

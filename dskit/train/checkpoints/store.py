@@ -39,7 +39,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dskit.checkpoint_layout import DONE, complete_tags, crc, intact, read_done, tag_for, tag_problem
+from dskit.checkpoint_layout import (
+    DONE,
+    complete_tags,
+    crc,
+    intact,
+    manifest_name,
+    read_done,
+    tag_for,
+    tag_problem,
+)
 from dskit.contract import EXIT_DISK_FULL
 from dskit.errors import SpecError
 from dskit.text import escape
@@ -266,7 +275,7 @@ class Checkpointer:
                 for p in sorted(tmp.iterdir())
                 if p.is_file() and _owned_by(p.name, self.rank) and not p.name.startswith("dskit-manifest")
             }
-            (tmp / f"dskit-manifest-rank{self.rank}.json").write_text(json.dumps(manifest))
+            (tmp / manifest_name(self.rank)).write_text(json.dumps(manifest))
             dist.barrier()
             final = self.root / tag
             if self.rank == 0:

@@ -258,10 +258,10 @@ def _fused(name: str, read: Callable[[str], torch.Tensor], n_experts: int) -> to
 
 def _files_of(root: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (an index's map, or the single file)."""
-    from dskit.hf_checkpoint import INDEX, SINGLE
+    from dskit.hf_checkpoint import INDEX, SINGLE, read_index
 
     if (root / INDEX).is_file():
-        return {n: root / f for n, f in json.loads((root / INDEX).read_text())["weight_map"].items()}
+        return {n: root / f for n, f in read_index(root / INDEX).items()}
     from safetensors import safe_open
 
     with safe_open(str(root / SINGLE), framework="pt") as fh:
