@@ -14,11 +14,12 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from dskit import calibration
+from dskit import bounded_read, calibration
 from dskit.calibration import CandidateRun
 from dskit.plan.build import build_plan_searched
 from dskit.plan.calibrate_job import job_name
 from dskit.spec import Spec
+from dskit.status.report import MAX_METRICS_LINE, METRICS_FILE
 
 #: steps per candidate, of which the first WARMUP are not timed (compilation, allocator growth)
 STEPS, WARMUP = 8, 3
@@ -59,29 +60,31 @@ def measure(spec_with: Callable[..., Spec], cal_file: Path, n: int, out_root: Pa
         base = spec_with([])
         spec = spec_with(pins(c), name=job_name(base.name, f"candidate{i + 1}"))
         run = render_run(spec, "slurm", out_root / f"candidate-{i + 1}", force=True)
-        metrics = Path(run.plan.run.output_dir) / "metrics.jsonl"
-        before = _lines(metrics)  # the trainer appends: an earlier call's records are not this run's
+        metrics = Path(run.plan.run.output_dir) / METRICS_FILE
+        before = len(_records(metrics))  # the trainer appends: an earlier call's records are not this run's
         code = run_local(str(run.out))
         if code != 0:
             raise CandidateFailed(
                 f"candidate {i + 1} ({c.describe()}) exited with {code} (its log is above); "
                 f"{len(records)} record(s) before it are in {cal_file}"
             )
-        records.append(_record(row, metrics.read_text().splitlines()[before:]))
+        records.append(_record(row, _records(metrics)[before:]))
         cal = calibration.read(cal_file)
         calibration.write(cal_file, cal.model_copy(update={"candidates": records}))
     return records
 
 
-def _lines(path: Path) -> int:
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+def _records(path: Path) -> list[dict]:
+    """The trainer's records in metrics.jsonl, read as `dskit report` reads them (bounded lines; a torn
+    line skipped)."""
+    if not path.is_file():
+        return []
+    lines = bounded_read.iter_jsonl(path, line_limit=MAX_METRICS_LINE, what=METRICS_FILE)
+    return [r for r in lines if isinstance(r, dict)]
 
 
-def _record(row, lines: list[str]) -> CandidateRun:
-    import json
-
-    recs = [json.loads(x) for x in lines if x.strip()]
-    recs = [r for r in recs if "step_time_s" in r]
+def _record(row, records: list[dict]) -> CandidateRun:
+    recs = [r for r in records if "step_time_s" in r]
     after = [r for r in recs if r["step"] > WARMUP] or recs
     return CandidateRun(
         candidate=row.candidate.describe(),

@@ -46,9 +46,6 @@ EXEMPT = {
     ("dskit/data/readers.py", "_hf_dir_files"): "a dataset's state.json: user data, not a run's files",
     ("dskit/data/readers.py", "_read_jsonl"): "user data, parsed line by line by dskit data prepare",
     ("dskit/data/shards.py", "open"): "prepared data's index.json (a data dir, not yet bounded)",
-    ("dskit/candidate_runs.py", "_record"): "the planner's candidate runs (another reader's)",
-    ("dskit/candidate_runs.py", "_lines"): "the planner's candidate runs (another reader's)",
-    ("dskit/candidate_runs.py", "measure"): "the planner's candidate runs (another reader's)",
 }
 
 
