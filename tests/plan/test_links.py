@@ -92,3 +92,17 @@ def test_small_models_keep_deepspeeds_defaults():
     two-GPU runs were measured with."""
     plan = build_plan(load_spec(None, ["overrides.zero_stage=3", "hardware.gpus_per_node=2"], {}))
     assert plan.deepspeed["zero_optimization"]["stage3_max_live_parameters"] == prefetch.MAX_LIVE_DEFAULT
+
+
+def test_ep_groups_that_would_straddle_nodes_unevenly_are_not_planned():
+    """On nodes of 6, EP 4's consecutive groups would hold 4 ranks on one node and 2+2 across two: no
+    single shape to time. The search leaves EP 4 out; pinned, it is refused naming the valid sizes."""
+    from dskit.errors import SpecError
+    from dskit.plan import search
+
+    assert 4 not in search.ep_sizes(64, 12, 6) and {1, 2, 3, 6} <= set(search.ep_sizes(64 * 3, 12, 6))
+    with pytest.raises(SpecError) as e:
+        build_plan(
+            load_spec(None, ["hardware.gpus_per_node=6", "hardware.nodes=2", "overrides.ep_size=4"], {})
+        )
+    assert e.value.field == "overrides.ep_size" and "straddle nodes unevenly" in e.value.message
