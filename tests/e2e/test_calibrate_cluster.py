@@ -90,7 +90,7 @@ def run_job(c: SlurmCluster, rd: Path, cwd: Path, file: Path, *, start_s: float,
     line `start_s` after it was submitted, or no next one `step_s` after the last."""
     t0 = time.monotonic()
     job = c.sbatch(str(rd / "job.sbatch"), cwd=cwd)
-    log = cwd / f"{rd.name}-{job}.out"
+    log = cwd / f"{load_plan(rd / 'run.yaml').name}-{job}.out"  # the job's name: NAME-calibrate
     last_step_at = None
     seen = 0
     while True:
