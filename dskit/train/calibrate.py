@@ -162,18 +162,24 @@ def _slowest(seconds: float) -> float:
 
 
 def fit(points: list[tuple[int, float]], share: float) -> Fit:
-    """latency + (bytes x share) / bus bandwidth, least squares over the points; where noise makes the
-    latency negative (or the slope not positive), the bandwidth is fitted through the origin instead."""
+    """latency + (bytes x share) / bus bandwidth, fitted by least squares on the relative error (each
+    point weighted 1/t^2): the plan uses the fit from kilobytes to gigabytes, so a size's error counts
+    as a share of its time, not in seconds, which would let the largest size set the line alone. Where
+    the latency comes out negative (a token bucket's burst, noise) or the slope not positive, the line
+    goes through the origin instead, fitted the same way."""
     xs = [b * share for b, _ in points]
     ts = [t for _, t in points]
-    n = len(xs)
-    mx, mt = sum(xs) / n, sum(ts) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / sxx if sxx else 0.0
-    latency = mt - slope * mx
+    ws = [1 / (t * t) for t in ts]
+    sw = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs, strict=True))
+    st = sum(w * t for w, t in zip(ws, ts, strict=True))
+    sxx = sum(w * x * x for w, x in zip(ws, xs, strict=True))
+    sxt = sum(w * x * t for w, x, t in zip(ws, xs, ts, strict=True))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxt - sx * st) / det if det else 0.0
+    latency = (st - slope * sx) / sw
     if latency < 0 or slope <= 0:
-        latency = 0.0
-        slope = sum(x * t for x, t in zip(xs, ts, strict=True)) / sum(x * x for x in xs)
+        latency, slope = 0.0, sxt / sxx
     return Fit(bus_gbs=1 / slope / 1e9, latency_s=latency, points=[(float(b), t) for b, t in points])
 
 
