@@ -281,13 +281,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", type=Path, help="reuse an FP8 checkpoint written by an earlier call")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path, default=Path("/tmp/fp8-lora-bench"))
-    ap.add_argument(
-        "--rows",
-        nargs="+",
-        type=Path,
-        help="print result files' rows as JSON, as the calibration tests read them",
-    )
-    ap.add_argument("--predict", action="store_true", help="with --rows: today's prediction of each")
+    runs.add_rows_args(ap, "with --rows: today's prediction of each")
     a = ap.parse_args()
     if a.rows:
         json.dump(derived(a.rows, a.predict), sys.stdout)

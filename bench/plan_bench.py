@@ -682,13 +682,7 @@ def main() -> None:
     ap.add_argument("--report", nargs="+", type=Path, help="print the validation table of result files")
     ap.add_argument("--plot", type=Path, help="with --report: draw predicted vs measured to this PNG")
     ap.add_argument("--fit", nargs="+", type=Path, help="fit speed.py's measured constants to result files")
-    ap.add_argument(
-        "--rows",
-        nargs="+",
-        type=Path,
-        help="print result files' rows as JSON, as the calibration tests read them",
-    )
-    ap.add_argument("--predict", action="store_true", help="with --rows: today's prediction and pick of each")
+    runs.add_rows_args(ap, "with --rows: today's prediction and pick of each")
     a = ap.parse_args()
     if a.rows:
         json.dump(derived(a.rows, a.predict), sys.stdout)

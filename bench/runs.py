@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import platform
@@ -81,3 +82,22 @@ def steady(recs: list[dict], warmup_steps: int) -> dict:
         "loss_first": recs[0]["loss"],
         "loss_last": recs[-1]["loss"],
     }
+
+
+def add_rows_args(ap, predict_help: str) -> None:
+    """`--rows FILES [--predict]`: what the calibration tests run the bench scripts with. Missing files
+    are a one-line argparse error, not a traceback."""
+
+    def existing(text: str) -> Path:
+        p = Path(text)
+        if not p.is_file():
+            raise argparse.ArgumentTypeError(f"{text}: no such result file")
+        return p
+
+    ap.add_argument(
+        "--rows",
+        nargs="+",
+        type=existing,
+        help="print result files' rows as JSON, as the calibration tests read them",
+    )
+    ap.add_argument("--predict", action="store_true", help=predict_help)

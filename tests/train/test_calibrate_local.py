@@ -18,17 +18,24 @@ from tests.conftest import TINY_SETS, dskit
 pytestmark = pytest.mark.train
 
 
+#: the tiny CPU spec both `dskit calibrate` and `dskit plan` take here
+SPEC = [
+    "--gpu",
+    "cpu",
+    "--gpus-per-node",
+    "2",
+    "--model",
+    "tiny-v2",
+    *(x for s in TINY_SETS for x in ("--set", s)),
+]
+
+
 def _args(tmp: Path, name: str) -> list[str]:
-    sets = [*TINY_SETS, f"storage.root={tmp / 'storage'}", f"runtime.python={sys.executable}"]
+    sets = [f"storage.root={tmp / 'storage'}", f"runtime.python={sys.executable}"]
     return [
         "calibrate",
         "local",
-        "--gpu",
-        "cpu",
-        "--gpus-per-node",
-        "2",
-        "--model",
-        "tiny-v2",
+        *SPEC,
         "--runtime",
         "none",
         "--job-name",
@@ -60,19 +67,7 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
         assert c.measured_tokens_per_s > 0 and c.measured_peak_gib > 0 and c.steps == 8
         assert c.predicted_tokens_per_s is None  # the cpu profile has no peak to predict from
         assert c.candidate in r.stdout
-    plan = dskit(
-        "plan",
-        "--gpu",
-        "cpu",
-        "--gpus-per-node",
-        "2",
-        "--model",
-        "tiny-v2",
-        "--calibration",
-        str(out),
-        *(x for s in TINY_SETS for x in ("--set", s)),
-        check=True,
-    )
+    plan = dskit("plan", *SPEC, "--calibration", str(out), check=True)
     assert plan.returncode == 0
     # the run.yaml the job ran: a training run's, plus the calibrate section
     run_yaml = (tmp_path / "cal" / "run.yaml").read_text()
