@@ -56,4 +56,4 @@ export DS_BUILD_FUSED_ADAM=1
 # FlashAttention-4 (Hopper): wheels only, nothing compiled here; its kernels compile at first call
 # (seconds) for the shapes the run uses. Measured faster than cuDNN SDPA and FlashAttention-2 for MLA
 # (docs/planner.md "Attention on each GPU"), so the image carries no other attention build.
-"$PY" -m pip install --no-cache-dir 'flash-attn-4[cu13]==4.0.0b36' 'nvidia-cutlass-dsl[cu13]==4.8.1' quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.3.1 protobuf==7.36.2
+"$PY" -m pip install --no-cache-dir 'flash-attn-4[cu13]==4.0.0b36' 'nvidia-cutlass-dsl[cu13]==4.8.1' nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.3.1 protobuf==7.36.2
