@@ -150,6 +150,10 @@ def run_one(label: str, ckpt: Path, sets: list[str], gpu: str, steps: int, work:
     if proc.returncode != 0:
         row["error"] = (proc.stdout + proc.stderr)[-3000:]
         return row
+    otherwise = runs.ran_otherwise(run.out)
+    if otherwise:  # a fallback is not a measurement of the plan: no measured figures
+        row["error"] = f"{otherwise}; not recorded"
+        return row
     recs = runs.step_records(run.out)
     out_dir = Path(load_plan(run.out / "run.yaml").run.output_dir)
     ckpt_dir = Path(load_plan(run.out / "run.yaml").run.checkpoint_dir)

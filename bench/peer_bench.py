@@ -1,20 +1,26 @@
-"""dskit beside torchtitan on one GPU, in the same call: the peer an expert would pick instead (issue 25).
+"""dskit beside torchtitan on one GPU, in the same call: the peer an expert would pick instead (issues 25, 49).
 
 torchtitan's `deepseek_v3` flavor `16B` is DeepSeek-V2-Lite's shape; the runner in
 shared/reference/torchtitan/ (tt_run.py, base.toml, make_assets.py) registers 4-, 6- and 12-layer
-flavors. Two shapes, 4 layers, seq 4096: the reference shape (2 sequences per GPU per step) and global
-batch 16 (dskit: the plan's pick; torchtitan: local batch 16, no activation checkpointing, model and
-loss compiled, its fastest setting in the earlier measurement). Both through their own launchers:
-dskit's real path (spec -> plan -> `dskit train --local`) and torchtitan's trainer under torchrun.
+flavors. The shapes (4 layers): micro-batch 1 and 2 at seq 2048 and 4096, one micro-batch per step
+(global batch = micro-batch: where the host, not the GPU, sets the pace), and global batch 16 at seq
+4096 (dskit: the plan's pick; torchtitan: local batch 16). torchtitan runs without activation
+checkpointing with model and loss compiled (its fastest setting in the earlier measurement); dskit
+runs the plan's pick with the micro-batch pinned where the row names one. Both through their own
+launchers: dskit's real path (spec -> plan -> `dskit train --local`) and torchtitan's trainer under
+torchrun. A dskit row that did not run what its plan says (an attention kernel that fell back, a
+compile not done, another optimizer step) is refused: it carries `error`, no figures.
 
 One MFU formula for both: tokens/s/GPU x dskit's FLOPs per token of that shape (6 x active parameters +
 causal attention, dskit/plan/model_math.py) / the GPU's dense bf16 peak (gpus.yaml). Peak memory: the
 allocator's peak reserved (dskit's metrics; torchtitan's `memory:` log, max reserved).
 
     python3 bench/peer_bench.py --torchtitan DIR --out $OUT/h200-vs-torchtitan-DATE.json --work /tmp/pb
+    python3 bench/peer_bench.py --torchtitan DIR --profile "L4 s2048 mb2" --out ... --work ...
 
 DIR holds tt_run.py, base.toml (ASSETS replaced by the assets' path) and the assets; torchtitan's wheels
-go on TT_PYTHONPATH, kept apart from dskit's (torchtitan's README in shared/reference).
+go on TT_PYTHONPATH, kept apart from dskit's (torchtitan's README in shared/reference;
+bench/device_bundle.sh with TT_REF carries all of it).
 """
 
 from __future__ import annotations
@@ -33,32 +39,30 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-import runs  # noqa: E402  (bench/runs.py, beside this script)
 import train_bench  # noqa: E402
 
-LAYERS, SEQ = 4, 4096
+import runs  # noqa: E402  (bench/runs.py, beside this script)
+
 GPU = "h200-141gb"
 TT_STEPS = 12
 TT_WARMUP = 4  # torchtitan's first steps compile; medians of the rest
-#: (row name, global batch, dskit spec sets, torchtitan flags)
+#: (row name, layers, seq, global batch, micro-batch pinned or None for the plan's pick)
 SHAPES = [
-    ("reference shape", 2, [], ["--training.local_batch_size", "2", "--training.global_batch_size", "2"]),
-    (
-        "global batch 16",
-        16,
-        [],
-        ["--training.local_batch_size", "16", "--training.global_batch_size", "16"],
-    ),
+    ("L4 s2048 mb1", 4, 2048, 1, 1),
+    ("L4 s2048 mb2", 4, 2048, 2, 2),
+    ("L4 s4096 mb1", 4, 4096, 1, 1),
+    ("L4 s4096 mb2", 4, 4096, 2, 2),  # the reference shape
+    ("L4 s4096 gb16", 4, 4096, 16, None),
 ]
 
 
-def flops_per_token() -> float:
+def flops_per_token(layers: int, seq: int) -> float:
     from dskit import catalog
     from dskit.plan.model_math import counts
     from dskit.plan.model_math import flops_per_token as fpt
 
-    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=LAYERS)
-    return fpt(counts(cfg, SEQ))
+    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=layers)
+    return fpt(counts(cfg, seq))
 
 
 #: torchtitan's profiler: steps 8-10 of 12 (wait 5, warm-up 2, active 3), one Chrome trace
@@ -75,13 +79,17 @@ TT_PROFILE = [
 
 def tt_profile(dump: Path) -> dict:
     """torchtitan's trace cut by dskit's kernel categories (dskit/train/profile.py), and how busy the GPU was."""
-    from dskit.train.profile import gpu_busy, kernel_table, trace_kernels
+    from dskit.train.profile import gpu_busy, host_table, kernel_table, trace_kernels
 
     trace = json.loads(next(dump.glob("profile_traces/iteration_*/rank0_trace.json")).read_text())
-    return {"profile": kernel_table(trace_kernels(trace), 3), "gpu_busy": gpu_busy(trace)}
+    return {
+        "profile": kernel_table(trace_kernels(trace), 3),
+        "gpu_busy": gpu_busy(trace),
+        "host": host_table(trace, 3),
+    }
 
 
-def run_torchtitan(tt: Path, flags: list[str], work: Path) -> dict:
+def run_torchtitan(tt: Path, name: str, layers: int, seq: int, flags: list[str], work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.environ.get("TT_PYTHONPATH", "")}
     cmd = [
         sys.executable,
@@ -93,9 +101,9 @@ def run_torchtitan(tt: Path, flags: list[str], work: Path) -> dict:
         "--job.config_file",
         str(tt / "base.toml"),
         "--model.flavor",
-        f"16B_L{LAYERS}",
+        f"16B_L{layers}",
         "--training.seq_len",
-        str(SEQ),
+        str(seq),
         "--training.steps",
         str(TT_STEPS),
         *flags,
@@ -103,7 +111,7 @@ def run_torchtitan(tt: Path, flags: list[str], work: Path) -> dict:
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env)
     log = proc.stdout + proc.stderr
-    (work / f"torchtitan-{flags[1]}.log").write_text(log)
+    (work / f"torchtitan-{name.replace(' ', '-')}.log").write_text(log)
     if proc.returncode != 0:
         return {"error": log[-3000:]}
     tps = [float(x.replace(",", "")) for x in re.findall(r"tps: ([\d,]+)", log)]
@@ -124,55 +132,60 @@ def main() -> None:
     ap.add_argument("--torchtitan", type=Path, required=True, help="dir with tt_run.py, base.toml, assets")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
+    names = [x[0] for x in SHAPES]
+    ap.add_argument("--only", action="append", choices=names, help="run only these shapes (repeatable)")
     ap.add_argument(
         "--profile",
-        action="store_true",
-        help="only the reference shape, both profiled: GPU time by kernel category and how busy the GPU was",
+        choices=names,
+        help="only this shape, both profiled: GPU time by kernel category and how busy the GPU was",
     )
+    ap.add_argument("--set", action="append", default=[], help="a spec --set for every dskit row (a lever)")
     a = ap.parse_args()
     a.torchtitan = a.torchtitan.resolve()  # torchtitan runs in the work dir
     from dskit import catalog
 
     (a.work / "dskit").mkdir(parents=True, exist_ok=True)
     peak = catalog.gpu(GPU).peak_tflops_bf16 * 1e12
-    fpt = flops_per_token()
     result = {**runs.header(), "mfu_formula": "tok_s_gpu x dskit flops_per_token / bf16 peak", "rows": []}
 
     def record(row: dict) -> None:
-        if "tok_s_gpu" in row:
-            row["mfu"] = round(row["tok_s_gpu"] * fpt / peak, 4)
+        if row.get("tok_s_gpu"):
+            row["mfu"] = round(row["tok_s_gpu"] * flops_per_token(row["layers"], row["seq_len"]) / peak, 4)
         result["rows"].append(row)
         a.out.write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "error")}), flush=True)
+        print(
+            json.dumps({k: v for k, v in row.items() if k not in ("losses", "error", "profile")}), flush=True
+        )
 
-    shapes = SHAPES
-    if a.profile:
-        name, gb, sets, tt_flags = SHAPES[0]
-        dump = a.work / "tt-profile"
-        shapes = [
-            (
-                name,
-                gb,
-                [*sets, "training.profile_steps=3"],
-                [*tt_flags, *TT_PROFILE, "--job.dump_folder", str(dump)],
-            )
-        ]
-    for name, gb, sets, tt_flags in shapes:
-        base = {"shape": name, "global_batch": gb, "layers": LAYERS, "seq_len": SEQ}
-        d = train_bench.run_dskit(name, [f"training.global_batch={gb}", *sets], {}, a.work / "dskit", 1)
+    wanted = [a.profile] if a.profile else (a.only or names)
+    for name, layers, seq, gb, mb in SHAPES:
+        if name not in wanted:
+            continue
+        sets = [f"model.num_layers={layers}", f"training.seq_len={seq}", f"training.global_batch={gb}"]
+        sets += [f"overrides.micro_batch={mb}"] if mb else []
+        tt_flags = ["--training.local_batch_size", str(mb or gb), "--training.global_batch_size", str(gb)]
+        if a.profile:
+            sets.append("training.profile_steps=3")
+            tt_flags += [*TT_PROFILE, "--job.dump_folder", str(a.work / "tt-profile")]
+        base = {"shape": name, "global_batch": gb, "layers": layers, "seq_len": seq}
+        d = train_bench.run_dskit(name, [*sets, *a.set], {}, a.work / "dskit", 1)
+        plan_mb = re.search(r"micro-batch (\d+)", d.get("plan") or "")
         record(
             {
                 "system": "dskit",
                 **base,
-                "micro_batch": int(re.search(r"micro-batch (\d+)", d.get("plan", "micro-batch 0")).group(1)),
+                "micro_batch": int(plan_mb.group(1)) if plan_mb else mb,
                 "tok_s_gpu": d.get("tok_s_gpu"),
+                "step_s": d.get("step_s"),
                 "peak_gib": d.get("peak_reserved_gb"),
+                "attention": d.get("attention"),
                 "plan": d.get("plan"),
-                **{k: d[k] for k in ("profile", "gpu_busy", "error") if k in d},
+                "sets": a.set,
+                **{k: d[k] for k in ("profile", "gpu_busy", "host", "error") if k in d},
             }
         )
-        t = run_torchtitan(a.torchtitan, tt_flags, a.work)
-        record({"system": "torchtitan", **base, "micro_batch": int(tt_flags[1]), **t})
+        t = run_torchtitan(a.torchtitan, name, layers, seq, tt_flags, a.work)
+        record({"system": "torchtitan", **base, "micro_batch": mb or gb, **t})
     for r in result["rows"]:
         if "profile" in r:
             busy = r.get("gpu_busy") or {}
@@ -181,11 +194,25 @@ def main() -> None:
             )
             for k, v in r["profile"]["categories"].items():
                 print(f"  {k:40s} {v['ms_per_step']:8.2f} ms  {100 * v['share']:5.1f}%")
-    for name, _, _, _ in shapes:
+            h = r.get("host") or {}
+            print(
+                f"  host: {h.get('launches_per_step')} launches/step, {h.get('sync_calls_per_step')} syncs/step, "
+                f"{h.get('host_blocked_ms_per_step')} ms/step blocked"
+            )
+            for k, v in (h.get("runtime_calls") or {}).items():
+                print(f"    {k:50s} {v['calls']:8.1f} x {v['ms']:8.3f} ms")
+            for k, v in list((h.get("cpu_ops_inclusive") or {}).items())[:10]:
+                print(f"    op {k:47s} {v['calls']:8.1f} x {v['ms']:8.3f} ms")
+    print(
+        f"\n{'shape':16s} {'dskit tok/s':>12s} {'torchtitan':>12s} {'ratio':>6s} {'dskit GiB':>10s} {'tt GiB':>8s}"
+    )
+    for name in wanted:
         rows = {r["system"]: r for r in result["rows"] if r["shape"] == name and r.get("tok_s_gpu")}
         if len(rows) == 2:
+            d, t = rows["dskit"], rows["torchtitan"]
             print(
-                f"{name}: dskit / torchtitan = {rows['dskit']['tok_s_gpu'] / rows['torchtitan']['tok_s_gpu']:.2f}x"
+                f"{name:16s} {d['tok_s_gpu']:12,.0f} {t['tok_s_gpu']:12,.0f} {d['tok_s_gpu'] / t['tok_s_gpu']:5.2f}x"
+                f" {d['peak_gib'] or 0:10.1f} {t['peak_gib'] or 0:8.1f}"
             )
 
 

@@ -325,6 +325,10 @@ def run_one(config: str, sets: list[str], gpus: int, cand: dict, devices: list[i
     if proc.returncode != 0:
         row["error"] = (proc.stdout + proc.stderr)[-2500:]
         return row
+    otherwise = runs.ran_otherwise(run_dir)
+    if otherwise:  # a fallback is not a measurement of the plan: no measured figures
+        row["error"] = f"{otherwise}; not recorded"
+        return row
     recs = runs.step_records(run_dir)
     built = Path(plan.run.output_dir) / "construction-rank0.json"
     row["measured"] = {

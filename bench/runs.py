@@ -101,3 +101,28 @@ def add_rows_args(ap, predict_help: str) -> None:
         help="print result files' rows as JSON, as the calibration tests read them",
     )
     ap.add_argument("--predict", action="store_true", help=predict_help)
+
+
+def ran_otherwise(run_dir: Path) -> str | None:
+    """Why a finished run is not a measurement of its plan: the attention kernel it fell back to, a
+    compile it did not do, another optimizer step (the trainer's `ran` record in construction-rank0.json,
+    dskit/train/entry.py); None where it ran as planned. Benchmarks refuse such a row: each row says
+    what ran, and only rows that ran the plan compare with it."""
+    from dskit.plan.schema import load_plan
+
+    plan = load_plan(run_dir / "run.yaml")
+    p = plan.parallel
+    ran = json.loads(Path(plan.run.output_dir, "construction-rank0.json").read_text()).get("ran")
+    if ran is None:
+        return "the trainer recorded no `ran` (a trainer older than this check)"
+    compiled = ran["compiled"]
+    wrong = []
+    if ran["attention"] != p.attention:
+        wrong.append(f"attention {ran['attention']} (planned {p.attention})")
+    if p.compile_regions and not (compiled.get("rms_norm") or compiled.get("swiglu_mlp")):
+        wrong.append(f"compiled regions {compiled} (planned on)")
+    if p.compile_attention and not compiled.get("attention"):
+        wrong.append("attention not compiled (planned compiled)")
+    if ran["optimizer_step"] != p.optimizer_step:
+        wrong.append(f"optimizer step {ran['optimizer_step']} (planned {p.optimizer_step})")
+    return "ran " + ", ".join(wrong) if wrong else None

@@ -198,6 +198,9 @@ def run_dskit(
     (work.parent / f"{flags['name']}.log").write_text(log)
     if proc.returncode != 0:
         return {"variant": name, "error": log[-3000:]}
+    otherwise = runs.ran_otherwise(run_dir)
+    if otherwise:  # a fallback is not a measurement of the plan: no row
+        return {"variant": name, "error": f"{otherwise}; not recorded", "plan": plan.summary()}
     recs = runs.step_records(run_dir)
     m = runs.steady(recs, WARMUP_STEPS)
     attention = re.search(r"attention: (\S+)", log)
@@ -224,10 +227,12 @@ def run_dskit(
     }
     profile = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "profile.json"
     if profile.is_file():
-        from dskit.train.profile import gpu_busy
+        from dskit.train.profile import gpu_busy, host_table
 
         out["profile"] = json.loads(profile.read_text())
-        out["gpu_busy"] = gpu_busy(json.loads((profile.parent / "profile-trace.json").read_text()))
+        trace = json.loads((profile.parent / "profile-trace.json").read_text())
+        out["gpu_busy"] = gpu_busy(trace)
+        out["host"] = host_table(trace, out["profile"]["steps"])
     return out
 
 

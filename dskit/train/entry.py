@@ -269,10 +269,17 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
             len(fp8_experts),
             sum(fp8_experts.values()) / 2**30,
         )
+    compiled: dict[str, int] = {}
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 
-        compile_regions(engine.module, attention=plan.parallel.compile_attention)
+        compiled = compile_regions(engine.module, attention=plan.parallel.compile_attention)
+    # what ran, beside what the plan asked: benchmarks refuse a row whose kernels fell back
+    built["ran"] = {
+        "attention": attention,
+        "compiled": compiled,
+        "optimizer_step": plan.parallel.optimizer_step if deepspeed_config is None else "deepspeed",
+    }
     adapters = plan.finetune.adapter_params if plan.finetune else 0
     _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)
     return engine

@@ -124,6 +124,45 @@ def trace_kernels(trace: dict) -> dict[str, float]:
     return per_kernel
 
 
+#: CUDA runtime/driver calls that block the host until the GPU catches up
+_SYNCS = re.compile(r"Synchronize|cudaMemcpy(?!Async)|EventSynchronize|StreamWaitEvent", re.I)
+
+
+def host_table(trace: dict, steps: int, top: int = 15) -> dict:
+    """The host's side of a Chrome trace, per step: CUDA runtime calls by name (launches, syncs) with
+    their count and time, the time the host spent blocked in synchronising calls, and the CPU
+    operators with the most time (inclusive of the operators they call). Where the GPU is idle (gpu_busy below 1), this says what the
+    host was doing instead."""
+    calls: dict[str, list[float]] = {}
+    ops: dict[str, list[float]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat, name, dur = e.get("cat"), e.get("name", ""), float(e.get("dur", 0))
+        if cat in ("cuda_runtime", "cuda_driver"):
+            c = calls.setdefault(name, [0, 0.0])
+        elif cat == "cpu_op":
+            c = ops.setdefault(name, [0, 0.0])
+        else:
+            continue
+        c[0] += 1
+        c[1] += dur
+
+    def per_step(d: dict[str, list[float]], n: int) -> dict[str, dict]:
+        best = sorted(d.items(), key=lambda kv: -kv[1][1])[:n]
+        return {k: {"calls": round(v[0] / steps, 1), "ms": round(v[1] / steps / 1000, 3)} for k, v in best}
+
+    launches = sum(v[0] for k, v in calls.items() if "Launch" in k)
+    blocked = sum(v[1] for k, v in calls.items() if _SYNCS.search(k))
+    return {
+        "launches_per_step": round(launches / steps, 1),
+        "sync_calls_per_step": round(sum(v[0] for k, v in calls.items() if _SYNCS.search(k)) / steps, 1),
+        "host_blocked_ms_per_step": round(blocked / steps / 1000, 3),
+        "runtime_calls": per_step(calls, top),
+        "cpu_ops_inclusive": per_step(ops, top),
+    }
+
+
 class StepProfiler:
     """Profiles steps (start, start + n] on rank 0; `after_step(done)` is called after every step."""
 

@@ -22,7 +22,7 @@ import torch
 from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan.memory import LOSS_CHUNK_TOKENS
 from dskit.plan.schema import load_plan
-from dskit.train.profile import COMMUNICATION
+from dskit.train.profile import COMMUNICATION, host_table
 from tests.conftest import dskit, render_tiny
 
 pytestmark = pytest.mark.train
@@ -229,8 +229,14 @@ def test_profile_steps_write_a_time_breakdown_by_category(tmp_path):
     comm = [c for name, c in cats.items() if name in COMMUNICATION]
     assert cats["GEMM"]["ms_per_step"] > 0 and sum(c["ms_per_step"] for c in comm) > 0
     assert sum(c["share"] for c in cats.values()) == pytest.approx(1, abs=1e-3)
-    assert (out / "profile-trace.json").stat().st_size > 0
+    trace = json.loads((out / "profile-trace.json").read_text())
+    host = host_table(trace, table["steps"])
+    assert host["launches_per_step"] == 0 and host["cpu_ops_inclusive"]  # CPU: operators, no CUDA launches
     assert "profile of steps 6-7" in (tmp_path / "train.log").read_text()
+    # what ran, for benchmarks to compare with the plan: sdpa on CPU, as the plan says for the cpu profile
+    ran = json.loads((out / "construction-rank0.json").read_text())["ran"]
+    par = load_plan(rd / "run.yaml").parallel
+    assert (ran["attention"], ran["optimizer_step"]) == (par.attention, par.optimizer_step)
 
 
 def test_export_streams_into_many_shards_with_an_index(reference, tmp_path, capsys):
