@@ -13,8 +13,10 @@ for top-k selection only. With the plan's `bias_update_speed` gamma > 0, `after_
 optimizer step by gamma * sign(mean load - load), from that step's token counts summed over every rank
 (one all-reduce of the [layers, experts] counts). The counts are integers and the sign is taken on them
 exactly (total - experts * load), so every rank adds the same fp32 values and the bias stays
-bit-identical across ranks (checked at every log step: `expert_bias_rank_max_diff`). A buffer is no
-parameter: the optimizer never touches it, and DeepSpeed saves it with the module's state.
+bit-identical across ranks (checked at every log step: `expert_bias_rank_max_diff`, and at every
+checkpoint save and load). A buffer is no parameter: the optimizer never touches it, and neither
+DeepSpeed's universal checkpoint nor a LoRA run's files carry it, so every checkpoint holds it in a file
+of dskit's own (dskit/train/checkpoints/routing_bias.py).
 
 The hooks sit on AutoEP's router (`TokenChoiceTopKRouter`: its `gate` Linear gives the logits, its
 output the chosen experts and per-expert counts). They collect only while `collecting` is set, so the
@@ -26,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from dskit.train.checkpoints.routing_bias import rank_max_diff
 
 BIAS = "e_score_correction_bias"
 
@@ -39,12 +43,13 @@ class RouterTap:
         self.counts: list[torch.Tensor] = []
         self.step_from = 0  # counts[step_from:] belong to the step not yet closed by after_step
         self.layers = 0
-        routers = []
-        for mod in model.modules():
+        routers, names = [], []
+        for name, mod in model.named_modules():
             if type(mod).__name__ == "TokenChoiceTopKRouter":
                 mod.gate.register_forward_hook(self._on_gate)
                 mod.register_forward_hook(self._on_router)
                 routers.append(mod)
+                names.append(f"{name}.{BIAS}")
                 self.layers += 1
         if self.layers == 0:
             raise RuntimeError(
@@ -52,6 +57,9 @@ class RouterTap:
             )
         self.speed = bias_update_speed
         self.biases = routing_biases(routers, updated=bias_update_speed > 0)
+        #: module name -> the router's bias tensor itself (not a copy), which checkpoints save and
+        #: restore (dskit/train/checkpoints/routing_bias.py); empty without a routing bias
+        self.named_biases = dict(zip(names, self.biases, strict=False)) if self.biases else {}
 
     def _on_gate(self, _mod, _inp, out: torch.Tensor) -> None:
         if self.collecting:
@@ -129,14 +137,10 @@ class RouterTap:
             return {}
         stacked = torch.stack([b.float() for b in self.biases])
         spread = (stacked.max(-1).values - stacked.min(-1).values).tolist()
-        first = stacked.clone()
-        dist.broadcast(first, src=0)
-        diff = (stacked - first).abs().max().reshape(1)
-        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
         return {
             "expert_bias_spread": max(spread),
             "expert_bias_spread_per_layer": [round(x, 6) for x in spread],
-            "expert_bias_rank_max_diff": diff.item(),
+            "expert_bias_rank_max_diff": rank_max_diff(self.named_biases),
         }
 
 

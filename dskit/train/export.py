@@ -63,6 +63,13 @@ def autoep_sources(hf_name: str) -> tuple[list[str], str | None]:
     return [hf_name], None
 
 
+def hf_bias_name(autoep_name: str) -> str:
+    """The transformers name of an AutoEP router's routing bias (HF_FROM_AUTOEP's row, read backwards)."""
+    return re.sub(
+        r"(\.mlp)\.router\.e_score_correction_bias$", r"\1.gate.e_score_correction_bias", autoep_name
+    )
+
+
 def _load_universal(udir: Path, name: str) -> torch.Tensor | None:
     import torch
 
@@ -266,28 +273,21 @@ def _consolidated(
 
 
 def _saved_buffer(src: Path, autoep_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A buffer (the routing bias) from rank 0's module state in the checkpoint; every rank saves the
-    same one (dskit/train/balance.py keeps it identical). Zeros where none was saved (the model's init)."""
+    """A buffer (the routing bias) as the checkpoint carries it (dskit/train/checkpoints/routing_bias.py:
+    rank 0's copy, identical on every rank). Zeros where none was saved (the model's init)."""
     import torch
 
-    saved = _saved_buffers(str(src)).get(autoep_name)
+    saved = _saved_biases(str(src)).get(autoep_name)
     if saved is None:
         return torch.zeros(shape, dtype=torch.float32)
     return saved.float().reshape(shape).contiguous()
 
 
 @functools.cache
-def _saved_buffers(src: str) -> dict[str, torch.Tensor]:
-    """The routing biases of the checkpoint's first module-state file (memory-mapped: ZeRO-1/2's holds
-    the 16-bit model)."""
-    import torch
+def _saved_biases(src: str) -> dict[str, torch.Tensor]:
+    from dskit.train.checkpoints import routing_bias
 
-    for f in sorted(Path(src).glob("*model_states.pt")):
-        module = torch.load(f, weights_only=False, map_location="cpu", mmap=True).get("module") or {}
-        found = {k: v.clone() for k, v in module.items() if k.endswith("e_score_correction_bias")}
-        if found:
-            return found
-    return {}
+    return routing_bias.read(Path(src)) or {}
 
 
 def _verify(model_dir: Path, src: Path, plan: Plan, dtype: torch.dtype) -> None:

@@ -104,6 +104,7 @@ def train(
         beat=watchdog.beat,
         layout=_layout(plan),
         states=AdapterStates(rank, world) if plan.finetune else None,
+        biases=tap.named_biases,
     )
     stop = StopRequest(run.checkpoint_dir, rank, device)
     watch = MemoryWatch()

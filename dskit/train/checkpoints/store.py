@@ -2,6 +2,7 @@
 
 Layout under the checkpoint dir:
     step00000200/          DeepSpeed ZeRO-3 files + dskit-rng-rank{R}.pt + dskit-manifest-rank{R}.json
+                           (+ dskit-routing-bias.safetensors: DeepSeek-V3's routing bias, routing_bias.py)
                            + dskit.json (written last: its presence means the checkpoint is complete)
     latest                 the newest complete tag (DeepSpeed's own convention, so its tools work)
     tmp-step00000300/      a save in progress; never loaded, removed at the next start
@@ -52,7 +53,7 @@ from dskit.checkpoint_layout import (
 from dskit.contract import EXIT_DISK_FULL
 from dskit.errors import SpecError
 from dskit.text import escape
-from dskit.train.checkpoints import reshard
+from dskit.train.checkpoints import reshard, routing_bias
 from dskit.train.checkpoints.reshard import moved
 
 log = logging.getLogger("dskit.train")
@@ -186,16 +187,20 @@ class Checkpointer:
         beat: Callable[[int, str], None] | None = None,
         layout: dict[str, int | str] | None = None,
         states=None,
+        biases: dict[str, torch.Tensor] | None = None,
     ):
         """`layout`: what a checkpoint's files depend on besides the world size (the ZeRO stage, the EP
         size, the finetune method); recorded in dskit.json. A resume at another world or EP size is
         resharded where the files allow it (dskit/train/checkpoints/reshard.py); other differences are refused.
         `states`: who writes and reads the model and optimizer files: DeepSpeed (the default), or
-        AdapterStates for a LoRA run (dskit/train/lora/adapter_state.py)."""
+        AdapterStates for a LoRA run (dskit/train/lora/adapter_state.py). `biases`: the routers' routing
+        biases by module name, saved and restored in a file of dskit's own (routing_bias.py), which
+        neither the universal checkpoint nor a LoRA run's files would carry."""
         self.root = Path(root)
         self.keep, self.rank, self.world, self.device = keep, rank, world, device
         self.layout = layout or {}
         self.states = states or DeepSpeedStates()
+        self.biases = biases or {}
         # the watchdog's: verifying and loading checkpoints (a fallback reads several) takes a while
         self.beat = beat or (lambda step, phase: None)
         if rank == 0:
@@ -265,6 +270,8 @@ class Checkpointer:
             tmp.mkdir(parents=True, exist_ok=True)
             made = True
             self.states.save(engine, self.root, tmp_tag)
+            if self.biases:
+                routing_bias.save(tmp, self.biases, rank=self.rank)
             torch.save(_rng_state(), tmp / f"dskit-rng-rank{self.rank}.pt")
             if self.rank == 0:
                 for name, obj in (extra or {}).items():
@@ -383,6 +390,8 @@ class Checkpointer:
                 self._load_resharded(engine, tag, change)
             else:
                 self.states.load(engine, self.root, tag)
+            if self.biases:
+                routing_bias.restore(d, self.biases)
             if done["world_size"] == self.world:  # the same ranks (another EP size at most): their RNG
                 _set_rng_state(torch.load(d / f"dskit-rng-rank{self.rank}.pt", weights_only=False))
             log.info("resumed from %s (step %d)", d, done["step"])
