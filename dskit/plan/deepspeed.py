@@ -80,6 +80,10 @@ def deepspeed_config(
         cfg["optimizer"]["params"]["torch_adam"] = True
     if parallel.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+        if parallel.optimizer_step == "fused":
+            # the fused step skips a non-finite step inside its kernel (dskit/train/fused_step.py); DeepSpeed's
+            # check is a max and a min over every gradient and a host sync each step
+            cfg["bf16"]["check_grad_overflow"] = False
     else:
         # No bf16 (V100, T4): fp16 needs dynamic loss scaling. loss_scale 0 = dynamic; the window is the
         # seed post's growth interval of 2000 steps.

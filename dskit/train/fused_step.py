@@ -8,7 +8,12 @@ is 1. At micro-batch 2 on one H200 those passes are work proportional to the par
   no copy), as torch's own clip_grad_norm_ does for fp32 gradients, and the per-tensor norms are summed
   in fp64;
 - the clip coefficient is handed to torch's fused AdamW as its `grad_scale`, which divides inside the
-  Adam kernel, so no pass is spent on it.
+  Adam kernel, so no pass is spent on it;
+- a step whose gradient norm is not finite is skipped inside the same kernel (its `found_inf`, as
+  torch's GradScaler uses it: parameters, moments and step count left as they were), so DeepSpeed's
+  bf16 overflow check, a max and a min over every gradient and a host synchronisation each step, is
+  switched off for this step (dskit/plan/deepspeed.py). The skipped steps are counted on the GPU
+  (`skipped_steps`), read only when metrics are logged.
 Only ZeRO-1/2 without offload: ZeRO-3's and the CPU optimizer's steps are left as DeepSpeed has them.
 """
 
@@ -69,20 +74,34 @@ def install(zero_optimizer) -> None:
         return total
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        if total_norm is not None:
+            norm = (
+                total_norm
+                if torch.is_tensor(total_norm)
+                else torch.tensor(float(total_norm), device=z.device)
+            ).float()
+            # DeepSpeed's norm helpers report a non-finite norm as -1 (mask_nan_or_inf_with_val_inplace)
+            bad = (norm < 0) | ~torch.isfinite(norm)
+            inner.found_inf = bad.float().reshape(())
+            inner.dskit_skipped = inner.dskit_skipped + inner.found_inf
         if z.clip_grad == 0.0 and z.loss_scale == 1.0:
             inner.grad_scale = None
             return
         scale = torch.full((), float(z.loss_scale), device=z.device)
         if z.clip_grad > 0.0:
-            norm = (
-                total_norm
-                if torch.is_tensor(total_norm)
-                else torch.tensor(float(total_norm), device=z.device)
-            )
-            norm = torch.where(norm < 0, torch.full_like(norm, math.inf), norm)
+            norm = torch.where(bad, torch.full_like(norm, math.inf), norm)
             clip = torch.clamp((norm / z.loss_scale + 1e-6) / z.clip_grad, min=1.0)
             scale = clip * z.loss_scale
         inner.grad_scale = scale.float()  # fused AdamW divides each gradient by it in its kernel
 
+    inner.dskit_skipped = torch.zeros((), device=z.device)
     z.get_grad_norm_direct = get_grad_norm_direct
     z.unscale_and_clip_grads = unscale_and_clip_grads
+
+
+def skipped_steps(engine) -> int | None:
+    """Steps the fused step skipped for a non-finite gradient norm so far (a host sync: call it when
+    logging); None where the engine does not run the fused step."""
+    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    count = getattr(inner, "dskit_skipped", None)
+    return None if count is None else int(count.item())

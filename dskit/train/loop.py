@@ -119,6 +119,7 @@ def train(
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
+    skipped = _SkippedSteps(rank)
     evals = _evaluator(plan, eval_sampler, window, watchdog, rank=rank, world=world, device=device)
     save = _Saver(plan, engine, ckpt, watchdog, window, reporter, position=position)
 
@@ -134,6 +135,8 @@ def train(
 
         # ------------------------------------------------------------ log
         window.step_done(done, lr, tap)
+        if window.last.get("step") == done:  # a log step: the skipped count costs one sync
+            skipped.check(engine, done)
         warning = watch.observe(done, held_gib(device)) if done in watch.marks else None
         if warning and rank == 0:
             log.warning(warning)
@@ -156,6 +159,27 @@ def train(
     stop.clear_file()
     window.close()
     return 0
+
+
+class _SkippedSteps:
+    """Steps the fused optimizer step skipped for a non-finite gradient norm (dskit/train/fused_step.py):
+    counted on the GPU, said once per log step where the count grew."""
+
+    def __init__(self, rank: int):
+        self.rank, self.seen = rank, 0
+
+    def check(self, engine, done: int) -> None:
+        from dskit.train.fused_step import skipped_steps
+
+        n = skipped_steps(engine)
+        if n and n > self.seen and self.rank == 0:
+            log.warning(
+                "%d optimizer step(s) skipped by step %d: the gradient norm was not finite (inf or NaN); "
+                "the weights and optimizer states were left as they were",
+                n,
+                done,
+            )
+        self.seen = n or 0
 
 
 def _layout(plan: Plan) -> dict[str, int | str]:
