@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dskit.plan.adapters import Tuning
+from dskit.plan.balancing import describe as describe_balance
 from dskit.plan.schema import Plan
 from dskit.plan.search import Row, Search
 
@@ -89,6 +90,7 @@ def table(plan: Plan, found: Search) -> str:
         "gradient copy; activations, loss, total; build = construction peak); host = RAM per node; step time "
         "predicted by dskit/plan/speed.py",
         *lora_terms(plan, shape.tuning),
+        describe_balance(plan),
         "",
     ]
     widths = [w for _, w in COLUMNS]

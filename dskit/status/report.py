@@ -19,6 +19,7 @@ from typing import Any
 from dskit import bounded_read
 from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
+from dskit.plan.balancing import describe as describe_balance
 from dskit.train.progress import throughput_text
 
 METRICS_FILE = "metrics.jsonl"
@@ -212,18 +213,38 @@ def plot_lr(s: Series, path: Path) -> Path:
     return _save(fig, path)
 
 
+def balance_text(rec: dict[str, Any]) -> str | None:
+    """A log record's expert balance in words, for the report's state table and `dskit status`: the
+    worst layer's max/mean load, and the routing bias's widest spread where the model has one."""
+    worst = rec.get("expert_load_max_over_mean")
+    if worst is None:
+        return None
+    per_layer = rec.get("expert_load_per_layer") or []
+    text = f"max/mean load {worst:.2f} (worst of {len(per_layer)} MoE layers; 1 = balanced)"
+    spread = rec.get("expert_bias_spread")
+    if spread is not None:
+        text += f", routing-bias spread {spread:.4g} (max - min, widest layer)"
+    return text
+
+
 def plot_expert_load(s: Series, path: Path) -> Path | None:
     """Left: tokens per expert / the layer's mean (1 = balanced), layer x expert, at the latest step
-    with counts. Right: max/mean per layer over steps (recorded since before per-expert counts)."""
+    with counts. Middle: max/mean per layer over steps (recorded since before per-expert counts).
+    Right, for models with a routing bias: its spread (max - min) per layer over steps, which
+    training.balance aux_free moves against the load."""
     with_counts = [r for r in s.records if r.get("expert_counts")]
     steps, per_layer = s.column("expert_load_per_layer")
     if not with_counts and not per_layer:
         return None
+    bias_steps, spreads = s.column("expert_bias_spread_per_layer")
     plt = pyplot()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
+    if spreads:
+        fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.3, 1, 1]})
+    else:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1.3, 1]})
     from matplotlib.ticker import MaxNLocator
 
-    for ax in (a1, a2):
+    for ax in (a1, a2, *((a3,) if spreads else ())):
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # layer indices
     if with_counts:
         rec = with_counts[-1]
@@ -261,6 +282,21 @@ def plot_expert_load(s: Series, path: Path) -> Path | None:
         a2.set_xlabel("step")
         a2.set_ylabel("MoE layer")
         a2.set_title("Worst-expert load over steps")
+    if spreads:
+        cols = list(zip(*spreads, strict=False))  # [layer][step]
+        im = a3.imshow(
+            cols,
+            aspect="auto",
+            cmap="viridis",
+            vmin=0.0,
+            interpolation="nearest",
+            extent=(bias_steps[0] - 0.5, bias_steps[-1] + 0.5, len(cols) - 0.5, -0.5),
+        )
+        fig.colorbar(im, ax=a3, label="routing bias max - min")
+        _restart_lines(a3, s, color="red")
+        a3.set_xlabel("step")
+        a3.set_ylabel("MoE layer")
+        a3.set_title("Routing-bias spread over steps")
     return _save(fig, path)
 
 
@@ -309,6 +345,7 @@ def _plan_rows(plan: Any) -> list[tuple[str, Any]]:
             f"seq {p.seq_len}, {p.precision}",
         ),
         ("optimizer", f"{o.steps} steps, lr {o.lr:g} -> {o.min_lr:g}, warmup {o.warmup_steps}"),
+        ("balancing", describe_balance(plan)),
         ("memory estimate", f"{plan.memory.get('total_gib')} GiB/GPU"),
         ("output dir", plan.run.output_dir),
     ]
@@ -330,6 +367,7 @@ def write_html(
         ("latest step", f"{last['step']}" + (f" / {total}" if total else "")),
         ("loss", _num(last.get("loss"))),
         ("tokens/s/GPU", throughput_text(last)),
+        *((("expert balance", b),) if (b := balance_text(last)) else ()),
         ("restarts (first step logged after each)", ", ".join(map(str, s.restarts)) or "none"),
     ]
     env_rows = sorted((launch_env or {}).items()) or [("launch-env.json", "not written yet")]
@@ -375,7 +413,7 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]
     ]
     experts = plot_expert_load(s, out / "expert_load.png")
     if experts:
-        images.append((experts, "expert load heatmaps"))
+        images.append((experts, "expert load and routing-bias spread heatmaps"))
     images.append((plot_lr(s, out / "lr.png"), "learning rate vs step"))
     title = f"dskit report: {plan.name if plan is not None else rf.run_dir.name}"
     page = write_html(out / "index.html", title, s, plan, launch_env, images)

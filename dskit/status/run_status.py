@@ -301,7 +301,7 @@ def progress_rows(
 ) -> list[tuple[str, str]]:
     """Step/total, loss, tokens/s, ETA and the last checkpoint from the run's files. `running`: what
     the scheduler says (None: not asked; the ETA then assumes the run goes on)."""
-    from dskit.status.report import METRICS_FILE, locate, read_metrics
+    from dskit.status.report import METRICS_FILE, balance_text, locate, read_metrics
     from dskit.train.progress import format_eta, throughput_text
 
     now = time.time() if now is None else now
@@ -322,6 +322,8 @@ def progress_rows(
         loss = last.get("loss")
         rows.append(("loss", "-" if loss is None else f"{loss:.4f}"))
         rows.append(("tokens/s/GPU", throughput_text(last)))
+        if balance := balance_text(last):
+            rows.append(("expert balance", balance))
         if complete:
             eta = "done"
         elif running is not False:
