@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
@@ -140,6 +142,14 @@ def main() -> None:
         help="only this shape, both profiled: GPU time by kernel category and how busy the GPU was",
     )
     ap.add_argument("--set", action="append", default=[], help="a spec --set for every dskit row (a lever)")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="one more dskit row per shape with this DeepSpeed config value patched into run.yaml (a lever "
+        "against the plan's, in the same call; VALUE as YAML), e.g. bf16.check_grad_overflow=true",
+    )
     a = ap.parse_args()
     a.torchtitan = a.torchtitan.resolve()  # torchtitan runs in the work dir
     from dskit import catalog
@@ -184,6 +194,23 @@ def main() -> None:
                 **{k: d[k] for k in ("profile", "gpu_busy", "host", "error") if k in d},
             }
         )
+        for v in a.variant:
+            key, _, value = v.partition("=")
+            section, _, field = key.partition(".")
+            patch = {section: {field: yaml.safe_load(value)}}
+            d = train_bench.run_dskit(f"{name} {v}", [*sets, *a.set], patch, a.work / "dskit", 1)
+            record(
+                {
+                    "system": f"dskit, {v}",
+                    **base,
+                    "micro_batch": mb,
+                    "tok_s_gpu": d.get("tok_s_gpu"),
+                    "step_s": d.get("step_s"),
+                    "peak_gib": d.get("peak_reserved_gb"),
+                    "deepspeed_patch": patch,
+                    **{k: d[k] for k in ("profile", "gpu_busy", "host", "error") if k in d},
+                }
+            )
         t = run_torchtitan(a.torchtitan, name, layers, seq, tt_flags, a.work)
         record({"system": "torchtitan", **base, "micro_batch": mb or gb, **t})
     for r in result["rows"]:
@@ -208,11 +235,11 @@ def main() -> None:
     )
     for name in wanted:
         rows = {r["system"]: r for r in result["rows"] if r["shape"] == name and r.get("tok_s_gpu")}
-        if len(rows) == 2:
-            d, t = rows["dskit"], rows["torchtitan"]
+        t = rows.pop("torchtitan", None)
+        for system, d in rows.items() if t else ():
             print(
                 f"{name:16s} {d['tok_s_gpu']:12,.0f} {t['tok_s_gpu']:12,.0f} {d['tok_s_gpu'] / t['tok_s_gpu']:5.2f}x"
-                f" {d['peak_gib'] or 0:10.1f} {t['peak_gib'] or 0:8.1f}"
+                f" {d['peak_gib'] or 0:10.1f} {t['peak_gib'] or 0:8.1f}  {system}"
             )
 
 
