@@ -85,6 +85,7 @@ class Fabric:
     env: dict[str, str]
     source: str
     gbs_per_gpu: float | None  # inter-node, per GPU and direction; None: unknown
+    k8s_topology_level: str | None = None  # Kueue's default topology level (a node label); None: none
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from dskit import __version__
+from dskit import __version__, catalog
 from dskit.contract import (
     COMPLETE_FILE,
     EXIT_DISK_FULL,
@@ -35,12 +35,17 @@ from dskit.render.common import (
     run_files,
     torchrun_words,
 )
-from dskit.render.helm_values import ChartValues
+from dskit.render.helm_values import ChartValues, Kueue, TrainJob
 from dskit.spec.targets import KubernetesSpec, split_secret_ref
 
 VALUES, CHART = "values.yaml", "chart"
 #: Pod annotation Multus reads to attach secondary (RDMA) networks.
 MULTUS_NETWORKS = "k8s.v1.cni.cncf.io/networks"
+#: The JobSet's one replicated job (the TrainJob's torch runtime names its own the same): its pods are
+#: NAME-node-0-INDEX, as helm/dskit/templates/_helpers.tpl's dskit.podPrefix spells them.
+REPLICATED_JOB = "node"
+#: A DNS label: JobSet and TrainJob names must be one (RFC 1035), as must their pods' names
+DNS_LABEL_MAX = 63
 
 
 def chart_dir() -> Path:
@@ -65,8 +70,46 @@ def _under_root(plan: Plan) -> None:
             )
 
 
+def _group_name(plan: Plan) -> None:
+    """A JobSet's (or TrainJob's) pods are named NAME-node-0-INDEX-xxxxx, which JobSet's webhook
+    requires to be an RFC 1035 label: the run's name (the proposed release name) must leave room."""
+    if plan.kubernetes.workload == "job":
+        return
+    longest = f"{plan.name}-{REPLICATED_JOB}-0-{plan.hardware.nodes - 1}-xxxxx"
+    room = DNS_LABEL_MAX - (len(longest) - len(plan.name))
+    if len(longest) > DNS_LABEL_MAX or not plan.name[0].isalpha():
+        raise SpecError(
+            "name",
+            f"{plan.name!r} cannot name a {plan.kubernetes.workload}: its pods are {longest!r}, which must "
+            f"start with a letter and fit {DNS_LABEL_MAX} characters: a name of at most {room} characters "
+            "starting with a letter",
+        )
+
+
+def _kueue(plan: Plan) -> Kueue:
+    """The Kueue values; the topology level is the spec's, else the fabric's (catalog) default."""
+    k = plan.kubernetes
+    level = ""
+    if k.topology is not None:
+        level = k.topology_level or catalog.fabric(plan.launch.fabric).k8s_topology_level or ""
+        if not level:
+            raise SpecError(
+                "kubernetes.topology_level",
+                f"the {plan.launch.fabric} fabric names no topology level in the catalog: set it to a node "
+                "label of the cluster's Kueue Topology, e.g. kubernetes.topology_level=cloud.provider.com/"
+                "topology-rack",
+            )
+    return Kueue(
+        queue_name=k.queue or "",
+        priority_class=k.queue_priority or "",
+        topology=k.topology or "",
+        topology_level=level,
+    )
+
+
 def values(plan: Plan) -> ChartValues:
     _under_root(plan)
+    _group_name(plan)
     k = plan.kubernetes
     requests = {name: v for name in ("cpu", "memory") if (v := getattr(k, name))}
     secret_env = []
@@ -136,12 +179,21 @@ def _chart_values(plan: Plan, k: KubernetesSpec, requests: dict, secret_env: lis
             "serviceAccountName": k.service_account or "",
             "failure": {"maxRestarts": k.max_restarts},
             "terminationGracePeriodSeconds": k.grace_seconds,
+            "workload": k.workload,
+            "kueue": _kueue(plan).model_dump(by_alias=True),
         }
     )
 
 
+#: values.yaml leaves these out at their defaults: a spec without Kueue or a workload kind renders the
+#: values it rendered before they existed
+_QUIET = {"workload": "job", "kueue": Kueue(), "train_job": TrainJob()}
+
+
 def values_yaml(plan: Plan) -> str:
-    data = values(plan).model_dump(mode="json", by_alias=True, exclude_none=True)
+    v = values(plan)
+    quiet = {name for name, default in _QUIET.items() if getattr(v, name) == default}
+    data = v.model_dump(mode="json", by_alias=True, exclude_none=True, exclude=quiet)
     header = comment_block(
         f"Rendered by dskit {__version__} for: {plan.summary()}",
         "Do not edit the plan here: change the spec and re-render. Site settings (affinity, annotations,",

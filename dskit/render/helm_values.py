@@ -10,10 +10,10 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from pydantic.alias_generators import to_camel
 
-from dskit.spec.values import ENV_NAME_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
+from dskit.spec.values import ENV_NAME_RE, K8S_LABEL_KEY_RE, K8S_NAME_RE, K8S_QUANTITY_RE, SECRET_KEY_RE
 
 
 def portable(pattern: re.Pattern) -> str:
@@ -103,6 +103,36 @@ class Failure(_Values):
     active_deadline_seconds: int | None = Field(None, ge=1)
 
 
+class Kueue(_Values):
+    """Submission through Kueue: the workload is labelled for its LocalQueue and created suspended."""
+
+    queue_name: OptionalK8sName = Field("", description="LocalQueue (label kueue.x-k8s.io/queue-name).")
+    priority_class: OptionalK8sName = Field(
+        "", description="WorkloadPriorityClass (label kueue.x-k8s.io/priority-class)."
+    )
+    topology: Literal["", "preferred", "required"] = Field(
+        "", description="Topology-aware scheduling of the pods (the podset-*-topology annotation)."
+    )
+    topology_level: Annotated[str, StringConstraints(pattern=_optional(K8S_LABEL_KEY_RE))] = Field(
+        "", description="Node label of the topology level (a level of the cluster's Kueue Topology)."
+    )
+
+    @model_validator(mode="after")
+    def _needs_queue(self) -> Kueue:
+        # the chart fails on the same combinations (templates/_helpers.tpl, dskit.kueueLabels)
+        if (self.priority_class or self.topology) and not self.queue_name:
+            raise ValueError("priorityClass and topology need queueName")
+        if bool(self.topology) != bool(self.topology_level):
+            raise ValueError("topology and topologyLevel go together")
+        return self
+
+
+class TrainJob(_Values):
+    runtime: K8sName = Field(
+        "torch-distributed", description="The ClusterTrainingRuntime the TrainJob runs on (torch plugin)."
+    )
+
+
 class PodSecurityContext(_Values):
     """The pod's securityContext (subset): make the pods non-root where the image allows it."""
 
@@ -141,6 +171,9 @@ class ChartValues(_Values):
     failure: Failure = Field(default_factory=Failure)
     termination_grace_period_seconds: int = Field(300, ge=0)
     ttl_seconds_after_finished: int | None = Field(None, ge=0)
+    workload: Literal["job", "jobset", "trainjob"] = "job"
+    kueue: Kueue = Field(default_factory=Kueue)
+    train_job: TrainJob = Field(default_factory=TrainJob)
 
 
 def _close_pattern_maps(node: Any) -> None:

@@ -4,9 +4,9 @@ Ray target's rayjob.yaml). dskit/spec/__init__.py's Spec holds them; the plan co
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
 from dskit.spec.values import (
     ENV_NAME_RE,
@@ -116,6 +116,10 @@ class Toleration(_Section):
         return v
 
 
+#: KubernetesSpec's fields left out of run.yaml at their defaults (see _quiet_defaults)
+QUEUEING_FIELDS = ("workload", "queue", "queue_priority", "topology", "topology_level")
+
+
 class KubernetesSpec(_Section):
     existing_claim: str | None = Field(
         None,
@@ -171,6 +175,66 @@ class KubernetesSpec(_Section):
         le=2**31 - 1,
         description="Seconds the init step waits for every pod's DNS name (gang start).",
     )
+    workload: Literal["job", "jobset", "trainjob"] = Field(
+        "job",
+        description="The object the chart submits: job (an Indexed Job), jobset (a JobSet, jobset.x-k8s.io, "
+        "restarting the whole group per failure.maxRestarts) or trainjob (a Kubeflow Trainer v2 TrainJob on "
+        "the torch-distributed runtime; docs/targets.md says what its runtime cannot carry).",
+    )
+    queue: str | None = Field(
+        None,
+        description="Kueue LocalQueue: labels the workload kueue.x-k8s.io/queue-name and creates it "
+        "suspended, for Kueue to admit. Default: no Kueue.",
+    )
+    queue_priority: str | None = Field(
+        None,
+        description="Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class); needs queue.",
+    )
+    topology: Literal["preferred", "required"] | None = Field(
+        None,
+        description="Kueue topology-aware scheduling: place all pods within one domain of topology_level "
+        "(required), or as few as fit (preferred); needs queue.",
+    )
+    topology_level: str | None = Field(
+        None,
+        description="The node label naming the topology level (a level of the cluster's Kueue Topology). "
+        "Default: the fabric's k8s_topology_level in the catalog.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _quiet_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # run.yaml records the queueing fields only when set: a spec without them renders byte for byte
+        # what it rendered before they existed (and so does its Job, whose checksum covers run.yaml)
+        data = handler(self)
+        for name in QUEUEING_FIELDS:
+            if name in data and data[name] == type(self).model_fields[name].default:
+                del data[name]
+        return data
+
+    @model_validator(mode="after")
+    def _queue_first(self) -> KubernetesSpec:
+        for name in ("queue_priority", "topology"):
+            if getattr(self, name) is not None and self.queue is None:
+                raise ValueError(f"kubernetes.{name} is for Kueue: set kubernetes.queue (the LocalQueue) too")
+        if self.topology_level is not None and self.topology is None:
+            raise ValueError("kubernetes.topology_level needs kubernetes.topology: preferred or required")
+        return self
+
+    @field_validator("queue", "queue_priority")
+    @classmethod
+    def _kueue_name(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_NAME_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a Kueue object name: lowercase letters, digits and '-', 1-63 characters"
+            )
+        return v
+
+    @field_validator("topology_level")
+    @classmethod
+    def _node_label(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_LABEL_KEY_RE.match(v):
+            raise ValueError(f"{v!r} is not a node label key such as network.topology.nvidia.com/leaf")
+        return v
 
     @field_validator("existing_claim", "storage_class", "priority_class", "service_account")
     @classmethod

@@ -50,3 +50,59 @@ node and process counts disagree with it, rather than start pods that would hang
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The pods' hostname prefix: pod i is PREFIX-i, reachable at PREFIX-i.NAME. An Indexed Job names its
+pods after itself; a JobSet names its child Job NAME-node-0 (<jobset>-<replicated job>-<job index>),
+and so does the JobSet a TrainJob's torch runtime makes (its replicated job is named node too).
+*/}}
+{{- define "dskit.podPrefix" -}}
+{{- $name := include "dskit.fullname" . -}}
+{{- if eq .Values.workload "job" -}}
+{{- $name -}}
+{{- else -}}
+{{- printf "%s-node-0" $name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A JobSet's pods are named NAME-node-0-INDEX-xxxxx and JobSet's webhook requires an RFC 1035 label
+(as the Trainer does of a TrainJob's name): fail here rather than at submission.
+*/}}
+{{- define "dskit.checkGroupName" -}}
+{{- $longest := printf "%s-%d-xxxxx" (include "dskit.podPrefix" .) (sub (int .Values.nodes) 1) -}}
+{{- if or (gt (len $longest) 63) (not (regexMatch "^[a-z]" $longest)) -}}
+{{- fail (printf "a %s's pods are named like %q, which must start with a letter and fit 63 characters: pass a shorter release name or set fullnameOverride" .Values.workload $longest) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The workload object's labels: dskit.labels, plus Kueue's queue and priority class when a queue is set.
+*/}}
+{{- define "dskit.workloadLabels" -}}
+{{ include "dskit.labels" . }}
+{{- with .Values.kueue }}
+{{- if and (or .priorityClass .topology) (not .queueName) }}
+{{- fail "kueue.priorityClass and kueue.topology need kueue.queueName (the LocalQueue)" }}
+{{- end }}
+{{- with .queueName }}
+kueue.x-k8s.io/queue-name: {{ . | toJson }}
+{{- end }}
+{{- with .priorityClass }}
+kueue.x-k8s.io/priority-class: {{ . | toJson }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Kueue's topology request, a pod template annotation: all pods within one domain of the level
+(required), or as few domains as fit (preferred). Empty without kueue.topology.
+*/}}
+{{- define "dskit.kueueTopology" -}}
+{{- with .Values.kueue.topology -}}
+{{- if not $.Values.kueue.topologyLevel -}}
+{{- fail "kueue.topology needs kueue.topologyLevel (a node label of the cluster's Kueue Topology)" -}}
+{{- end -}}
+kueue.x-k8s.io/podset-{{ . }}-topology: {{ $.Values.kueue.topologyLevel | toJson }}
+{{- end -}}
+{{- end -}}
