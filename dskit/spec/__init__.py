@@ -146,7 +146,8 @@ class TrainingSpec(_Section):
         "noaux_tc routing). aux_free: after each step every expert's bias moves by bias_update_speed towards "
         "the mean load (arXiv:2412.19437 Sec. 2.1.2), beside a small balance loss; frozen: the bias stays as "
         "loaded and the balance loss alone balances. auto: aux_free on models with the bias (frozen for LoRA "
-        "runs); models without one balance with the loss alone.",
+        "runs, which may set aux_free: their adapter export then carries every router whole); models without "
+        "one balance with the loss alone.",
     )
     bias_update_speed: float | None = Field(
         None,

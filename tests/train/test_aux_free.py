@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dskit import catalog
 from dskit.plan.schema import load_plan
@@ -48,8 +49,6 @@ def skewed_checkpoint(out: Path) -> Path:
 def biases(ckpt: Path) -> dict[str, dict[str, torch.Tensor]]:
     """file -> {layer's bias name: tensor} of one checkpoint tag: every rank's module state (DeepSpeed's
     files), then dskit's own routing-bias file (rank 0's, checked against every rank's as it was saved)."""
-    from safetensors.torch import load_file
-
     out = {}
     for f in sorted(ckpt.glob("*model_states.pt")):
         module = torch.load(f, weights_only=False, map_location="cpu")["module"]
@@ -247,3 +246,96 @@ def test_one_and_two_ranks_move_the_bias_alike(runs, resharded):
 
     assert flips(got["1 rank"], got["2 ranks, EP 1"]) <= 2 + 1e-3
     assert flips(got["2 ranks, EP 1"], ref) <= 4 + 1e-3
+
+
+# ---------------------------------------------------------------- LoRA
+LORA_STEPS, LORA_GAMMA = 8, 0.01  # a larger gamma: 8 steps move the bias enough to reroute tokens
+
+
+@pytest.fixture(scope="module")
+def lora(runs, tmp_path_factory) -> Path:
+    """A LoRA run (attention adapters, ZeRO-2, EP 2) from the skewed start with the bias updated, 8
+    steps; then the same run dir rendered for 9 steps, which resumes from the step-8 checkpoint."""
+    tmp = tmp_path_factory.mktemp("lora")
+    plan = load_plan(runs["aux_free"] / "run.yaml")
+    sets = [
+        f"model.path={plan.model.path}",
+        "finetune.method=lora",
+        "finetune.lora.targets=[attention]",
+        "overrides.zero_stage=2",
+        "training.balance=aux_free",
+        f"training.bias_update_speed={LORA_GAMMA}",
+        "checkpoint.every=4",
+        "checkpoint.keep=10",
+    ]
+    for steps, log in ((LORA_STEPS, "a.log"), (LORA_STEPS + 1, "b.log")):
+        rd = render_tiny(tmp, None, steps=steps, extra=sets, flags=["--force"])
+        assert run(rd, tmp / log) == 0, (tmp / log).read_text()[-4000:]
+    return rd
+
+
+def test_a_lora_run_updates_the_bias_and_a_resume_continues_it(lora):
+    ckpt = Path(load_plan(lora / "run.yaml").run.checkpoint_dir)
+    assert "resumed from" in (lora.parent / "b.log").read_text()
+    assert not list((ckpt / f"step{LORA_STEPS:08d}").glob("*model_states.pt"))  # dskit's files only
+    saved = {s: load_file(str(ckpt / f"step{s:08d}" / routing_bias.FILE)) for s in (4, 8, 9)}
+    one_step_from(saved[LORA_STEPS], saved[LORA_STEPS + 1], LORA_GAMMA)
+    assert any(not torch.equal(saved[4][k], saved[8][k]) for k in saved[4])
+    assert all(r["expert_bias_rank_max_diff"] == 0.0 for r in records(lora))
+
+
+def test_the_lora_adapter_export_carries_the_bias_and_peft_routes_with_it(lora, tmp_path):
+    """--adapter-only ships every router whole (peft's modules_to_save: the base's weight, the trained
+    bias); peft loads it and reproduces the trained logits, which the base's bias does not."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dskit.train.export import export
+
+    plan = load_plan(lora / "run.yaml")
+    out = export(str(lora), str(tmp_path / "adapter"), adapter_only=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == ["mlp.gate"]
+    written = load_file(str(out / "adapter_model.safetensors"))
+    trained = load_file(str(Path(plan.run.checkpoint_dir) / f"step{LORA_STEPS + 1:08d}" / routing_bias.FILE))
+    for k, b in trained.items():
+        hf = "base_model.model." + k.replace(".mlp.router.", ".mlp.gate.")
+        assert written[hf].dtype == torch.float32 and torch.equal(written[hf], b), k
+    probe = torch.load(
+        Path(plan.run.checkpoint_dir) / f"step{LORA_STEPS + 1:08d}" / "probe.pt", weights_only=False
+    )
+
+    def err(model) -> float:
+        with torch.no_grad():
+            got = model(input_ids=probe["input_ids"]).logits.float()
+        return ((got - probe["logits"]).norm() / probe["logits"].norm()).item()
+
+    def base():
+        return AutoModelForCausalLM.from_pretrained(plan.model.path, dtype=torch.bfloat16).eval()
+
+    with_bias = PeftModel.from_pretrained(base(), out).eval()
+    routed = {n: t for n, t in with_bias.named_buffers() if n.endswith(BIAS) and "modules_to_save" in n}
+    assert len(routed) == len(trained) and all(t.abs().max() > 0 for t in routed.values())
+    without = dict(written)
+    for k in trained:
+        hf = "base_model.model." + k.replace(".mlp.router.", ".mlp.gate.")
+        without[hf] = torch.zeros_like(written[hf])
+        without[hf][:2] = SKEW  # the skewed start's bias, as a frozen run would ship
+    (tmp_path / "frozen").mkdir()
+    (tmp_path / "frozen" / "adapter_config.json").write_text(json.dumps(config))
+    save_file(without, str(tmp_path / "frozen" / "adapter_model.safetensors"))
+    stale = PeftModel.from_pretrained(base(), tmp_path / "frozen").eval()
+    assert err(with_bias) < 2e-2 < err(stale), (err(with_bias), err(stale))
+
+
+def test_the_merged_lora_export_writes_the_trained_bias(lora, tmp_path):
+    from dskit.train.export import export
+
+    plan = load_plan(lora / "run.yaml")
+    out = export(str(lora), str(tmp_path / "hf"))  # its own check: the trained logits, within 2e-2
+    written = load_file(str(out / "model.safetensors"))
+    trained = load_file(str(Path(plan.run.checkpoint_dir) / f"step{LORA_STEPS + 1:08d}" / routing_bias.FILE))
+    for k, b in trained.items():
+        assert torch.equal(written[k.replace(".mlp.router.", ".mlp.gate.")], b), k

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
     from dskit.plan.schema import FinetunePlan, Plan
 
+BIAS = "e_score_correction_bias"
 #: adapter.safetensors' name of a module's A or B -> (module, "A" | "B")
 _ADAPTER = re.compile(r"^(.*)\.lora_([AB])\.default\.weight$")
 #: linears peft's loader would misread as fused experts (see the module docstring)
@@ -66,8 +67,9 @@ ROUTED_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 _PEFT_ROUTED_KEY = {"gate_up_proj": "experts.base_layer", "down_proj": "experts"}
 
 
-def adapter_config(f: FinetunePlan, adapted: list[str]) -> dict:
-    """peft's LoraConfig for the adapted module names, as adapter_config.json holds it."""
+def adapter_config(f: FinetunePlan, adapted: list[str], *, router_copy: bool = False) -> dict:
+    """peft's LoraConfig for the adapted module names, as adapter_config.json holds it. `router_copy`:
+    the routers are saved whole (peft's modules_to_save), trained or carrying a trained routing bias."""
     from peft import LoraConfig
 
     attention = sorted({m.rsplit(".", 1)[-1] for m in adapted if not _MLP_LINEAR.search(m)})
@@ -84,7 +86,7 @@ def adapter_config(f: FinetunePlan, adapted: list[str]) -> dict:
         # gate and up as one rank-2r adapter per expert (the module docstring)
         rank_pattern={ROUTED_TARGETS[0]: 2 * f.r} if routed else {},
         alpha_pattern={ROUTED_TARGETS[0]: 2 * f.alpha} if routed else {},
-        modules_to_save=["mlp.gate"] if f.whole_params else None,
+        modules_to_save=["mlp.gate"] if f.whole_params or router_copy else None,
         bias="none",
     )
     d = config.to_dict()
@@ -112,17 +114,39 @@ def write_adapter(work: Path, plan: Plan, src: Path) -> None:
         if m and m.group(2) == "A":
             adapted.append(m.group(1))
         out[f"base_model.model.{key}"] = t.contiguous()
-    if f.whole_params and plan.model.config["model_type"] == "deepseek_v3":
+    carried = trained_biases(plan, src)
+    if carried or (f.whole_params and plan.model.config["model_type"] == "deepseek_v3"):
         # peft saves a modules_to_save copy of the whole router, so its loader expects V3's routing-bias
-        # buffer too: the base's value (AutoEP does not train it)
+        # buffer too: the one training.balance aux_free moved, else the base's. A run that moved the
+        # bias without training the router whole ships the base's router weight beside it.
         base = _base_source(plan)
-        for name in [n for n in out if n.endswith(".mlp.gate.weight")]:
-            bias = name.removeprefix("base_model.model.").replace(".weight", ".e_score_correction_bias")
-            out[name.replace(".weight", ".e_score_correction_bias")] = base(bias).float().contiguous()
-    config = adapter_config(f, adapted)
+        routers = {n.removesuffix(f".{BIAS}") for n in carried}
+        routers |= {n.removesuffix(".weight") for n in tensors if n.endswith(".mlp.gate.weight")}
+        for router in sorted(routers):
+            out.setdefault(f"base_model.model.{router}.weight", base(f"{router}.weight").contiguous())
+            bias = carried.get(f"{router}.{BIAS}")
+            bias = base(f"{router}.{BIAS}") if bias is None else bias
+            out[f"base_model.model.{router}.{BIAS}"] = bias.float().contiguous()
+    config = adapter_config(f, adapted, router_copy=bool(carried))
     config["base_model_name_or_path"] = plan.model.path or plan.model.name
     (work / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(out, str(work / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def trained_biases(plan: Plan, src: Path) -> dict[str, torch.Tensor]:
+    """Transformers name -> the routing bias the checkpoint carries (dskit/train/checkpoints/routing_bias.py),
+    where the run moved it (training.balance aux_free); empty where the base's stays."""
+    if plan.model.balance != "aux_free":
+        return {}
+    from dskit.train.checkpoints import routing_bias
+    from dskit.train.export import hf_bias_name
+
+    saved = routing_bias.read(src)
+    if not saved:
+        raise RuntimeError(
+            f"{src} holds no routing bias although the run updated it (training.balance aux_free)"
+        )
+    return {hf_bias_name(n): t for n, t in saved.items()}
 
 
 def _routed(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -174,10 +198,13 @@ def merged_source(plan: Plan, src: Path) -> TensorOf:
     scale = f.alpha / f.r
     base = _base_source(plan)
     routed = _routed(tensors)
+    carried = trained_biases(plan, src)
 
     def tensor_of(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if name in tensors:  # trained whole (the router)
             return tensors[name].to(dtype).reshape(shape).contiguous()
+        if name in carried:  # the routing bias as training.balance aux_free moved it, fp32
+            return carried[name].float().reshape(shape).contiguous()
         t = base(name)
         module = name.removesuffix(".weight")
         a = tensors.get(f"{module}.lora_A.default.weight")
