@@ -63,13 +63,6 @@ def autoep_sources(hf_name: str) -> tuple[list[str], str | None]:
     return [hf_name], None
 
 
-def hf_bias_name(autoep_name: str) -> str:
-    """The transformers name of an AutoEP router's routing bias (HF_FROM_AUTOEP's row, read backwards)."""
-    return re.sub(
-        r"(\.mlp)\.router\.e_score_correction_bias$", r"\1.gate.e_score_correction_bias", autoep_name
-    )
-
-
 def _load_universal(udir: Path, name: str) -> torch.Tensor | None:
     import torch
 

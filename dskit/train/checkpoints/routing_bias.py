@@ -18,6 +18,7 @@ the checkpoint must not hide it.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +28,14 @@ log = logging.getLogger("dskit.train")
 
 FILE = "dskit-routing-bias.safetensors"
 SUFFIX = "e_score_correction_bias"
+
+
+def hf_name(autoep_name: str) -> str:
+    """The transformers name of a router's bias saved here (AutoEP's `mlp.router` is transformers'
+    `mlp.gate`: dskit/train/export.py HF_FROM_AUTOEP)."""
+    return re.sub(
+        r"(\.mlp)\.router\.e_score_correction_bias$", r"\1.gate.e_score_correction_bias", autoep_name
+    )
 
 
 @torch.no_grad()

@@ -139,14 +139,13 @@ def trained_biases(plan: Plan, src: Path) -> dict[str, torch.Tensor]:
     if plan.model.balance != "aux_free":
         return {}
     from dskit.train.checkpoints import routing_bias
-    from dskit.train.export import hf_bias_name
 
     saved = routing_bias.read(src)
     if not saved:
         raise RuntimeError(
             f"{src} holds no routing bias although the run updated it (training.balance aux_free)"
         )
-    return {hf_bias_name(n): t for n, t in saved.items()}
+    return {routing_bias.hf_name(n): t for n, t in saved.items()}
 
 
 def _routed(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
