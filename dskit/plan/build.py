@@ -147,6 +147,7 @@ def _build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
         warnings=warnings,
         spec=spec_record(spec),
         finetune=finetune,
+        tracking=spec.tracking.for_run(spec.name),
     )
     return plan, found
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from dskit.errors import SpecError
 from dskit.spec import yamlsafe
 from dskit.spec.targets import KubernetesSpec, SlurmSpec
+from dskit.spec.tracking import TrackingSpec
 
 PLAN_VERSION = 3  # 2: typed slurm, kubernetes and ray sections; 3: speed (predicted step time)
 READABLE_VERSIONS = (2, 3)  # 3 only adds the optional speed section: runs rendered by 2 still load
@@ -198,6 +199,8 @@ class Plan(_Frozen):
     finetune: FinetunePlan | None = None
     # a calibration job's section (None, and left out of run.yaml: a training run)
     calibrate: CalibratePlan | None = None
+    # the experiment trackers (dskit/train/trackers.py); None, and left out of run.yaml: TensorBoard alone
+    tracking: TrackingSpec | None = None
 
     def summary(self) -> str:
         p, h = self.parallel, self.hardware
@@ -227,7 +230,7 @@ class Plan(_Frozen):
 
 
 def dump_plan(plan: Plan) -> str:
-    unset = {name for name in ("finetune", "calibrate") if getattr(plan, name) is None}
+    unset = {name for name in ("finetune", "calibrate", "tracking") if getattr(plan, name) is None}
     data = plan.model_dump(mode="json", exclude=unset or None)
     return yaml.safe_dump(data, sort_keys=False, width=120)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -22,6 +23,7 @@ from dskit.errors import SpecError
 from dskit.spec import yamlsafe
 from dskit.spec.finetune import FinetuneSpec
 from dskit.spec.targets import KubernetesSpec, RaySpec, SlurmSpec
+from dskit.spec.tracking import TrackingSpec
 from dskit.spec.values import NAME_RE, _Section
 
 
@@ -311,6 +313,7 @@ class Spec(_Section):
     storage: StorageSpec = Field(default_factory=StorageSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     watchdog: WatchdogSpec = Field(default_factory=WatchdogSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
     ray: RaySpec = Field(default_factory=RaySpec)
     kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
@@ -389,7 +392,7 @@ def apply_override(data: dict, dotted: str, value: Any, *, raw: str | None = Non
             where = ".".join(parts[:i]) or "spec"
             raise SpecError(dotted, f"unknown key {part!r} in {where}; valid keys: {', '.join(fields)}")
         ann = fields[part].annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        model = _section(ann)
         if i == len(parts) - 1:
             if raw is not None and isinstance(value, (int, float)) and _takes_text(ann):
                 value = raw
@@ -397,7 +400,9 @@ def apply_override(data: dict, dotted: str, value: Any, *, raw: str | None = Non
         else:
             if model is None:
                 raise SpecError(dotted, f"{'.'.join(parts[: i + 1])} is a value, not a section")
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # absent, or an optional section left null: setting a key turns it on
+                node[part] = {}
+            node = node[part]
             if not isinstance(node, dict):
                 raise SpecError(dotted, f"{'.'.join(parts[: i + 1])} must be a mapping")
 
@@ -438,21 +443,33 @@ def validate_spec(data: dict) -> Spec:
     return spec
 
 
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds: X, or X | None (an optional section, off while null)."""
+    args = [annotation]
+    if get_origin(annotation) in (Union, UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+    ok = len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel)
+    return args[0] if ok else None
+
+
 def _valid_keys_hint(loc: tuple) -> str:
     model: type[BaseModel] = Spec
     for part in loc[:-1]:
-        ann = model.model_fields[str(part)].annotation
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        section = _section(model.model_fields[str(part)].annotation)
+        if section is None:
             return ""
-        model = ann
+        model = section
     return "; valid keys: " + ", ".join(model.model_fields)
 
 
 def spec_record(spec: Spec) -> dict[str, Any]:
     """The spec as run.yaml records it. A full fine-tune (the default) leaves the finetune section out,
-    so a spec that does not mention it renders exactly what it rendered before the section existed."""
-    default = spec.finetune == FinetuneSpec()
-    return spec.model_dump(mode="json", exclude={"finetune"} if default else None)
+    and TensorBoard alone (the default) the tracking section, so a spec that mentions neither renders
+    exactly what it rendered before those sections existed."""
+    default = {"finetune": FinetuneSpec(), "tracking": TrackingSpec()}
+    return spec.model_dump(
+        mode="json", exclude={k for k, v in default.items() if getattr(spec, k) == v} or None
+    )
 
 
 def json_schema() -> dict:

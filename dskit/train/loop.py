@@ -26,7 +26,7 @@ from dskit.train.lora.adapter_state import AdapterStates
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
 from dskit.train.schedule import lr_at
-from dskit.train.tensorboard import TensorBoardLog
+from dskit.train.trackers import Trackers
 from dskit.train.watchdog import Watchdog
 
 log = logging.getLogger("dskit.train")
@@ -230,7 +230,7 @@ def _evaluator(
     if not sampler:
         return None
     return Evaluator(
-        plan, sampler, rank=rank, world=world, device=device, tb=window.tensorboard, beat=watchdog.beat
+        plan, sampler, rank=rank, world=world, device=device, trackers=window.trackers, beat=watchdog.beat
     )
 
 
@@ -326,7 +326,8 @@ class Evaluator:
     are comparable across steps): `eval_batches` micro-batches per rank, fewer when the held-out set
     holds fewer samples than that, never repeating one. Collective: every rank calls it at the same
     step. One record per eval in OUTPUT_DIR/eval.jsonl (metrics.jsonl keeps one training record per
-    log step, which `dskit status` and `dskit report` read), TensorBoard `eval/loss`, one log line."""
+    log step, which `dskit status` and `dskit report` read), the trackers' `eval_loss` (TensorBoard
+    `eval/loss`), one log line."""
 
     def __init__(
         self,
@@ -336,7 +337,7 @@ class Evaluator:
         rank: int,
         world: int,
         device: torch.device,
-        tb: TensorBoardLog,
+        trackers: Trackers,
         beat: Callable[[int, str], None],
     ):
         self.sampler, self.rank, self.world, self.device = sampler, rank, world, device
@@ -346,7 +347,7 @@ class Evaluator:
         self.batches = min(plan.run.eval_batches, sampler.windows // (world * self.micro))
         # >= 1: entry._eval_sampler refused a held-out set smaller than one micro-batch per rank
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0, name="eval.jsonl")
-        self.tensorboard = tb  # the training log's writer: one event file per run
+        self.trackers = trackers  # the training log's: its TensorBoard event file, MLflow and W&B runs
 
     def run(self, engine, step: int) -> float:
         t0 = time.perf_counter()
@@ -367,7 +368,7 @@ class Evaluator:
         loss = (sums[0] / sums[1].clamp(min=1)).item()
         rec = {"step": step, "eval_loss": loss, "eval_tokens": int(sums[1].item()), "time": time.time()}
         self.metrics.write(rec)
-        self.tensorboard.write(rec)
+        self.trackers.write(rec)
         if self.rank == 0:
             log.info(
                 "eval step %d loss %.4f over %d tokens (%.1f s)",

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap, load_stats
 from dskit.train.progress import Progress, format_eta
-from dskit.train.tensorboard import TensorBoardLog
+from dskit.train.trackers import Trackers
 
 log = logging.getLogger("dskit.train")
 
@@ -142,7 +142,7 @@ class MetricsLog:
 class LogWindow:
     """Loss and aux loss summed over the steps since the last log line, reported every
     `run.log_every` steps (and at the last): averaged over ranks, with throughput, MFU, memory and
-    expert load, as one metrics.jsonl record and one log line on rank 0."""
+    expert load, as one metrics.jsonl record (the trackers get the same record) and one log line on rank 0."""
 
     def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device, start: int = 0):
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
@@ -154,7 +154,7 @@ class LogWindow:
         self.capacity_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
         self.padding_warned = False
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
-        self.tensorboard = TensorBoardLog(plan.run.output_dir, enabled=rank == 0)
+        self.trackers = Trackers(plan, enabled=rank == 0)  # TensorBoard, MLflow, W&B: what the plan turns on
         self.progress = Progress(start, plan.optim.steps, enabled=rank == 0)
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)
@@ -228,7 +228,7 @@ class LogWindow:
             self.resumed_from = None
         self._warn_padding(rows, real)
         self.metrics.write(rec)
-        self.tensorboard.write(rec)
+        self.trackers.write(rec)
         self.progress.logged(rec)
         self.last = rec
         if self.rank == 0:
@@ -280,7 +280,7 @@ class LogWindow:
 
     def close(self) -> None:
         """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
-        self.tensorboard.close()
+        self.trackers.close()
         self.progress.close()
 
 

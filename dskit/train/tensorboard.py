@@ -34,6 +34,8 @@ SCALARS = {
 
 
 class TensorBoardLog:
+    name = "TensorBoard"  # a Tracker (dskit/train/trackers.py) that handles its own failures
+
     def __init__(self, output_dir: str | Path, enabled: bool):
         self.writer: Any = None
         if not enabled:

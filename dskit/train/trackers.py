@@ -1,0 +1,295 @@
+"""Experiment trackers (rank 0): TensorBoard, MLflow and Weights & Biases, any combination, each fed the
+records metrics.jsonl and eval.jsonl get (LogWindow, Evaluator), so no figure is computed twice.
+
+The plan's `tracking` section says which are on (run.yaml leaves it out: TensorBoard alone). A tracker
+must never stop training: one that cannot start (its package missing, its server unreachable, no
+credentials) or fails mid-run warns once, in one line naming it and the reason, and is dropped.
+Credentials never pass through dskit: MLflow and W&B read their own environment variables
+(MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, WANDB_API_KEY).
+
+A requeued job logs to the same MLflow and W&B runs: their ids are kept in OUTPUT_DIR/tracker-runs.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import string
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from dskit.bounded_read import KiB, read_json
+from dskit.plan.schema import Plan
+from dskit.spec.tracking import MlflowSpec, TrackingSpec, WandbSpec
+from dskit.train.tensorboard import TensorBoardLog
+
+log = logging.getLogger("dskit.train")
+
+RUNS_FILE = "tracker-runs.json"
+RUNS_FILE_LIMIT = 16 * KiB
+#: metrics.jsonl keys that are no metric: the trackers' own axes (step, wall time) and a restart marker
+NOT_METRICS = frozenset(("step", "time", "resumed_from"))
+#: per-expert token counts (layers x experts): a histogram where the tracker has one (TensorBoard, W&B);
+#: as MLflow series they would be one per expert and layer (14,848 on DeepSeek-V3)
+COUNTS = "expert_counts"
+#: MLflow's HTTP client retries 7 times with backoff by default, minutes against a server that is down;
+#: these bound a start or a log step to about half a minute, unless the environment sets them.
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+MLFLOW_BATCH = 1000  # metrics per log_batch request (MLflow's limit)
+MLFLOW_PARAMS_BATCH = 100  # params per log_batch request (MLflow's limit)
+MLFLOW_PARAM_CHARS = 6000  # MLflow's longest param value
+REASON_CHARS = 200  # of an exception's text in a warning
+_ERRNO = re.compile(r"\[Errno -?[0-9]+\][^'\"()]*")
+WANDB_INIT_TIMEOUT_S = 30  # how long wandb.init may wait for the W&B server (its default: 90 s)
+
+
+class Tracker(Protocol):
+    name: str
+
+    def write(self, rec: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TrackerOff(Exception):
+    """A tracker that cannot run here, with the reason (one line) why."""
+
+
+def tracker_metrics(rec: dict[str, Any]) -> dict[str, float]:
+    """A metrics.jsonl (or eval.jsonl) record as tracker metrics: each number under its key, each
+    per-MoE-layer list as KEY/moe_layer_I. Left out: NOT_METRICS, None (no MFU without a peak: nothing
+    made up) and the per-expert counts (COUNTS)."""
+    out: dict[str, float] = {}
+    for key, v in rec.items():
+        if key in NOT_METRICS or key == COUNTS or v is None or isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            out[key] = float(v)
+        elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v):
+            out.update({f"{key}/moe_layer_{i}": float(x) for i, x in enumerate(v)})
+    return out
+
+
+def plan_params(plan: Plan) -> dict[str, Any]:
+    """The plan as flat `section.field` parameters, logged once per tracker run: what was trained, on
+    what, split how, and what the plan predicted. The model's config.json and the DeepSpeed config stay
+    in run.yaml (hundreds of keys)."""
+    out: dict[str, Any] = {"name": plan.name}
+    for section in ("model", "hardware", "parallel", "optim", "run", "launch", "finetune"):
+        part = getattr(plan, section)
+        if part is None:
+            continue
+        for key, v in part.model_dump(mode="json").items():
+            if (section, key) != ("model", "config"):
+                out[f"{section}.{key}"] = v
+    out["predicted.memory_gib"] = plan.memory.get("total_gib")
+    if plan.speed:
+        out["predicted.tokens_per_s_per_gpu"] = plan.speed.get("tokens_per_s_per_gpu")
+        out["predicted.mfu"] = plan.speed.get("mfu")
+    return out
+
+
+def param_text(v: Any) -> str:
+    """A parameter value as MLflow stores it (text): strings as they are, anything else as JSON."""
+    return (v if isinstance(v, str) else json.dumps(v))[:MLFLOW_PARAM_CHARS]
+
+
+def reason(e: BaseException) -> str:
+    """An exception as one short line: MLflow's HTTP errors run over several lines and hundreds of
+    characters, with the cause (`[Errno 111] Connection refused`) at the end, kept here."""
+    if isinstance(e, TrackerOff):
+        return str(e)
+    text = " ".join(str(e).split())
+    short = f"{type(e).__name__}: {text[:REASON_CHARS]}" if text else type(e).__name__
+    errno = _ERRNO.search(text)
+    if errno and errno.group() not in short:
+        short += f" ... {errno.group().strip()}"
+    return short
+
+
+class RunIds:
+    """OUTPUT_DIR/tracker-runs.json: each tracker's run id, written when the run is created, read when
+    a requeued process starts, so one training run is one tracker run. Rank 0 alone reads and writes it."""
+
+    def __init__(self, output_dir: str | Path):
+        self.path = Path(output_dir) / RUNS_FILE
+        self.ids: dict[str, Any] = {}
+        if self.path.is_file():
+            try:
+                got = read_json(self.path, limit=RUNS_FILE_LIMIT, what="tracker run ids")
+                self.ids = got if isinstance(got, dict) else {}
+            except (OSError, ValueError) as e:  # damaged: new tracker runs, never a failed start
+                log.warning("%s unreadable (%s): the trackers start new runs", self.path, e)
+
+    def get(self, tracker: str) -> dict[str, Any]:
+        got = self.ids.get(tracker)
+        return got if isinstance(got, dict) else {}
+
+    def set(self, tracker: str, ids: dict[str, Any]) -> None:
+        self.ids[tracker] = ids
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.ids, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+
+class MlflowTracker:
+    """Metrics by MlflowClient.log_batch, one request per record; the plan's parameters once per run."""
+
+    name = "MLflow"
+
+    def __init__(self, cfg: MlflowSpec, plan: Plan, runs: RunIds):
+        for var, default in MLFLOW_HTTP.items():
+            os.environ.setdefault(var, default)
+        # urllib3 logs each of those retries as a warning: the tracker's own line says what happened
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
+        try:
+            from mlflow import MlflowClient
+            from mlflow.entities import Metric, Param
+        except ImportError as e:
+            raise TrackerOff(
+                f"the mlflow package is not installed (pip install 'dskit[track]'): {e}"
+            ) from None
+        self.Metric = Metric
+        uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise TrackerOff(
+                "no tracking.mlflow.tracking_uri and no MLFLOW_TRACKING_URI in the trainer's environment"
+            )
+        self.client = MlflowClient(tracking_uri=uri)
+        self.steps = plan.optim.steps
+        self.last_step = 0
+        saved = runs.get("mlflow")
+        if saved.get("tracking_uri") == uri and self._reopen(saved.get("run_id")):
+            self.run_id = saved["run_id"]
+            return
+        exp = self.client.get_experiment_by_name(cfg.experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.experiment)
+        self.run_id = self.client.create_run(exp_id, run_name=cfg.run_name).info.run_id
+        params = [Param(k, param_text(v)) for k, v in plan_params(plan).items()]
+        for i in range(0, len(params), MLFLOW_PARAMS_BATCH):
+            self.client.log_batch(self.run_id, params=params[i : i + MLFLOW_PARAMS_BATCH])
+        runs.set("mlflow", {"tracking_uri": uri, "run_id": self.run_id})
+
+    def _reopen(self, run_id: str | None) -> bool:
+        """Continue the run an earlier process of this job created (its parameters are already there:
+        MLflow keeps a parameter's first value, and a resume at another world size changes some)."""
+        if not isinstance(run_id, str):
+            return False
+        try:
+            self.client.get_run(run_id)
+        except Exception:  # deleted, or another server's: a new run
+            return False
+        self.client.update_run(run_id, status="RUNNING")
+        return True
+
+    def write(self, rec: dict[str, Any]) -> None:
+        ms = int(rec.get("time", time.time()) * 1000)
+        step = rec["step"]
+        metrics = [self.Metric(k, v, ms, step) for k, v in tracker_metrics(rec).items()]
+        for i in range(0, len(metrics), MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + MLFLOW_BATCH])
+        self.last_step = max(self.last_step, step)
+
+    def close(self) -> None:
+        # KILLED: stopped before the last step (a STOP file or a signal, to be resumed)
+        self.client.set_terminated(
+            self.run_id, status="FINISHED" if self.last_step >= self.steps else "KILLED"
+        )
+
+
+class WandbTracker:
+    """Metrics by run.log at each record's step, the per-expert counts as histograms; the plan as the
+    run's config. Files under OUTPUT_DIR/wandb (offline: uploaded later with `wandb sync`)."""
+
+    name = "W&B"
+
+    def __init__(self, cfg: WandbSpec, plan: Plan, runs: RunIds):
+        try:
+            import wandb
+        except ImportError as e:
+            raise TrackerOff(
+                f"the wandb package is not installed (pip install 'dskit[track]'): {e}"
+            ) from None
+        self.wandb = wandb
+        if cfg.mode == "online":
+            # no prompt (rank 0's terminal would wait for an answer) and no silent switch to offline,
+            # which is what wandb.init does when it finds no API key
+            if not wandb.login(prompt=False, verify=False):
+                raise TrackerOff("no W&B API key: set WANDB_API_KEY in the trainer's environment")
+        run_id = runs.get("wandb").get("id")
+        if not isinstance(run_id, str):
+            run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(12))
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=plan.name,
+            id=run_id,
+            resume="allow",
+            mode=cfg.mode,
+            dir=plan.run.output_dir,
+            config=plan_params(plan),
+            # console off: wandb would otherwise wrap rank 0's stdout and stderr to upload them
+            settings=wandb.Settings(console="off", init_timeout=WANDB_INIT_TIMEOUT_S, silent=True),
+        )
+        runs.set("wandb", {"id": run_id})
+
+    def write(self, rec: dict[str, Any]) -> None:
+        data: dict[str, Any] = dict(tracker_metrics(rec))
+        for i, row in enumerate(rec.get(COUNTS) or []):
+            # one bin per expert: tokens over expert index, as TensorBoard's histogram
+            data[f"{COUNTS}/moe_layer_{i}"] = self.wandb.Histogram(
+                np_histogram=(row, list(range(len(row) + 1)))
+            )
+        self.run.log(data, step=rec["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    """Every tracker the plan turns on (rank 0; other ranks get none). write() and close() never raise."""
+
+    def __init__(self, plan: Plan, enabled: bool):
+        self.trackers: list[Tracker] = []
+        if not enabled:
+            return
+        cfg = plan.tracking or TrackingSpec()
+        if cfg.tensorboard:
+            self.trackers.append(TensorBoardLog(plan.run.output_dir, enabled=True))  # warns on its own
+        runs = RunIds(plan.run.output_dir)
+        for kind, sub in ((MlflowTracker, cfg.mlflow), (WandbTracker, cfg.wandb)):
+            if sub is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                self.trackers.append(kind(sub, plan, runs))
+            except Exception as e:
+                _off(kind.name, "cannot start", e)
+            else:
+                log.info("%s tracker on (%.1f s to start)", kind.name, time.perf_counter() - t0)
+
+    def write(self, rec: dict[str, Any]) -> None:
+        for t in list(self.trackers):
+            try:
+                t.write(rec)
+            except Exception as e:
+                # dropped unclosed: closing would ask the server that just failed (MLflow's status)
+                self.trackers.remove(t)
+                _off(t.name, f"failed at step {rec.get('step')}", e)
+
+    def close(self) -> None:
+        trackers, self.trackers = self.trackers, []
+        for t in trackers:
+            try:
+                t.close()
+            except Exception as e:
+                log.warning("%s tracker: closing failed: %s", t.name, reason(e))
+
+
+def _off(name: str, what: str, e: BaseException) -> None:
+    log.warning("%s tracker off (training goes on): %s: %s", name, what, reason(e))
