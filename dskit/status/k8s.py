@@ -2,6 +2,9 @@
 
 Uses the `kubernetes` client (extra `k8s`), imported only here: rendering and training never need it.
 With restartPolicy Never a restarted pod is a new pod, so "attempts" counts the pods of each index.
+The workload is a Job, a JobSet (its state and restarts, counted and not) or a TrainJob (its
+conditions); under each, the trainer's verdict: what dskit's launcher made of the ranks' exit codes
+in the latest pods that ended (contract.exit_verdict), as the Job's podFailurePolicy reads it.
 """
 
 from __future__ import annotations
@@ -11,9 +14,26 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dskit.errors import SpecError
+from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, exit_verdict
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.text import escape
 
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
+#: the trainer's container: "trainer" in the chart's pods, "node" in a TrainJob's (its runtime's name)
+TRAINER_CONTAINERS = ("trainer", "node")
+#: (group, version, plural) of the custom workloads, by the chart's `workload` value
+CUSTOM = {
+    "jobset": ("jobset.x-k8s.io", "v1alpha2", "jobsets"),
+    "trainjob": ("trainer.kubeflow.org", "v1alpha1", "trainjobs"),
+}
+VERDICTS = {
+    EXIT_BAD_INPUT: f"bad input (exit {EXIT_BAD_INPUT}): a retry cannot help",
+    EXIT_DISK_FULL: f"checkpoint disk full (exit {EXIT_DISK_FULL}): a retry cannot help",
+    EXIT_REQUEUE: f"checkpointed and stopped (exit {EXIT_REQUEUE}): a restart resumes, not counted",
+}
+
+
+_EPOCH = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
 
 
 @dataclass(frozen=True)
@@ -32,7 +52,7 @@ def _detail(pod: Any) -> str:
         st = s.state
         if st is None:
             continue
-        if st.terminated is not None and (s.name == "trainer" or st.terminated.exit_code):
+        if st.terminated is not None and (s.name in TRAINER_CONTAINERS or st.terminated.exit_code):
             return f"{s.name} exited {st.terminated.exit_code} ({st.terminated.reason or 'no reason'})"
         if st.waiting is not None:
             return f"{s.name} waiting: {st.waiting.reason or '?'}"
@@ -59,8 +79,7 @@ def pod_rows(pods: list[Any]) -> list[PodRow]:
                 started=meta.creation_timestamp,
             )
         )
-    epoch = dt.datetime.min.replace(tzinfo=dt.timezone.utc)
-    return sorted(rows, key=lambda r: (r.index if r.index is not None else 1 << 30, r.started or epoch))
+    return sorted(rows, key=lambda r: (r.index if r.index is not None else 1 << 30, r.started or _EPOCH))
 
 
 def format_table(rows: list[PodRow]) -> str:
@@ -100,6 +119,13 @@ def _clients(kubeconfig: str | None, context: str | None):
     return client.CoreV1Api(), client.BatchV1Api()
 
 
+def _custom_api() -> Any:
+    """The client for JobSets and TrainJobs (after _clients loaded the configuration)."""
+    from kubernetes import client
+
+    return client.CustomObjectsApi()
+
+
 #: A Helm release and a namespace are DNS-1123 labels (at most 53 and 63 characters: Helm and Kubernetes).
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
@@ -118,10 +144,40 @@ def status(release: str, namespace: str, *, kubeconfig: str | None = None, conte
     return 0
 
 
+def _custom(kinds: list[str], namespace: str, selector: str) -> list[tuple[str, dict]]:
+    """The release's JobSets and TrainJobs, as the API's dicts. A kind whose CRD the cluster lacks
+    (404) has none; asked about because the run was rendered for it, that is the answer's error."""
+    from kubernetes.client.exceptions import ApiException
+
+    found, api = [], _custom_api() if kinds else None
+    for kind in kinds:
+        group, version, plural = CUSTOM[kind]
+        try:
+            answer = api.list_namespaced_custom_object(
+                group, version, namespace, plural, label_selector=selector, _request_timeout=30
+            )
+        except ApiException as e:
+            if e.status == 404 and len(kinds) > 1:
+                continue
+            if e.status == 404:
+                raise SpecError(
+                    "dskit status", f"the cluster has no {plural}.{group} (is {kind} installed?)"
+                ) from None
+            raise
+        found += [(kind, item) for item in answer.get("items", [])]
+    return found
+
+
 def status_text(
-    release: str, namespace: str, *, kubeconfig: str | None = None, context: str | None = None
+    release: str,
+    namespace: str,
+    *,
+    workload: str | None = None,
+    kubeconfig: str | None = None,
+    context: str | None = None,
 ) -> str:
-    """The release's jobs and pods, as one text (printed by `status`, or above a run dir's rows)."""
+    """The release's workload, jobs and pods, as one text (printed by `status`, or above a run dir's
+    rows). `workload`: the kind the run was rendered for (None, a bare release: any of them)."""
     _check_name(release, "RELEASE", 53)
     _check_name(namespace, "--namespace", 63)
     core, batch = _clients(kubeconfig, context)
@@ -129,9 +185,12 @@ def status_text(
     from urllib3.exceptions import HTTPError
 
     selector = f"app.kubernetes.io/name=dskit,app.kubernetes.io/instance={release}"
+    # a bare release may be any kind; a run dir's is the one it was rendered for (a Job: none custom)
+    kinds = list(CUSTOM) if workload is None else [k for k in CUSTOM if k == workload]
     try:
         jobs = batch.list_namespaced_job(namespace, label_selector=selector, _request_timeout=30).items
         pods = core.list_namespaced_pod(namespace, label_selector=selector, _request_timeout=30).items
+        groups = _custom(kinds, namespace, selector)
     except ApiException as e:
         raise SpecError("dskit status", f"Kubernetes API: {e.status} {e.reason}") from None
     except (OSError, HTTPError) as e:  # urllib3 connection errors, retries exhausted
@@ -141,19 +200,66 @@ def status_text(
         raise SpecError(
             "dskit status", f"unreadable answer from the Kubernetes API: {type(e).__name__}: {e}"
         ) from None
-    if not jobs:
-        raise SpecError("RELEASE", f"no dskit job for release {release!r} in namespace {namespace!r}")
+    if not jobs and not groups:
+        raise SpecError("RELEASE", f"no dskit workload for release {release!r} in namespace {namespace!r}")
     try:
-        return _release_text(jobs, pods)
+        return _release_text(jobs, pods, groups)
     except Exception as e:  # noqa: BLE001 - objects missing fields a real API server always sets
         raise SpecError(
             "dskit status", f"unreadable answer from the Kubernetes API: {type(e).__name__}: {e}"
         ) from None
 
 
-def _release_text(jobs: list[Any], pods: list[Any]) -> str:
+def _true_conditions(status: dict) -> list[dict]:
+    return [c for c in status.get("conditions") or [] if c.get("status") == "True"]
+
+
+def _group_line(kind: str, obj: dict) -> str:
+    """A JobSet's state and restarts, or a TrainJob's conditions, with the reason of an end."""
+    status, name = obj.get("status") or {}, obj["metadata"]["name"]
+    conds = _true_conditions(status)
+    state = ", ".join(c["type"] for c in conds) or (
+        "suspended" if (obj.get("spec") or {}).get("suspend") else "running"
+    )
+    ended = next((c for c in conds if c["type"] in ("Failed", "Completed", "Complete")), None)
+    # the cluster's words, escaped: a message may hold anything
+    why = (
+        f" ({escape(str(ended.get('reason', '?')))}: {escape(str(ended.get('message', '')))})"
+        if ended
+        else ""
+    )
+    if kind == "jobset":
+        most = ((obj.get("spec") or {}).get("failurePolicy") or {}).get("maxRestarts", 0)
+        restarts, counted = status.get("restarts", 0), status.get("restartsCountTowardsMax", 0)
+        return f"jobset {name}: {state}{why}; restarts {restarts} ({counted} counted of maxRestarts {most})"
+    return f"trainjob {name}: {state}{why}"
+
+
+def verdict(pods: list[Any]) -> str | None:
+    """What dskit's launcher made of the latest ended pods' trainer exit codes (None: none ended):
+    per rank index, the newest pod whose trainer container terminated."""
+    latest: dict[int | None, tuple[Any, int]] = {}
+    for p in pods:
+        for s in p.status.container_statuses or []:
+            if s.name in TRAINER_CONTAINERS and s.state is not None and s.state.terminated is not None:
+                row = pod_rows([p])[0]
+                seen = latest.get(row.index)
+                if seen is None or (row.started or _EPOCH) >= (seen[0].started or _EPOCH):
+                    latest[row.index] = (row, s.state.terminated.exit_code)
+    codes = {code for _, code in latest.values()}
+    if not codes:
+        return None
+    code = exit_verdict(codes)
+    if code is not None:
+        return VERDICTS[code]
+    if codes == {0}:
+        return "completed (exit 0 on every pod)"
+    return f"failed (exit {', '.join(map(str, sorted(codes)))}): counts against failure.maxRestarts"
+
+
+def _release_text(jobs: list[Any], pods: list[Any], groups: list[tuple[str, dict]] = ()) -> str:
     """Built whole before printing: a malformed answer prints nothing but the one error line."""
-    lines = []
+    lines = [_group_line(kind, obj) for kind, obj in groups]
     for j in jobs:
         s = j.status
         conds = ", ".join(c.type for c in (s.conditions or []) if c.status == "True") or "running"
@@ -161,5 +267,7 @@ def _release_text(jobs: list[Any], pods: list[Any]) -> str:
             f"job {j.metadata.name}: {conds}; active {s.active or 0}, succeeded {s.succeeded or 0}, "
             f"failed {s.failed or 0} of backoffLimit {j.spec.backoff_limit}"
         )
+    if (said := verdict(pods)) is not None:
+        lines.append(f"verdict: {said}")
     lines.append(format_table(pod_rows(pods)))
     return "\n".join(lines)

@@ -438,7 +438,8 @@ class RecordedJobs:
 @dataclass(frozen=True)
 class HelmRelease:
     """The release `dskit render helm` proposed (`helm install NAME ...`, NAME the run's name): its
-    pods through the Kubernetes API (dskit.status.k8s), then the run's files."""
+    workload (Job, JobSet or TrainJob) and pods through the Kubernetes API (dskit.status.k8s), then
+    the run's files."""
 
     takes_address: bool = False
 
@@ -449,7 +450,13 @@ class HelmRelease:
         plan = load_plan(run_dir / RUN_YAML)
         rows = [("run", f"{plan.name} (helm release {plan.name}, namespace {query.namespace}) {run_dir}")]
         rows += progress_rows(plan, run_dir, running=None)
-        pods = k8s.status_text(plan.name, query.namespace, kubeconfig=query.kubeconfig, context=query.context)
+        pods = k8s.status_text(
+            plan.name,
+            query.namespace,
+            workload=plan.kubernetes.workload,  # a JobSet or TrainJob is asked about besides its Jobs
+            kubeconfig=query.kubeconfig,
+            context=query.context,
+        )
         return f"{pods}\n{format_table(rows)}"
 
 

@@ -72,6 +72,28 @@ TARGET_CASES: dict[str, dict[str, tuple[list[str], dict[str, object]]]] = {
             ["training.seq_len=128", "training.global_batch=8", "kubernetes.cpu=4", "kubernetes.memory=16Gi"],
             {"hardware.gpu": "cpu", "hardware.gpus_per_node": 2, "model.preset": "tiny-v2"},
         ),
+        # docs/targets.md's worked examples: a JobSet through Kueue (examples/kueue/queues.yaml's
+        # LocalQueue, priority class and topology level), and a TrainJob
+        "v3-h200-jobset-kueue": (
+            [
+                "name=dsv3",
+                "kubernetes.workload=jobset",
+                "kubernetes.queue=training",
+                "kubernetes.queue_priority=research",
+                "kubernetes.topology=preferred",
+                "kubernetes.existing_claim=team-checkpoints",
+            ],
+            {
+                "model.preset": "deepseek-v3",
+                "hardware.gpu": "h200-141gb",
+                "hardware.nodes": 32,
+                "network.fabric": "infiniband",
+            },
+        ),
+        "v2-lite-h100-trainjob": (
+            ["name=v2lite", "kubernetes.workload=trainjob", "kubernetes.queue=training"],
+            {"hardware.nodes": 2, "hardware.gpu": "h100-80gb"},
+        ),
     },
     "ray": {
         "tiny-v2-cpu": (

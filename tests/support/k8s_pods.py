@@ -1,4 +1,4 @@
-"""Run the pods of a rendered dskit Job as processes, the way a kubelet would, without Kubernetes.
+"""Run the pods of a rendered dskit Job (or JobSet) as processes, the way a kubelet would, without Kubernetes.
 
 What a kubelet does for each pod, and what this harness does instead:
 - network: the pod's own IP, peers reachable        -> a network namespace on a private bridge
@@ -344,6 +344,126 @@ class JobController:
         raise TimeoutError(f"job not finished after {timeout}s: {self.history}\n{self.pods.logs()}")
 
 
+def jobset_child(jobset: dict, job_index: int = 0) -> dict:
+    """The Job the JobSet controller creates from the JobSet's (one) replicated job: named
+    <jobset>-<replicated job>-<job index>, its pods in the subdomain of spec.network (the headless
+    Service the controller makes)."""
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"{jobset['metadata']['name']}-{rjob['name']}-{job_index}"},
+        "spec": rjob["template"]["spec"],
+    }
+    job["spec"]["template"]["spec"]["subdomain"] = jobset["spec"]["network"]["subdomain"]
+    return job
+
+
+def job_failure(
+    job: dict, pod: str, exit_code: int, *, disrupted: bool, counted: int
+) -> tuple[str, str] | None:
+    """The (reason, message) of the Failed condition the Job controller gives `job` when its pod `pod`
+    fails (exit_code, or lost with its node: `disrupted`) after `counted` earlier counted failures;
+    None if the Job goes on. The messages are the Job controller's (pkg/controller/job/pod_failure_policy.go)."""
+    for index, rule in enumerate(job["spec"].get("podFailurePolicy", {}).get("rules", [])):
+        on = rule.get("onExitCodes")
+        if on and on.get("containerName", "trainer") == "trainer":
+            matched = (on["operator"] == "In") == (exit_code in on["values"])
+            what = f"Container trainer for pod default/{pod} failed with exit code {exit_code}"
+        elif rule.get("onPodConditions") and disrupted:
+            matched = any(c["type"] == "DisruptionTarget" for c in rule["onPodConditions"])
+            what = f"Pod default/{pod} has condition DisruptionTarget"
+        else:
+            continue
+        if not matched:
+            continue
+        if rule["action"] == "FailJob":
+            return "PodFailurePolicy", f"{what} matching FailJob rule at index {index}"
+        if rule["action"] == "Ignore":
+            return None
+        break  # Count
+    if counted + 1 > job["spec"].get("backoffLimit", 6):
+        return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    return None
+
+
+def jobset_action(jobset: dict, reason: str, message: str) -> tuple[str, str]:
+    """(rule name, action) of the JobSet's first failurePolicy rule matching a child Job's failure
+    (its reasons listed, one of its message patterns found, as Go's regexp.MatchString); none: the
+    controller's default, RestartJobSet."""
+    for rule in jobset["spec"].get("failurePolicy", {}).get("rules", []):
+        reasons, patterns = rule.get("onJobFailureReasons", []), rule.get("onJobFailureMessagePatterns", [])
+        if (not reasons or reason in reasons) and (
+            not patterns or any(re.search(p, message) for p in patterns)
+        ):
+            return rule["name"], rule["action"]
+    return "(default)", "RestartJobSet"
+
+
+class JobSetController:
+    """The part of the JobSet controller these tests need, over the pods of its one child Job: the
+    Job fails by its podFailurePolicy and backoffLimit (`job_failure`); the JobSet's failurePolicy
+    decides (`jobset_action`): FailJobSet ends it; RestartJobSet (counted against maxRestarts) and
+    RestartJobSetAndIgnoreMaxRestarts recreate every pod, the BlockingRecreate way: the old pods get
+    SIGTERM (their deletion) and all have exited before the next attempt's pods start."""
+
+    def __init__(self, pods: Pods, jobset: dict):
+        self.pods, self.jobset, self.job = pods, jobset, pods.job
+        self.max_restarts = jobset["spec"].get("failurePolicy", {}).get("maxRestarts", 0)
+        self.restarts = self.counted = 0
+        #: (index, attempt, exit code, child Job's failure reason, JobSet rule, action)
+        self.history: list[tuple[int, int, int, str, str, str]] = []
+        self.runs: dict[int, PodRun] = {}
+        self.disrupted: set[tuple[int, int]] = set()
+        self.result: str | None = None
+
+    def preempt(self, i: int) -> None:
+        """Pod i is preempted: it carries the DisruptionTarget condition and its container gets SIGTERM."""
+        self.disrupted.add((i, self.runs[i].attempt))
+        self.runs[i].terminate()
+
+    def _recreate(self, attempt: int) -> None:
+        alive_now = [p.pid for p in self.pods.procs.values() if p.poll() is None]
+        for pid in alive_now:
+            os.kill(pid, signal.SIGTERM)
+        for run in self.runs.values():
+            run.wait(120)
+        self.runs = {i: self.pods.run_pod(i, attempt=attempt) for i in range(self.pods.nodes)}
+
+    def run(self, timeout: float) -> str:
+        deadline, attempt, counted_failures = time.time() + timeout, 0, 0
+        self.runs = {i: self.pods.run_pod(i) for i in range(self.pods.nodes)}
+        while time.time() < deadline:
+            done = {i: r for i, r in self.runs.items() if r.done}
+            for run in done.values():
+                if run.error is not None:
+                    raise AssertionError(f"pod {run.i}: the harness failed") from run.error
+            if len(done) == self.pods.nodes and all(r.exit_code == 0 for r in done.values()):
+                self.result = "Completed"
+                return self.result
+            failed = next((r for r in done.values() if r.exit_code != 0), None)
+            if failed is None:
+                time.sleep(0.3)
+                continue
+            pod = f"{self.pods.hostname(failed.i)}-a{attempt}"
+            disrupted = (failed.i, failed.attempt) in self.disrupted
+            failure = job_failure(
+                self.job, pod, failed.exit_code, disrupted=disrupted, counted=counted_failures
+            )
+            assert failure is not None, "a JobSet's child Job fails at its first failed pod (backoffLimit 0)"
+            name, action = jobset_action(self.jobset, *failure)
+            self.history.append((failed.i, attempt, failed.exit_code, failure[0], name, action))
+            if action == "FailJobSet" or (action == "RestartJobSet" and self.counted >= self.max_restarts):
+                stop_pids([p.pid for p in self.pods.procs.values() if p.poll() is None])
+                self.result = "Failed"
+                return self.result
+            self.counted += action == "RestartJobSet"
+            self.restarts += 1
+            attempt += 1
+            self._recreate(attempt)
+        raise TimeoutError(f"jobset not finished after {timeout}s: {self.history}\n{self.pods.logs()}")
+
+
 def _condition_action(job: dict, condition: str) -> str:
     for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
         if any(c["type"] == condition for c in rule.get("onPodConditions", [])):
@@ -366,6 +486,10 @@ def failure_action(job: dict, exit_code: int, container: str = "trainer") -> str
 
 __all__ = [
     "JobController",
+    "JobSetController",
+    "job_failure",
+    "jobset_action",
+    "jobset_child",
     "PodRun",
     "Pods",
     "alive",

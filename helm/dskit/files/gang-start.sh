@@ -15,5 +15,7 @@ hosts=()
 for ((i = 0; i < count; i++)); do
   hosts+=("${prefix}-${i}.${domain}")
 done
-bash "$(dirname "$0")/wait-peers.sh" "${timeout}" "${hosts[@]}"
+if [ "${#hosts[@]}" -gt 0 ]; then
+  bash "$(dirname "$0")/wait-peers.sh" "${timeout}" "${hosts[@]}"
+fi
 exec "$@"
