@@ -119,7 +119,8 @@ class Kueue(_Values):
 
     @model_validator(mode="after")
     def _needs_queue(self) -> Kueue:
-        # the chart fails on the same combinations (templates/_helpers.tpl, dskit.kueueLabels)
+        # the chart fails on the same combinations (helm/dskit/templates/_helpers.tpl: dskit.workloadLabels,
+        # dskit.kueueTopology)
         if (self.priority_class or self.topology) and not self.queue_name:
             raise ValueError("priorityClass and topology need queueName")
         if bool(self.topology) != bool(self.topology_level):
