@@ -104,13 +104,17 @@ class TrackingSpec(_Section):
     )
     mlflow: MlflowSpec | None = Field(
         None,
-        description="Log to MLflow (the `track` extra): metrics at every log step, the plan as parameters. "
-        "{} turns it on with the defaults. Default: off.",
+        description="Log to MLflow (the `track` extra) from rank 0: every metrics.jsonl figure at its step, "
+        "the plan as parameters. Keys: tracking_uri (http(s)://HOST[:PORT][/PATH], no credentials; default: "
+        "the trainer's MLFLOW_TRACKING_URI), experiment and run_name (default: the run's name); {} turns it "
+        "on with the defaults. Default: off.",
     )
     wandb: WandbSpec | None = Field(
         None,
-        description="Log to Weights & Biases (the `track` extra): metrics at every log step, the plan as its "
-        "config. {} turns it on with the defaults. Default: off.",
+        description="Log to Weights & Biases (the `track` extra) from rank 0: every metrics.jsonl figure at "
+        "its step, the plan as the run's config. Keys: project (default: the run's name), entity, mode "
+        "(online: the trainer's WANDB_API_KEY; offline: OUTPUT_DIR/wandb only); {} turns it on with the "
+        "defaults. Default: off.",
     )
 
     def for_run(self, name: str) -> TrackingSpec | None:
