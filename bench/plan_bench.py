@@ -119,6 +119,20 @@ CONFIGS["V3"] = {
         1,
     ),
 }
+#: issue 47: what DeepSeek-V3's bias update costs a step at V3's width (one all-reduce of each MoE
+#: layer's expert counts and an update of its bias, after the optimizer step), beside the frozen bias
+CONFIGS["BALANCE"] = {
+    f"V3s L3 s4096 gb2 {mode}": (
+        [
+            "model.path={slice:v3-ep8-3l}",
+            "training.seq_len=4096",
+            "training.global_batch=2",
+            f"training.balance={mode}",
+        ],
+        1,
+    )
+    for mode in ("aux_free", "frozen")
+}
 #: issue 26: ZeRO-3's optimizer offload, which the V2 and V3 cluster picks use, beside the same
 #: candidate resident: the rate of DeepSpeed's CPU Adam was the ZeRO-Offload paper's until these ran.
 #: The lent machine's host: 16 cores (OMP_NUM_THREADS 16 for the one rank), 128 GiB of RAM.
