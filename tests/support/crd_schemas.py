@@ -101,7 +101,11 @@ def _strict(s: Any, name: str = "") -> Any:
     if isinstance(out.get("additionalProperties"), dict):
         out["additionalProperties"] = _strict(out["additionalProperties"])
     is_object = out.get("type") == "object" or "properties" in out
-    if is_object and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        is_object
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False  # the API server would prune it: here it fails
     if out.get("x-kubernetes-int-or-string"):
         out["anyOf"] = [*out.get("anyOf", []), {"type": "integer"}, {"type": "string"}]
@@ -128,7 +132,11 @@ def validator(name: str) -> jsonschema.Draft7Validator:
         "required": ["name"],
         "additionalProperties": False,
         "properties": {
-            "name": {"type": "string", "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", "maxLength": 253},
+            "name": {
+                "type": "string",
+                "pattern": r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+                "maxLength": 253,
+            },
             "namespace": {"type": "string"},
             "labels": {"type": "object", "additionalProperties": {"type": "string"}},
             "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -147,4 +155,6 @@ def problems(obj: dict, name: str) -> list[str]:
 
 if __name__ == "__main__":
     crd_path, version, out, source = sys.argv[1:5]
-    Path(out).write_text(json.dumps(extract(Path(crd_path), version, source), indent=1, sort_keys=True) + "\n")
+    Path(out).write_text(
+        json.dumps(extract(Path(crd_path), version, source), indent=1, sort_keys=True) + "\n"
+    )
