@@ -19,6 +19,9 @@ def cmd_init(a: argparse.Namespace) -> int:
 
     if not a.output:
         raise SpecError("--output", "is empty; give a file name")
+    if a.output == "-":  # the usual convention: to stdout, e.g. to pipe or diff
+        print(starter_yaml(), end="")
+        return 0
     out = Path(a.output)
     try:
         st = os.lstat(out)
@@ -45,7 +48,9 @@ def cmd_init(a: argparse.Namespace) -> int:
 
 def add_init(sub: Subparsers) -> None:
     s = sub.add_parser("init", help="write a commented starter run spec")
-    s.add_argument("-o", "--output", default="dskit.yaml", help="file to write (default: dskit.yaml)")
+    s.add_argument(
+        "-o", "--output", default="dskit.yaml", help="file to write (default: dskit.yaml); - for stdout"
+    )
     s.add_argument("--force", action="store_true", help="replace an existing file")
     s.set_defaults(func=cmd_init)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -86,5 +87,8 @@ def test_cli_schema_and_init(tmp_path):
     assert json.loads(out.stdout)["title"] == "dskit run spec"
     dskit("init", "-o", str(tmp_path / "s.yaml"), check=True)
     assert dskit("plan", str(tmp_path / "s.yaml")).returncode == 0
+    # `-o -`: the same file on stdout, and no file named "-"
+    assert dskit("init", "-o", "-", check=True).stdout == (tmp_path / "s.yaml").read_text()
+    assert not Path("-").exists()
     again = dskit("init", "-o", str(tmp_path / "s.yaml"))
     assert again.returncode == 2 and "already exists" in again.stderr
