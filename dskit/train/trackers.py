@@ -232,10 +232,11 @@ class WandbTracker:
             resume="allow",
             mode=cfg.mode,
             dir=plan.run.output_dir,
-            config=plan_params(plan),
             # console off: wandb would otherwise wrap rank 0's stdout and stderr to upload them
             settings=wandb.Settings(console="off", init_timeout=WANDB_INIT_TIMEOUT_S, silent=True),
         )
+        # after init, changes allowed: a resume at another world size updates the resumed run's config
+        self.run.config.update(plan_params(plan), allow_val_change=True)
         runs.set("wandb", {"id": run_id})
 
     def write(self, rec: dict[str, Any]) -> None:
