@@ -27,6 +27,9 @@ from typing import Any
 BLOCK, CHUNK_HEADER = 32768, 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 STALL_S = 60  # the server start fails after this long without new log output (a hang, not a slow start)
+#: the libraries' own reports home (MLflow's usage telemetry, W&B's error reports) stay off in tests:
+#: no traffic leaves the machine
+NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_ERROR_REPORTING": "false"}
 
 
 def free_port() -> int:
@@ -43,7 +46,7 @@ class MlflowServer:
         self.d, self.port = d, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = d / "server.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}, **NO_TELEMETRY}
         cmd = [
             sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
             "--backend-store-uri", f"sqlite:///{d / 'mlflow.db'}", "--default-artifact-root", str(d / "artifacts"),

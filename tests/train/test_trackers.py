@@ -25,7 +25,7 @@ from dskit.spec import load_spec  # noqa: E402
 from dskit.train.tensorboard import TB_DIR  # noqa: E402
 from dskit.train.trackers import RUNS_FILE, Trackers, param_text, plan_params, tracker_metrics  # noqa: E402
 from tests.conftest import TINY_SETS, render_tiny  # noqa: E402
-from tests.support.trackers import MlflowServer, free_port, wandb_run  # noqa: E402
+from tests.support.trackers import NO_TELEMETRY, MlflowServer, free_port, wandb_run  # noqa: E402
 
 #: metrics.jsonl keys the trackers do not get as series: their axes, a restart marker, the per-expert
 #: counts (a W&B histogram)
@@ -70,6 +70,12 @@ def mlflow_server(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_telemetry(monkeypatch):
+    for var, value in NO_TELEMETRY.items():
+        monkeypatch.setenv(var, value)
 
 
 @pytest.fixture
