@@ -38,6 +38,7 @@ EXEMPT = {
     ("dskit/contract.py", "read_exit_codes"): "one integer per file in the run's exit dir",
     ("dskit/status/report.py", "_img"): "a PNG this command has just written",
     ("dskit/train/lora/adapter_state.py", "load"): "the run's own adapter; safetensors bounds its header",
+    ("dskit/train/checkpoints/routing_bias.py", "read"): "a file of the run's own verified checkpoint",
     ("dskit/train/lora/export_adapter.py", "trained"): "the run's own adapter; safetensors bounds its header",
     ("dskit/train/lora/export_adapter.py", "_files_of"): "a single file's names, after check_checkpoint",
     ("dskit/train/lora/export_adapter.py", "raw"): "shards checked by check_checkpoint first",
