@@ -32,10 +32,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import fp8_lora_bench  # noqa: E402  (bench/, beside this script)
-import plan_bench  # noqa: E402
-import runs  # noqa: E402
 
 from dskit.plan import speed  # noqa: E402
+
+import plan_bench  # noqa: E402
+import runs  # noqa: E402
 
 GRIDS: dict[str, tuple[float, ...]] = {
     "ZERO12_STEP_BYTES_PER_PARAM": (48.0, 54.0, 60.0, 66.0, 72.0, 78.0),
