@@ -278,7 +278,10 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     built["ran"] = {
         "attention": attention,
         "compiled": compiled,
-        "optimizer_step": plan.parallel.optimizer_step if deepspeed_config is None else "deepspeed",
+        # installed, not asked for: the fused step leaves its counter on the optimizer it replaced passes of
+        "optimizer_step": "fused"
+        if hasattr(getattr(engine.optimizer, "optimizer", None), "dskit_skipped")
+        else "deepspeed",
     }
     adapters = plan.finetune.adapter_params if plan.finetune else 0
     _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)

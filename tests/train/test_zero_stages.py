@@ -10,6 +10,7 @@ one written at another world and EP size resumes through its universal copy.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -115,6 +116,11 @@ def test_the_fused_step_trains_as_deepspeeds_with_the_clip_inside_adam(tmp_path)
         )
         assert run(rd, tmp_path / f"{name}.log") == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
         got[name] = losses(rd)
+        # what the trainer says it installed, which benchmarks check against the plan
+        built = Path(load_plan(rd / "run.yaml").run.output_dir, "construction-rank0.json")
+        assert json.loads(built.read_text())["ran"]["optimizer_step"] == (
+            "deepspeed" if name == "deepspeed" else "fused"
+        )
     drift = max(abs(got["fused"][s] - got["deepspeed"][s]) / got["deepspeed"][s] for s in got["deepspeed"])
     apart = max(
         abs(got["unclipped"][s] - got["deepspeed"][s]) / got["deepspeed"][s] for s in got["deepspeed"]
