@@ -114,9 +114,11 @@ class RouterTap:
         return stacked
 
     @torch.no_grad()
-    def after_step(self) -> None:
+    def after_step(self, taken: torch.Tensor | float = 1.0) -> None:
         """Collective when the bias is updated: bias += gamma * sign(mean load - load) per MoE layer, from
-        the token counts of the step just taken summed over all ranks. Call after engine.step()."""
+        the token counts of the step just taken summed over all ranks. Call after engine.step().
+        `taken`: 0 where the optimizer skipped the step (a non-finite gradient norm; a tensor on the
+        device for the fused step, so no sync): the bias stays with the weights it was routing for."""
         step = self.counts[self.step_from :]
         self.step_from = len(self.counts)
         if not self.speed:
@@ -127,7 +129,7 @@ class RouterTap:
         total = load.sum(-1, keepdim=True)
         direction = torch.sign(total - load.shape[-1] * load).float()  # sign(mean - load), exactly
         for bias, d in zip(self.biases, direction, strict=True):
-            bias.add_(d.to(bias.device), alpha=self.speed)
+            bias.add_(d.to(bias.device) * (taken * self.speed))
 
     @torch.no_grad()
     def bias_stats(self) -> dict[str, object]:

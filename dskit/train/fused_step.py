@@ -105,3 +105,13 @@ def skipped_steps(engine) -> int | None:
     inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
     count = getattr(inner, "dskit_skipped", None)
     return None if count is None else int(count.item())
+
+
+def step_taken(engine) -> torch.Tensor | float:
+    """1 where the last optimizer step was applied, 0 where it was skipped for a non-finite gradient
+    norm: for the fused step a tensor on the device (no host sync), else DeepSpeed's own flag."""
+    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
+    found = getattr(inner, "found_inf", None)
+    if found is not None:
+        return 1.0 - found
+    return 0.0 if getattr(getattr(engine, "optimizer", None), "overflow", False) else 1.0

@@ -22,6 +22,7 @@ from dskit.plan.schema import Plan
 from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoints.store import Checkpointer
+from dskit.train.fused_step import step_taken
 from dskit.train.lora.adapter_state import AdapterStates
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
@@ -304,7 +305,8 @@ def _micro_steps(
             engine.backward(ce + aux)
         engine.step()
         window.add(ce, aux, real_tokens=batch.real_tokens, row_tokens=inputs.numel())
-    tap.after_step()  # balance aux_free: the routing bias moves against this step's load (collective)
+    # balance aux_free: the routing bias moves against this step's load (collective), unless it was skipped
+    tap.after_step(step_taken(engine))
 
 
 def _checkpoint_or_stop(done: int, every: int, stop: StopRequest, save: _Saver, window: LogWindow) -> bool:

@@ -45,6 +45,7 @@ for name, poison in (("finite", 1.0), ("nan", math.nan), ("inf", math.inf), ("af
         "moved": max((a - b).abs().max().item() for a, b in zip(weights(), before)),
         "adam_steps_before": steps, "adam_steps_after": adam_steps(),
         "skipped": fused_step.skipped_steps(engine),
+        "taken": float(fused_step.step_taken(engine)),  # what the routing bias's update is gated by
     }
 print("RESULT " + json.dumps(out))
 """
@@ -67,6 +68,7 @@ def test_a_non_finite_gradient_skips_the_step_on_the_device_and_is_counted(tmp_p
     assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
     r = json.loads(line[len("RESULT ") :])
     assert r["finite"]["moved"] > 0 and r["finite"]["skipped"] == 0
+    assert [r[k]["taken"] for k in ("finite", "nan", "inf", "after")] == [1, 0, 0, 1]
     for bad in ("nan", "inf"):  # untouched: weights, and Adam's step count (its moments with it)
         assert r[bad]["moved"] == 0, r
         assert r[bad]["adam_steps_after"] == r[bad]["adam_steps_before"], r
