@@ -146,7 +146,8 @@ def status(release: str, namespace: str, *, kubeconfig: str | None = None, conte
 
 def _custom(kinds: list[str], namespace: str, selector: str) -> list[tuple[str, dict]]:
     """The release's JobSets and TrainJobs, as the API's dicts. A kind whose CRD the cluster lacks
-    (404) has none; asked about because the run was rendered for it, that is the answer's error."""
+    (404), or that the user may not list (403: a Role for Jobs and pods only), has none when a bare
+    release is asked about; asked about because the run was rendered for it, that is the answer's error."""
     from kubernetes.client.exceptions import ApiException
 
     found, api = [], _custom_api() if kinds else None
@@ -157,7 +158,7 @@ def _custom(kinds: list[str], namespace: str, selector: str) -> list[tuple[str, 
                 group, version, namespace, plural, label_selector=selector, _request_timeout=30
             )
         except ApiException as e:
-            if e.status == 404 and len(kinds) > 1:
+            if e.status in (403, 404) and len(kinds) > 1:
                 continue
             if e.status == 404:
                 raise SpecError(

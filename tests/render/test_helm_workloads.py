@@ -434,3 +434,38 @@ def test_render_helm_writes_the_jobset_and_says_how_to_submit_it(tmp_path):
     values = yaml.safe_load((out / "values.yaml").read_text())
     assert values["workload"] == "jobset" and lint_problems(values, out / "chart") == []
     assert shutil.which("bash")
+
+
+@pytest.mark.parametrize("refusal", [403, 404])
+def test_status_of_a_bare_release_skips_the_kinds_it_may_not_list(monkeypatch, refusal):
+    """`dskit status RELEASE` asks about every kind; a Role for Jobs and pods only (403), or a cluster
+    without the CRDs (404), must still get the Job's status, not an error about JobSets."""
+    pytest.importorskip("kubernetes")
+    from types import SimpleNamespace as NS
+
+    from kubernetes.client import ApiClient
+    from kubernetes.client.exceptions import ApiException
+
+    from dskit.status import k8s
+
+    job = {
+        "metadata": {"name": "big", "labels": {"app.kubernetes.io/instance": "big"}},
+        "spec": {"completions": 2, "parallelism": 2, "template": {"spec": {"containers": []}}},
+        "status": {"active": 2},
+    }
+
+    class Api:
+        def list_namespaced_job(self, namespace, label_selector, _request_timeout):
+            return NS(items=[ApiClient()._ApiClient__deserialize(job, "V1Job")])
+
+        def list_namespaced_pod(self, namespace, label_selector, _request_timeout):
+            return NS(items=[])
+
+        def list_namespaced_custom_object(
+            self, group, version, namespace, plural, label_selector, _request_timeout
+        ):
+            raise ApiException(status=refusal, reason="Forbidden" if refusal == 403 else "Not Found")
+
+    monkeypatch.setattr(k8s, "_clients", lambda kubeconfig, context: (Api(), Api()))
+    monkeypatch.setattr(k8s, "_custom_api", Api)
+    assert k8s.status_text("big", "default").startswith("job big")
