@@ -154,7 +154,8 @@ class LogWindow:
         self.capacity_per_step_rank = par.micro_batch * par.grad_accum * par.seq_len
         self.padding_warned = False
         self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0)
-        self.trackers = Trackers(plan, enabled=rank == 0)  # TensorBoard, MLflow, W&B: what the plan turns on
+        # TensorBoard, MLflow, W&B: what the plan turns on; a resumed process continues their runs
+        self.trackers = Trackers(plan, enabled=rank == 0, resumed=start > 0)
         self.progress = Progress(start, plan.optim.steps, enabled=rank == 0)
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)

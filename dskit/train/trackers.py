@@ -7,7 +7,12 @@ credentials) or fails mid-run warns once, in one line naming it and the reason, 
 Credentials never pass through dskit: MLflow and W&B read their own environment variables
 (MLFLOW_TRACKING_TOKEN or MLFLOW_TRACKING_USERNAME/PASSWORD, WANDB_API_KEY).
 
-A requeued job logs to the same MLflow and W&B runs: their ids are kept in OUTPUT_DIR/tracker-runs.json.
+A process resumed from a checkpoint logs to the same MLflow and W&B runs: their ids are kept in
+OUTPUT_DIR/tracker-runs.json. A fresh start (no checkpoint) starts new runs, whatever that file holds.
+
+A tracking URI may carry a credential (MLFLOW_TRACKING_URI=https://user:pass@host is not checked as the
+spec's field is, and MLflow's errors begin with the request's URL): no URI is stored with its userinfo,
+query or fragment (public_uri), and every line the trackers log passes through redact().
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import os
 import re
 import secrets
 import string
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from dskit.bounded_read import KiB, read_json
 from dskit.plan.schema import Plan
@@ -45,6 +52,15 @@ MLFLOW_PARAM_CHARS = 6000  # MLflow's longest param value
 REASON_CHARS = 200  # of an exception's text in a warning
 _ERRNO = re.compile(r"\[Errno -?[0-9]+\][^'\"()]*")
 WANDB_INIT_TIMEOUT_S = 30  # how long wandb.init may wait for the W&B server (its default: 90 s)
+#: how long run.finish() may upload before the process goes on (wandb's default: no limit): against a
+#: server gone away it would outlast a pod's termination grace period, turning a clean exit (0, or 75 to
+#: be requeued) into a SIGKILL (137). What is left stays under OUTPUT_DIR/wandb for `wandb sync`.
+WANDB_FINISH_TIMEOUT_S = 30
+#: W&B's x axis: the trainer's step as a metric. wandb's own step (`log(step=)`) must only grow, and a
+#: resumed run continues from its last one, so a resume from an older checkpoint would lose its records.
+WANDB_STEP = "trainer/step"
+#: scheme://userinfo@ in any text: the userinfo (user:password, a token) is replaced
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s?#]*@")
 
 
 class Tracker(Protocol):
@@ -98,12 +114,24 @@ def param_text(v: Any) -> str:
     return (v if isinstance(v, str) else json.dumps(v))[:MLFLOW_PARAM_CHARS]
 
 
+def redact(text: str) -> str:
+    """`text` with the userinfo of every URL in it (scheme://user:password@) replaced by `***`."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def public_uri(uri: str) -> str:
+    """A URI with its userinfo, query and fragment removed: the part that may be stored."""
+    parts = urlsplit(uri)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
 def reason(e: BaseException) -> str:
-    """An exception as one short line: MLflow's HTTP errors run over several lines and hundreds of
-    characters, with the cause (`[Errno 111] Connection refused`) at the end, kept here."""
+    """An exception as one short, redacted line: MLflow's HTTP errors begin with the request's URL, run
+    over several lines and hundreds of characters, with the cause (`[Errno 111] Connection refused`) at
+    the end, kept here."""
     if isinstance(e, TrackerOff):
-        return str(e)
-    text = " ".join(str(e).split())
+        return redact(str(e))
+    text = redact(" ".join(str(e).split()))
     short = f"{type(e).__name__}: {text[:REASON_CHARS]}" if text else type(e).__name__
     errno = _ERRNO.search(text)
     if errno and errno.group() not in short:
@@ -113,17 +141,21 @@ def reason(e: BaseException) -> str:
 
 class RunIds:
     """OUTPUT_DIR/tracker-runs.json: each tracker's run id, written when the run is created, read when
-    a requeued process starts, so one training run is one tracker run. Rank 0 alone reads and writes it."""
+    a process resumed from a checkpoint starts, so one training run is one tracker run. A fresh start
+    (`resumed` False: an empty checkpoint dir, the same output dir) removes it: new runs. Rank 0 alone
+    reads and writes it."""
 
-    def __init__(self, output_dir: str | Path):
+    def __init__(self, output_dir: str | Path, resumed: bool):
         self.path = Path(output_dir) / RUNS_FILE
         self.ids: dict[str, Any] = {}
-        if self.path.is_file():
+        if not resumed:
+            self.path.unlink(missing_ok=True)
+        elif self.path.is_file():
             try:
                 got = read_json(self.path, limit=RUNS_FILE_LIMIT, what="tracker run ids")
                 self.ids = got if isinstance(got, dict) else {}
             except (OSError, ValueError) as e:  # damaged: new tracker runs, never a failed start
-                log.warning("%s unreadable (%s): the trackers start new runs", self.path, e)
+                log.warning("%s unreadable (%s): the trackers start new runs", self.path, redact(str(e)))
 
     def get(self, tracker: str) -> dict[str, Any]:
         got = self.ids.get(tracker)
@@ -164,7 +196,7 @@ class MlflowTracker:
         self.steps = plan.optim.steps
         self.last_step = 0
         saved = runs.get("mlflow")
-        if saved.get("tracking_uri") == uri and self._reopen(saved.get("run_id")):
+        if saved.get("tracking_uri") == public_uri(uri) and self._reopen(saved.get("run_id")):
             self.run_id = saved["run_id"]
             return
         exp = self.client.get_experiment_by_name(cfg.experiment)
@@ -173,7 +205,7 @@ class MlflowTracker:
         params = [Param(k, param_text(v)) for k, v in plan_params(plan).items()]
         for i in range(0, len(params), MLFLOW_PARAMS_BATCH):
             self.client.log_batch(self.run_id, params=params[i : i + MLFLOW_PARAMS_BATCH])
-        runs.set("mlflow", {"tracking_uri": uri, "run_id": self.run_id})
+        runs.set("mlflow", {"tracking_uri": public_uri(uri), "run_id": self.run_id})
 
     def _reopen(self, run_id: str | None) -> bool:
         """Continue the run an earlier process of this job created (its parameters are already there:
@@ -203,8 +235,9 @@ class MlflowTracker:
 
 
 class WandbTracker:
-    """Metrics by run.log at each record's step, the per-expert counts as histograms; the plan as the
-    run's config. Files under OUTPUT_DIR/wandb (offline: uploaded later with `wandb sync`)."""
+    """Metrics by run.log, each record's step as the metric WANDB_STEP (the charts' x axis), the
+    per-expert counts as histograms; the plan as the run's config. Files under OUTPUT_DIR/wandb
+    (offline: uploaded later with `wandb sync`)."""
 
     name = "W&B"
 
@@ -233,36 +266,66 @@ class WandbTracker:
             mode=cfg.mode,
             dir=plan.run.output_dir,
             # console off: wandb would otherwise wrap rank 0's stdout and stderr to upload them
-            settings=wandb.Settings(console="off", init_timeout=WANDB_INIT_TIMEOUT_S, silent=True),
+            settings=wandb.Settings(
+                console="off",
+                init_timeout=WANDB_INIT_TIMEOUT_S,
+                # bounds wandb's own teardown at exit too; raises, so close() warns
+                finish_timeout=WANDB_FINISH_TIMEOUT_S,
+                finish_timeout_raises=True,
+                silent=True,
+            ),
         )
+        self.run.define_metric(WANDB_STEP)
+        self.run.define_metric("*", step_metric=WANDB_STEP)
         # after init, changes allowed: a resume at another world size updates the resumed run's config
         self.run.config.update(plan_params(plan), allow_val_change=True)
         runs.set("wandb", {"id": run_id})
 
     def write(self, rec: dict[str, Any]) -> None:
-        data: dict[str, Any] = dict(tracker_metrics(rec))
+        data: dict[str, Any] = {WANDB_STEP: rec["step"], **tracker_metrics(rec)}
         for i, row in enumerate(rec.get(COUNTS) or []):
             # one bin per expert: tokens over expert index, as TensorBoard's histogram
             data[f"{COUNTS}/moe_layer_{i}"] = self.wandb.Histogram(
                 np_histogram=(row, list(range(len(row) + 1)))
             )
-        self.run.log(data, step=rec["step"])
+        self.run.log(data)  # no step=: see WANDB_STEP
 
     def close(self) -> None:
-        self.run.finish()
+        """run.finish(), waited for at most WANDB_FINISH_TIMEOUT_S: wandb's own limit covers its
+        upload; this one, in a daemon thread, whatever else might block (the service process)."""
+        failed: list[BaseException] = []
+
+        def finish() -> None:
+            try:
+                self.run.finish()
+            except BaseException as e:  # reported by the caller's thread
+                failed.append(e)
+
+        t = threading.Thread(target=finish, name="wandb-finish", daemon=True)
+        t.start()
+        t.join(WANDB_FINISH_TIMEOUT_S)
+        if t.is_alive():
+            raise TimeoutError(
+                f"run.finish() did not return within {WANDB_FINISH_TIMEOUT_S} s; the process exits "
+                "without it (`wandb sync OUTPUT_DIR/wandb/...` uploads what is left)"
+            )
+        if failed:
+            raise failed[0]
 
 
 class Trackers:
     """Every tracker the plan turns on (rank 0; other ranks get none). write() and close() never raise."""
 
-    def __init__(self, plan: Plan, enabled: bool):
+    def __init__(self, plan: Plan, enabled: bool, resumed: bool = False):
+        """`resumed`: the trainer starts from a checkpoint (step > 0), so the tracker runs of
+        tracker-runs.json continue; otherwise new runs."""
         self.trackers: list[Tracker] = []
         if not enabled:
             return
         cfg = plan.tracking or TrackingSpec()
         if cfg.tensorboard:
             self.trackers.append(TensorBoardLog(plan.run.output_dir, enabled=True))  # warns on its own
-        runs = RunIds(plan.run.output_dir)
+        runs = RunIds(plan.run.output_dir, resumed)
         for kind, sub in ((MlflowTracker, cfg.mlflow), (WandbTracker, cfg.wandb)):
             if sub is None:
                 continue

@@ -30,6 +30,8 @@ STALL_S = 60  # the server start fails after this long without new log output (a
 #: the libraries' own reports home (MLflow's usage telemetry, W&B's error reports) stay off in tests:
 #: no traffic leaves the machine
 NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true", "WANDB_ERROR_REPORTING": "false"}
+#: the history key holding the trainer's step (W&B's own `_step` only counts log calls)
+WANDB_STEP = "trainer/step"
 
 
 def free_port() -> int:
@@ -122,8 +124,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
 
 def wandb_run(output_dir: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any]]]:
     """The offline run under OUTPUT_DIR/wandb, every process's file of it in order (a resumed run
-    writes one more): (its config, {step: {key: value}}), a histogram's parts under KEY/values,
-    KEY/bins."""
+    writes one more): (its config, {trainer step: {key: value}}, the rows of one step merged, later
+    ones winning), a histogram's parts under KEY/values, KEY/bins."""
     files = sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert files, f"no W&B offline run under {output_dir}"
     config: dict[str, Any] = {}
@@ -136,5 +138,5 @@ def wandb_run(output_dir: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any
             config.update({i.key: json.loads(i.value_json) for i in rec.config.update})
         elif kind == "history":
             row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
-            history.setdefault(int(row["_step"]), {}).update(row)
+            history.setdefault(int(row[WANDB_STEP]), {}).update(row)
     return config, history

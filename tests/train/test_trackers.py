@@ -23,13 +23,27 @@ from dskit.plan.build import build_plan  # noqa: E402
 from dskit.plan.schema import Plan, load_plan  # noqa: E402
 from dskit.spec import load_spec  # noqa: E402
 from dskit.train.tensorboard import TB_DIR  # noqa: E402
-from dskit.train.trackers import RUNS_FILE, Trackers, param_text, plan_params, tracker_metrics  # noqa: E402
+from dskit.train.trackers import (  # noqa: E402
+    RUNS_FILE,
+    RunIds,
+    Trackers,
+    WandbTracker,
+    param_text,
+    plan_params,
+    redact,
+    tracker_metrics,
+)
 from tests.conftest import TINY_SETS, render_tiny  # noqa: E402
 from tests.support.trackers import NO_TELEMETRY, MlflowServer, free_port, wandb_run  # noqa: E402
 
 #: metrics.jsonl keys the trackers do not get as series: their axes, a restart marker, the per-expert
 #: counts (a W&B histogram)
 NOT_SERIES = {"step", "time", "resumed_from", "expert_counts"}
+SENTINEL = "sentinelsecret"  # a password in MLFLOW_TRACKING_URI: must reach no file and no log line
+
+
+def files_holding(d: Path, text: str) -> list[Path]:
+    return [f for f in d.rglob("*") if f.is_file() and text.encode() in f.read_bytes()]
 
 
 def expected(rec: dict[str, Any]) -> dict[str, float]:
@@ -103,7 +117,7 @@ def mlflow_series(url: str, run_id: str) -> tuple[Any, dict[str, dict[int, float
 
 
 def check_series(records: list[dict], mlflow: dict[str, dict[int, float]], wandb: dict[int, dict]) -> None:
-    """Every key of every record, at its step, in both; nothing else in MLflow."""
+    """Every key of every record, at its step, in both; nothing else in MLflow, no other step in W&B."""
     keys: set[str] = set()
     for r in records:
         for k, v in expected(r).items():
@@ -111,6 +125,7 @@ def check_series(records: list[dict], mlflow: dict[str, dict[int, float]], wandb
             assert mlflow[k][r["step"]] == pytest.approx(v, rel=1e-12), (k, r["step"])
             assert wandb[r["step"]][k] == pytest.approx(v, rel=1e-12), (k, r["step"])
     assert set(mlflow) == keys
+    assert set(wandb) == {r["step"] for r in records}
     for r in records:
         for i, row in enumerate(r.get("expert_counts") or []):
             assert wandb[r["step"]][f"expert_counts/moe_layer_{i}/values"] == row
@@ -149,7 +164,7 @@ def test_both_trackers_get_every_record_and_a_restart_continues_their_runs(
         first.write(r)
     first.close()
     ids = json.loads((out / RUNS_FILE).read_text())
-    second = Trackers(plan, enabled=True)  # a requeued job's process
+    second = Trackers(plan, enabled=True, resumed=True)  # a requeued job's process, from a checkpoint
     second.write(rec(3))
     second.close()
     assert json.loads((out / RUNS_FILE).read_text()) == ids
@@ -190,14 +205,96 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_others_go_on(
     assert sorted(s for s in history if "loss" in history[s]) == [1, 2, 3]
 
 
+def test_redact_removes_any_userinfo():
+    assert redact("API request to https://u:p@h:5000/api failed; http://tok@h2/x ok") == (
+        "API request to https://***@h:5000/api failed; http://***@h2/x ok"
+    )
+    assert redact("http://h:5000/a@b user@example.org") == "http://h:5000/a@b user@example.org"
+
+
+@pytest.mark.slow
+def test_a_uri_credential_is_never_stored_and_a_fresh_start_begins_new_runs(
+    mlflow_server, tmp_path, wandb_env, monkeypatch, caplog
+):
+    # the environment's URI is not checked as the spec's is: user:password@ reaches the tracker
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server.url.replace("//", f"//user:{SENTINEL}@"))
+    plan = tiny_plan(
+        tmp_path, "tracking.mlflow={}", "tracking.wandb.mode=offline", "tracking.tensorboard=false"
+    )
+    out = Path(plan.run.output_dir)
+
+    def one(resumed: bool, step: int) -> dict:
+        trackers = Trackers(plan, enabled=True, resumed=resumed)
+        assert [t.name for t in trackers.trackers] == ["MLflow", "W&B"]
+        trackers.write(rec(step))
+        trackers.close()
+        return json.loads((out / RUNS_FILE).read_text())
+
+    with caplog.at_level(logging.INFO):
+        first = one(False, 1)
+        assert one(True, 2) == first  # resumed from a checkpoint: the same runs
+        fresh = one(False, 1)  # an empty checkpoint dir, the same output dir: new runs
+    assert fresh["mlflow"]["run_id"] != first["mlflow"]["run_id"]
+    assert fresh["wandb"]["id"] != first["wandb"]["id"]
+    assert fresh["mlflow"]["tracking_uri"] == mlflow_server.url
+    assert not files_holding(out, SENTINEL)
+    assert not [r.getMessage() for r in caplog.records if SENTINEL in r.getMessage()]
+
+
+def test_wandb_keeps_a_step_below_one_already_logged(tmp_path, wandb_env):
+    """A resume from a checkpoint older than the last logged step logs steps again. An online resumed
+    run continues W&B's own step from its last one (offline has no server to ask): the same state as
+    one process logging step 20, then 10."""
+    plan = tiny_plan(tmp_path, "tracking.wandb.mode=offline")
+    tracker = WandbTracker(plan.tracking.wandb, plan, RunIds(plan.run.output_dir, resumed=False))
+    for s in (20, 10):
+        tracker.write(rec(s))
+    tracker.close()
+    _, history = wandb_run(Path(plan.run.output_dir))
+    assert sorted(history) == [10, 20]
+    assert history[10]["loss"] == rec(10)["loss"] and history[20]["loss"] == rec(20)["loss"]
+
+
+def test_a_wandb_finish_that_does_not_return_is_left_behind_with_one_warning(
+    tmp_path, wandb_env, monkeypatch, caplog
+):
+    """run.finish() against a server gone away may block past a pod's grace period: close() waits at
+    most WANDB_FINISH_TIMEOUT_S. The block is made here (no W&B server to take away), the run real."""
+    import threading
+
+    from dskit.train import trackers as mod
+
+    monkeypatch.setattr(mod, "WANDB_FINISH_TIMEOUT_S", 0.5)
+    plan = tiny_plan(tmp_path, "tracking.wandb.mode=offline", "tracking.tensorboard=false")
+    trackers = Trackers(plan, enabled=True)
+    wandb_tracker = trackers.trackers[0]
+    real_finish, release = wandb_tracker.run.finish, threading.Event()
+    monkeypatch.setattr(wandb_tracker.run, "finish", lambda: (release.wait(60), real_finish()))
+    trackers.write(rec(1))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        trackers.close()
+    waited = time.monotonic() - t0
+    release.set()  # the real finish, in the left-behind thread: done before the next test's wandb.init
+    for t in threading.enumerate():
+        if t.name == "wandb-finish":
+            t.join(60)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "dskit.train"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "W&B tracker: closing failed: TimeoutError: run.finish() did not return within 0.5 s"
+    ), warnings
+    assert 0.5 <= waited < 5
+
+
 def test_a_tracker_that_cannot_start_warns_once_and_the_others_go_on(
     tmp_path, wandb_env, monkeypatch, caplog
 ):
     monkeypatch.setenv(
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"
     )  # refused at once (the trainer test: the default)
-    closed = f"http://127.0.0.1:{free_port()}"
-    plan = tiny_plan(tmp_path, f"tracking.mlflow.tracking_uri={closed}", "tracking.wandb.mode=online")
+    # from the environment, with a credential MLflow's error text would repeat
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SENTINEL}@127.0.0.1:{free_port()}")
+    plan = tiny_plan(tmp_path, "tracking.mlflow={}", "tracking.wandb.mode=online")
     t0 = time.monotonic()
     with caplog.at_level(logging.INFO):
         trackers = Trackers(plan, enabled=True)
@@ -208,6 +305,7 @@ def test_a_tracker_that_cannot_start_warns_once_and_the_others_go_on(
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("MLflow tracker off (training goes on): cannot start: MlflowException: ")
     assert "Connection refused" in warnings[0] and "\n" not in warnings[0]
+    assert SENTINEL not in warnings[0] and "//***@127.0.0.1:" in warnings[0], warnings[0]
     assert warnings[1] == (
         "W&B tracker off (training goes on): cannot start: no W&B API key: set WANDB_API_KEY in the "
         "trainer's environment"
@@ -266,13 +364,13 @@ def test_a_2_rank_cpu_run_logs_every_metric_to_mlflow_and_wandb(mlflow_server, t
 
 
 @pytest.mark.train
-def test_a_run_whose_trackers_cannot_be_reached_warns_once_each_and_completes(tmp_path, wandb_env):
-    closed = f"http://127.0.0.1:{free_port()}"
+def test_a_run_whose_trackers_cannot_be_reached_warns_once_each_and_completes(
+    tmp_path, wandb_env, monkeypatch
+):
+    # the server from the trainer's environment, with a credential that must reach no log and no file
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SENTINEL}@127.0.0.1:{free_port()}")
     rd = render_tiny(
-        tmp_path,
-        steps=2,
-        name="unreached",
-        extra=[f"tracking.mlflow.tracking_uri={closed}", "tracking.wandb.mode=online"],
+        tmp_path, steps=2, name="unreached", extra=["tracking.mlflow={}", "tracking.wandb.mode=online"]
     )
     assert run_trainer(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
     log = (tmp_path / "train.log").read_text()
@@ -284,3 +382,4 @@ def test_a_run_whose_trackers_cannot_be_reached_warns_once_each_and_completes(tm
     assert [r["step"] for r in records] == [1, 2]
     assert list((out / TB_DIR).glob("events.out.tfevents.*"))
     assert not (out / RUNS_FILE).exists() and os.listdir(out)
+    assert not files_holding(tmp_path, SENTINEL) and not files_holding(out, SENTINEL)
