@@ -218,6 +218,17 @@ class KubernetesSpec(_Section):
                 raise ValueError(f"kubernetes.{name} is for Kueue: set kubernetes.queue (the LocalQueue) too")
         if self.topology_level is not None and self.topology is None:
             raise ValueError("kubernetes.topology_level needs kubernetes.topology: preferred or required")
+        if self.workload == "trainjob":  # what the runtime's contract cannot carry: refused, not dropped
+            if self.priority_class is not None:
+                raise ValueError(
+                    "kubernetes.priority_class: a TrainJob's runtime sets its pods' priority; use "
+                    "kubernetes.queue_priority (Kueue) or kubernetes.workload jobset"
+                )
+            if self.max_restarts != type(self).model_fields["max_restarts"].default:
+                raise ValueError(
+                    "kubernetes.max_restarts: a TrainJob restarts as its runtime's failure policy says "
+                    "(docs/targets.md); use kubernetes.workload jobset or job to set it"
+                )
         return self
 
     @field_validator("queue", "queue_priority")

@@ -283,6 +283,9 @@ def test_hostile_values_in_the_new_fields_are_one_line_exit_2_nothing_written(tm
         (["kubernetes.queue=q", "kubernetes.topology=required"], "kubernetes.topology_level"),  # tcp: none
         (["kubernetes.workload=jobset", "name=" + "a" * 50], "name"),
         (["kubernetes.workload=trainjob", "name=7b-run"], "name"),
+        # what a TrainJob's runtime cannot carry is refused, not dropped (docs/targets.md)
+        (["kubernetes.workload=trainjob", "kubernetes.priority_class=high"], "kubernetes.priority_class"),
+        (["kubernetes.workload=trainjob", "kubernetes.max_restarts=5"], "kubernetes.max_restarts"),
     ],
 )
 def test_combinations_the_workload_cannot_take_are_refused(tmp_path, sets, field):
