@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,15 +63,6 @@ def render(label: str, model_path: Path, sets: list[str], seed: int, work: Path)
     return render_run(load_spec(sets=[*common, *sets], flags=flags), "slurm", work / label, force=True).out
 
 
-def train(rd: Path) -> None:
-    p = subprocess.run(
-        [sys.executable, "-m", "dskit", "train", "--local", str(rd)],
-        capture_output=True, text=True, cwd=REPO, env=dict(os.environ),
-    )  # fmt: skip
-    if p.returncode != 0:
-        raise SystemExit(f"{rd.name} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-
-
 def late(recs: list[dict]) -> dict:
     """Over the last LAST steps: max/mean load averaged over layers and steps, and the mean loss
     (cross-entropy, without the balance loss)."""
@@ -100,7 +89,7 @@ def main() -> None:
     for mode, sets in MODES.items():
         for seed in seeds:
             rd = render(f"{mode.replace('_', '-')}-s{seed}", start, sets, seed, args.work)
-            train(rd)
+            runs.train(rd)
             rows.append({"mode": mode, "seed": seed, **late(runs.step_records(rd))})
             print(f"{mode:>9} seed {seed}: {rows[-1]}", flush=True)
     summary = {}

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -54,16 +52,6 @@ def render(label: str, gpu: str, model: str, sets: list[str], work: Path) -> Pat
         "name": label,
     }
     return render_run(load_spec(sets=[*common, *sets], flags=flags), "slurm", work / label).out
-
-
-def train(rd: Path) -> str:
-    p = subprocess.run(
-        [sys.executable, "-m", "dskit", "train", "--local", str(rd)],
-        capture_output=True, text=True, cwd=REPO, env=dict(os.environ),
-    )  # fmt: skip
-    if p.returncode != 0:
-        raise SystemExit(f"{rd.name} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
-    return p.stdout + p.stderr
 
 
 def ckpt_dir(rd: Path) -> Path:
@@ -122,14 +110,14 @@ def main() -> None:
     for stage in stages:
         sets = [f"overrides.zero_stage={stage}"]
         base = render(f"z{stage}-base", args.gpu, args.model, sets, args.work)
-        train(base)
+        runs.train(base)
         want = losses(base)
         from dskit.plan.schema import load_plan
 
         step_kind = load_plan(base / "run.yaml").parallel.optimizer_step
         for how in ("plain", "universal"):
             rd = resumed_copy(base, f"z{stage}-{how}", args.gpu, args.model, sets, args.work, how)
-            log = train(rd)
+            log = runs.train(rd)
             if how == "universal" and "resharding" not in log:
                 raise SystemExit(f"z{stage}: the universal path was not taken:\n{log[-3000:]}")
             got = losses(rd)

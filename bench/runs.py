@@ -126,3 +126,16 @@ def ran_otherwise(run_dir: Path) -> str | None:
     if ran["optimizer_step"] != p.optimizer_step:
         wrong.append(f"optimizer step {ran['optimizer_step']} (planned {p.optimizer_step})")
     return "ran " + ", ".join(wrong) if wrong else None
+
+
+def train(rd: Path) -> str:
+    """`dskit train --local RD` to the end; its output. A failed run ends the script with its log's tail."""
+    import os
+
+    p = subprocess.run(
+        [sys.executable, "-m", "dskit", "train", "--local", str(rd)],
+        capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, env=dict(os.environ),
+    )  # fmt: skip
+    if p.returncode != 0:
+        raise SystemExit(f"{rd.name} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
+    return p.stdout + p.stderr

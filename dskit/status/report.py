@@ -268,39 +268,34 @@ def plot_expert_load(s: Series, path: Path) -> Path | None:
         )
         a1.set_axis_off()
     if per_layer:
-        cols = list(zip(*per_layer, strict=False))  # [layer][step]
-        im = a2.imshow(
-            cols,
-            aspect="auto",
-            cmap="magma",
-            vmin=1.0,
-            interpolation="nearest",
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(cols) - 0.5, -0.5),
-        )
-        fig.colorbar(im, ax=a2, label="max / mean tokens per expert")
-        _restart_lines(a2, s, color="cyan")
-        a2.set_xlabel("step")
-        a2.set_ylabel("MoE layer")
+        _over_steps(a2, per_layer, steps, s, "magma", 1.0, "max / mean tokens per expert", "cyan")
         a2.set_title("Worst-expert load over steps")
     if spreads:
-        cols = list(zip(*spreads, strict=False))  # [layer][step]
-        im = a3.imshow(
-            cols,
-            aspect="auto",
-            cmap="viridis",
-            vmin=0.0,
-            interpolation="nearest",
-            extent=(bias_steps[0] - 0.5, bias_steps[-1] + 0.5, len(cols) - 0.5, -0.5),
-        )
-        fig.colorbar(im, ax=a3, label="routing bias max - min")
-        _restart_lines(a3, s, color="red")
-        a3.set_xlabel("step")
-        a3.set_ylabel("MoE layer")
+        _over_steps(a3, spreads, bias_steps, s, "viridis", 0.0, "routing bias max - min", "red")
         a3.set_title("Routing-bias spread over steps")
     return _save(fig, path)
 
 
 # --------------------------------------------------------------------------- page
+
+
+def _over_steps(
+    ax, rows: list[list[float]], steps: list[int], s: Series, cmap: str, vmin: float, label: str, color: str
+) -> None:
+    """A [step][layer] series as a layer-by-step heatmap on `ax`, restarts marked."""
+    cols = list(zip(*rows, strict=False))  # [layer][step]
+    im = ax.imshow(
+        cols,
+        aspect="auto",
+        cmap=cmap,
+        vmin=vmin,
+        interpolation="nearest",
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(cols) - 0.5, -0.5),
+    )
+    ax.figure.colorbar(im, ax=ax, label=label)
+    _restart_lines(ax, s, color=color)
+    ax.set_xlabel("step")
+    ax.set_ylabel("MoE layer")
 
 
 def _table(rows: list[tuple[str, Any]]) -> str:
