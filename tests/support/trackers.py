@@ -112,6 +112,8 @@ def wandb_records(path: Path) -> Iterator[Any]:
         if (crc, n, kind) == (0, 0, 0):  # the unwritten rest of a block
             pos += left
             continue
+        if pos + CHUNK_HEADER + n > len(raw):  # the chunk being written: the file ends here for now
+            return
         data = raw[pos + CHUNK_HEADER : pos + CHUNK_HEADER + n]
         pos += CHUNK_HEADER + n
         assert zlib.crc32(data, zlib.crc32(bytes([kind]))) == crc, f"{path}: bad chunk at {pos}"
@@ -128,6 +130,15 @@ def wandb_run(output_dir: Path) -> tuple[dict[str, Any], dict[int, dict[str, Any
     ones winning), a histogram's parts under KEY/values, KEY/bins."""
     files = sorted((output_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert files, f"no W&B offline run under {output_dir}"
+    # wandb-core (its own process) may still be writing the last file when run.finish() has returned:
+    # read it once its exit record is there, waiting while the file still grows
+    size, still = -1, time.monotonic()
+    while not any(r.WhichOneof("record_type") == "exit" for r in wandb_records(files[-1])):
+        now = files[-1].stat().st_size
+        if now != size:
+            size, still = now, time.monotonic()
+        assert time.monotonic() - still < 30, f"{files[-1]}: no exit record, and it stopped growing"
+        time.sleep(0.2)
     config: dict[str, Any] = {}
     history: dict[int, dict[str, Any]] = {}
     for rec in (r for f in files for r in wandb_records(f)):
