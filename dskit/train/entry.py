@@ -274,14 +274,13 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         from dskit.train.compile import compile_regions
 
         compiled = compile_regions(engine.module, attention=plan.parallel.compile_attention)
+    from dskit.train import fused_step
+
     # what ran, beside what the plan asked: benchmarks refuse a row whose kernels fell back
     built["ran"] = {
         "attention": attention,
         "compiled": compiled,
-        # installed, not asked for: the fused step leaves its counter on the optimizer it replaced passes of
-        "optimizer_step": "fused"
-        if hasattr(getattr(engine.optimizer, "optimizer", None), "dskit_skipped")
-        else "deepspeed",
+        "optimizer_step": "fused" if fused_step.installed(engine) else "deepspeed",  # installed, not asked
     }
     adapters = plan.finetune.adapter_params if plan.finetune else 0
     _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)

@@ -99,19 +99,26 @@ def install(zero_optimizer) -> None:
     z.unscale_and_clip_grads = unscale_and_clip_grads
 
 
+def _inner(engine):
+    """The torch optimizer inside the engine's ZeRO optimizer (None: another engine)."""
+    return getattr(getattr(engine, "optimizer", None), "optimizer", None)
+
+
+def installed(engine) -> bool:
+    """Whether this engine steps through the fused step (install() leaves its counter on it)."""
+    return hasattr(_inner(engine), "dskit_skipped")
+
+
 def skipped_steps(engine) -> int | None:
     """Steps the fused step skipped for a non-finite gradient norm so far (a host sync: call it when
     logging); None where the engine does not run the fused step."""
-    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
-    count = getattr(inner, "dskit_skipped", None)
-    return None if count is None else int(count.item())
+    return int(_inner(engine).dskit_skipped.item()) if installed(engine) else None
 
 
 def step_taken(engine) -> torch.Tensor | float:
     """1 where the last optimizer step was applied, 0 where it was skipped for a non-finite gradient
     norm: for the fused step a tensor on the device (no host sync), else DeepSpeed's own flag."""
-    inner = getattr(getattr(engine, "optimizer", None), "optimizer", None)
-    found = getattr(inner, "found_inf", None)
+    found = getattr(_inner(engine), "found_inf", None)
     if found is not None:
         return 1.0 - found
     return 0.0 if getattr(getattr(engine, "optimizer", None), "overflow", False) else 1.0
