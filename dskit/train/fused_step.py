@@ -13,7 +13,9 @@ is 1. At micro-batch 2 on one H200 those passes are work proportional to the par
   torch's GradScaler uses it: parameters, moments and step count left as they were), so DeepSpeed's
   bf16 overflow check, a max and a min over every gradient and a host synchronisation each step, is
   switched off for this step (dskit/plan/deepspeed.py). The skipped steps are counted on the GPU
-  (`skipped_steps`), read only when metrics are logged.
+  (`skipped_steps`), read only when metrics are logged;
+- the cast of the gradient partition to fp32, AdamW and the copy of the master back into the 16-bit
+  weights are one pass (dskit/train/adamw_cast.py), where DeepSpeed's step makes three.
 Only ZeRO-1/2 without offload: ZeRO-3's and the CPU optimizer's steps are left as DeepSpeed has them.
 """
 
@@ -41,7 +43,8 @@ def adamw(params, opt: dict) -> torch.optim.AdamW:
 
 
 def install(zero_optimizer) -> None:
-    """Replace the two passes on this DeepSpeedZeroOptimizer instance (stage 1 or 2, torch fused AdamW)."""
+    """Replace the passes on this DeepSpeedZeroOptimizer instance (stage 1 or 2 on the device, torch fused
+    AdamW)."""
     from deepspeed import comm as dist
     from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
 
@@ -49,6 +52,14 @@ def install(zero_optimizer) -> None:
     inner = z.optimizer
     if not isinstance(inner, torch.optim.AdamW) or not inner.defaults.get("fused"):
         raise TypeError(f"the fused step needs torch's fused AdamW inside ZeRO, got {type(inner).__name__}")
+    # the plan asks for the fused step only where none of these is on (dskit/plan/schema.py)
+    unsupported = {
+        "optimizer offload": z.cpu_offload,
+        "ZenFlow": z.zenflow,
+        "torch autocast's GradScaler": z.torch_autocast_gradscaler is not None,
+    }
+    if any(unsupported.values()):
+        raise TypeError(f"the fused step does not run with {[k for k, on in unsupported.items() if on]}")
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
         # DeepSpeed's L2 branch (stage_1_and_2.py), the fp64 copy of every gradient left out
@@ -95,8 +106,82 @@ def install(zero_optimizer) -> None:
         inner.grad_scale = scale.float()  # fused AdamW divides each gradient by it in its kernel
 
     inner.dskit_skipped = torch.zeros((), device=z.device)
+    inner.found_inf = None
+    inner.grad_scale = None
     z.get_grad_norm_direct = get_grad_norm_direct
     z.unscale_and_clip_grads = unscale_and_clip_grads
+    z.step = lambda closure=None: _step(z)
+
+
+def _step(z) -> None:
+    """DeepSpeed 0.19.8's DeepSpeedZeroOptimizer.step (stage_1_and_2.py) on the path install() admits (no
+    offload, ZenFlow or GradScaler; AdamW, so no Muon; its timers and memory reports left out), with the gradient's
+    cast, AdamW and the weights' copy-back as one pass per parameter group."""
+    from deepspeed import comm as dist
+    from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
+    from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+    from dskit.train import adamw_cast
+
+    z.micro_step_id = INITIAL_MICRO_STEP_ID
+    if not z.compute_grad_norm:
+        z._global_grad_norm = None
+    z.overflow = False
+    if z.check_grad_overflow:
+        z.check_overflow(partition_gradients=z.partition_gradients)
+    norm = None
+    if z.compute_grad_norm and not z.overflow:
+        norm = z.scaled_global_norm()
+        if (z.dtype != torch.bfloat16 or z.check_grad_overflow) and is_invalid_grad_norm(norm):
+            z.overflow = True
+    prev_scale = z.loss_scale
+    z._update_scale(z.overflow)
+    if z.overflow:  # DeepSpeed's own check found it (fp16, or bf16 with the check on): no step
+        if z.compute_grad_norm:
+            z._global_grad_norm = float("inf")
+        z.zero_grad(set_to_none=True)
+        z._release_preflattened_grad_buffers()
+        for k in z.averaged_gradients.keys():
+            z.averaged_gradients[k] = None
+            z.all_grad_tensors[k] = None
+        return
+    if norm is not None:
+        z._global_grad_norm = norm / prev_scale
+    inner = z.optimizer
+    for i in range(len(z.bit16_groups)):
+        group_rank = dist.get_rank(group=z.real_dp_process_group[i])
+        z.free_grad_in_param_list(z.params_not_in_partition[i])
+        grad = z._get_preflattened_grad_partition(i)
+        if grad is None:
+            if group_rank == dist.get_world_size(group=z.real_dp_process_group[i]) - 1:
+                grad = z.flatten_dense_tensors_aligned(z.averaged_gradients[i], int(z.partition_size[i]))
+            else:
+                grad = z.flatten(z.averaged_gradients[i])
+        z.free_grad_in_param_list(z.params_in_partition[i])
+        z._release_preflattened_grad_buffers(i)
+        z.averaged_gradients[i] = None
+        z.all_grad_tensors[i] = None
+        z.unscale_and_clip_grads([grad], norm)  # sets found_inf and grad_scale; the gradient is not touched
+        adamw_cast.step(
+            inner,
+            inner.param_groups[i],
+            grad,
+            master=z.single_partition_of_fp32_groups[i],
+            weights=z.parallel_partitioned_bit16_groups[i][group_rank],
+            grad_scale=inner.grad_scale,
+            found_inf=inner.found_inf,
+        )
+        del grad
+    z._lazy_init_hp_params_optimizer_state()
+    all_gather_dp_groups(
+        groups_flat=z.bit16_groups_flat,
+        partitioned_param_groups=z.parallel_partitioned_bit16_groups,
+        dp_process_group=z.real_dp_process_group,
+        start_alignment_factor=z.nccl_start_alignment_factor,
+        allgather_bucket_size=z.allgather_bucket_size,
+    )
+    for i in range(len(z.bit16_groups)):
+        z._update_model_bit16_weights(i)
 
 
 def _inner(engine):
