@@ -31,7 +31,10 @@ def deepspeed_config(
     autoep_preset = AUTOEP_PRESETS.get(model.config.get("model_type"), "deepseek_v2")
     zero: dict[str, Any] = {
         "stage": parallel.zero_stage,
-        "overlap_comm": on_gpu,
+        # On one rank there is nothing to overlap, and with overlap_comm DeepSpeed synchronises the whole
+        # device before each gradient bucket's reduce (stage_1_and_2.allreduce_and_copy): at micro-batch 1
+        # on one H200 the step ran 12% faster without it (bench/results/peer, 2026-12-04).
+        "overlap_comm": on_gpu and hardware.world_size > 1,
         "contiguous_gradients": True,
         # Bucket sizes in elements: DeepSpeed's own defaults, written out so run.yaml shows them. The
         # h*h "auto" heuristics of DeepSpeed's HF integration (tuned for dense layers of ~12h^2
