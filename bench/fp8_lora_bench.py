@@ -190,7 +190,15 @@ def load_rows(files: list[Path]) -> list[dict]:
         d = json.loads(f.read_text())
         for r in d["rows"]:
             if "measured" in r:
-                rows.append({**r, "model": d["model"], "layers": d["layers"], "file": f.name})
+                rows.append(
+                    {
+                        **r,
+                        "model": d["model"],
+                        "layers": d["layers"],
+                        "file": f.name,
+                        "_date": d.get("date", ""),
+                    }
+                )
     return rows
 
 
@@ -220,7 +228,8 @@ def repredict(row: dict, root: Path, gpu: str = "h200-141gb") -> dict:
         "model.path": str(config_dir(row["model"], row["layers"], root)),
         "runtime.kind": "none",
     }
-    plan = build_plan(load_spec(sets=[*row["sets"], *pinned], flags=flags))
+    with runs.as_measured(row["_date"]):
+        plan = build_plan(load_spec(sets=[*row["sets"], *pinned], flags=flags))
     build = plan.memory["construction"]
     return {
         "memory_gib": plan.memory["total_gib"],

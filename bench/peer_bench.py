@@ -128,11 +128,52 @@ def run_torchtitan(tt: Path, name: str, layers: int, seq: int, flags: list[str],
     }
 
 
+def repredict(row: dict, date: str) -> dict:
+    """Today's plan for a measured dskit row's shape, at the micro-batch it ran (the model of the trainer
+    that ran it: runs.as_measured): memory GiB and tokens/s/GPU."""
+    from dskit.plan.build import build_plan
+
+    sets = [
+        f"model.num_layers={row['layers']}",
+        f"training.seq_len={row['seq_len']}",
+        f"training.global_batch={row['global_batch']}",
+        f"overrides.micro_batch={row['micro_batch']}",
+        *row.get("sets", []),
+    ]
+    with runs.as_measured(date):
+        plan = build_plan(train_bench.spec_for(row["shape"], sets, Path("/nonexistent"), 1))
+    return {
+        "memory_gib": plan.memory["total_gib"],
+        "tokens_per_s_per_gpu": plan.speed["tokens_per_s_per_gpu"],
+    }
+
+
+def derived(files: list[Path], predict: bool) -> list[dict]:
+    """`--rows`: the measured dskit rows at the plan's own config (no variant, no error) as the
+    calibration tests read them, with `_source`, `_index` and `_date`; `predict`: also `_predicted`."""
+    out = []
+    for f in files:
+        d = json.loads(f.read_text())
+        mine = [r for r in d["rows"] if r["system"] == "dskit" and r.get("tok_s_gpu")]
+        for i, r in enumerate(mine):
+            row = {
+                **r,
+                "_source": str(f.resolve().relative_to(runs.RESULTS)),
+                "_index": i,
+                "_date": d["date"],
+            }
+            if predict:
+                row["_predicted"] = repredict(r, d["date"])
+            out.append(row)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--torchtitan", type=Path, required=True, help="dir with tt_run.py, base.toml, assets")
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--torchtitan", type=Path, help="dir with tt_run.py, base.toml, assets")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--work", type=Path)
+    runs.add_rows_args(ap, "with --rows: each dskit row with today's plan for its shape (`_predicted`)")
     names = [x[0] for x in SHAPES]
     ap.add_argument("--only", action="append", choices=names, help="run only these shapes (repeatable)")
     ap.add_argument(
@@ -150,6 +191,11 @@ def main() -> None:
         "against the plan's, in the same call; VALUE as YAML), e.g. bf16.check_grad_overflow=true",
     )
     a = ap.parse_args()
+    if a.rows:
+        print(json.dumps(derived(a.rows, a.predict)))
+        return
+    if not (a.torchtitan and a.out and a.work):
+        ap.error("--torchtitan, --out and --work are required to measure")
     a.torchtitan = a.torchtitan.resolve()  # torchtitan runs in the work dir
     from dskit import catalog
 

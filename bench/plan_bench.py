@@ -462,7 +462,12 @@ def _line(r: dict) -> str:
 
 
 def load_rows(files: list[Path]) -> list[dict]:
-    return [r for f in files for r in json.loads(f.read_text())["rows"] if "measured" in r]
+    out = []
+    for f in files:
+        d = json.loads(f.read_text())
+        # the file's date: which trainer ran it (runs.as_measured)
+        out += [{**r, "_date": d.get("date", "")} for r in d["rows"] if "measured" in r]
+    return out
 
 
 def derived(files: list[Path], predict: bool) -> list[dict]:
@@ -509,7 +514,10 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
         f"overrides.compile={o['overrides.compile']}",
         f"overrides.optimizer_step={o['overrides.optimizer_step']}",
     ]
-    _, found = build_plan_searched(load_spec(sets=_resolve(sets), flags=_flags(row["gpus"], "x", work, sets)))
+    with runs.as_measured(row["_date"]):
+        _, found = build_plan_searched(
+            load_spec(sets=_resolve(sets), flags=_flags(row["gpus"], "x", work, sets))
+        )
     want = Candidate(
         zero_stage=int(o["overrides.zero_stage"]),
         ep_size=int(o["overrides.ep_size"]),

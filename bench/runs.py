@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 #: the committed results and their manifest (bench/README.md "Results")
@@ -139,3 +140,36 @@ def train(rd: Path) -> str:
     if p.returncode != 0:
         raise SystemExit(f"{rd.name} failed ({p.returncode}):\n{(p.stdout + p.stderr)[-4000:]}")
     return p.stdout + p.stderr
+
+
+#: when the trainer's ZeRO-1/2 fused step became one pass (dskit/train/adamw_cast.py) and a single rank
+#: stopped using overlap_comm (dskit/plan/deepspeed.py), issue 49: runs measured before it ran DeepSpeed's
+#: cast and copy-back, its per-step flag read-back and two reduce buckets, and are re-predicted as such
+ONE_PASS_SINCE = "2026-12-04T10:20"
+
+
+@contextmanager
+def as_measured(measured_at: str):
+    """Today's step-time and memory model for a run measured at `measured_at` (its result file's date),
+    or, for a run measured before ONE_PASS_SINCE, the model of the trainer that ran it: its step without
+    the one pass's saving, its micro-step host time (HOST_MICRO_STEP_S) and two reduce buckets on one rank."""
+    from dskit.plan import memory, speed
+
+    if measured_at >= ONE_PASS_SINCE:
+        yield
+        return
+    saved = (
+        speed.ONE_PASS_SAVED_BYTES_PER_PARAM,
+        speed.HOST_MICRO_STEP_FUSED_S,
+        memory.ONE_RANK_REDUCE_BUCKETS,
+    )
+    speed.ONE_PASS_SAVED_BYTES_PER_PARAM, speed.HOST_MICRO_STEP_FUSED_S = 0.0, speed.HOST_MICRO_STEP_S
+    memory.ONE_RANK_REDUCE_BUCKETS = 2
+    try:
+        yield
+    finally:
+        (
+            speed.ONE_PASS_SAVED_BYTES_PER_PARAM,
+            speed.HOST_MICRO_STEP_FUSED_S,
+            memory.ONE_RANK_REDUCE_BUCKETS,
+        ) = saved

@@ -165,11 +165,8 @@ BASE = [
 WARMUP_STEPS = 3
 
 
-def run_dskit(
-    name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int, env: dict | None = None
-) -> dict:
-    from dskit.plan.schema import load_plan
-    from dskit.render.run_dir import render_run
+def spec_for(name: str, sets: list[str], work: Path, gpus: int):
+    """The spec of a bench row: V2-Lite on `gpus` H200s of one node, the baseline's sets, then `sets`."""
     from dskit.spec import load_spec
 
     flags = {
@@ -181,8 +178,17 @@ def run_dskit(
         "name": re.sub(r"[^a-z0-9]+", "-", name.lower())[:40].strip("-"),
     }
     # micro-batch 2 per GPU, as the baseline; EP = GPUs (the planner's choice inside one node)
-    spec = load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags)
-    run = render_run(spec, "slurm", work / flags["name"])
+    return load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags)
+
+
+def run_dskit(
+    name: str, sets: list[str], ds_patch: dict, work: Path, gpus: int, env: dict | None = None
+) -> dict:
+    from dskit.plan.schema import load_plan
+    from dskit.render.run_dir import render_run
+
+    spec = spec_for(name, sets, work, gpus)
+    run = render_run(spec, "slurm", work / spec.name)
     plan, run_dir = run.plan, run.out
     if ds_patch:  # a lever under measurement, not yet a plan decision (key "parallel": the plan's own)
         run_yaml = run_dir / "run.yaml"
@@ -195,7 +201,7 @@ def run_dskit(
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**os.environ, **(env or {})})
     wall_s = round(time.monotonic() - t0, 1)
     log = proc.stdout + proc.stderr
-    (work.parent / f"{flags['name']}.log").write_text(log)
+    (work.parent / f"{spec.name}.log").write_text(log)
     if proc.returncode != 0:
         return {"variant": name, "error": log[-3000:]}
     otherwise = runs.ran_otherwise(run_dir)

@@ -96,6 +96,12 @@ ZERO12_STEP_BYTES_PER_PARAM = 54.0
 #: in every micro-step, stage 1 once per step. Counted, not fitted: the difference between stage 1 and
 #: stage 2 at V3's width agrees with the count (docs/planner.md "The second gradient copy at the
 #: accumulation boundary")
+#: what the fused step's one pass (dskit/train/adamw_cast.py: the gradient read in 16 bits, AdamW, the
+#: 16-bit weights written in the same kernel) takes off DeepSpeed's cast, fused AdamW and copy-back, per
+#: parameter and step, as bytes at the GPU's bandwidth. Measured, not fitted: 21.81 against 11.51 ms for
+#: 1.6 B parameters on the H200, (21.81 - 11.51) ms x 4.8 TB/s / 1.6e9 = 31 bytes
+#: (bench/results/training/h200-adamw-cast-2026-12-04.json)
+ONE_PASS_SAVED_BYTES_PER_PARAM = 31.0
 ZERO12_BUCKET_BYTES_PER_PARAM = 4.0
 ZERO12_PARTITION_BYTES_PER_PARAM = 6.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
@@ -118,6 +124,13 @@ GPU_LAYER_PASS_UNHOOKED_S = 0.0055
 #: already slower than measured, the host may not add to it (docs/planner.md "The optimizer step at both
 #: widths")
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
+#: ZeRO-1/2 with the fused step: host time per micro-step besides the layers. Nothing in its micro-step
+#: waits for the GPU any more (DeepSpeed's overflow check read a flag back every step; on one rank
+#: overlap_comm synchronised the device per gradient bucket), so HOST_MICRO_STEP_S, fitted on runs that
+#: paid both, overstates it. The same kind of upper bound as the layer passes': the largest value on a
+#: 5 ms grid at which the host-bound 4-layer runs beside torchtitan (micro-batch 1 and 2, seq 2048 and
+#: 4096) are predicted no more than 2% slower than measured (docs/planner.md "Small micro-steps")
+HOST_MICRO_STEP_FUSED_S = 0.015
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/adapters.py) take this much longer than GEMM_EFFICIENCY says (each adapted
@@ -328,7 +341,11 @@ def predict(
         collectives_s=grad_accum * per_micro,
         grad_copy_s=grad_copy,
         all_to_all_s=grad_accum * a2a,
-        host_s=grad_accum * scales.host * (host_pass * passes + HOST_MICRO_STEP_S),
+        host_s=grad_accum
+        * scales.host
+        * (
+            host_pass * passes + (HOST_MICRO_STEP_FUSED_S if fused_step and not hooked else HOST_MICRO_STEP_S)
+        ),
         optimizer_s=_optimizer_s(
             c.total if tuning is None else tuning.trainable,
             layout,
@@ -498,7 +515,7 @@ def _optimizer_s(
     """Adam over this rank's shard of every trained parameter (`optimized`: all of them, or a LoRA
     run's trainable ones): GPU memory bandwidth, or with offload the host's CPU Adam on the rank's
     `host_threads` cores plus the PCIe round trip of gradients and weights. ZeRO-1/2 step at their own
-    rate; `fused`: without DeepSpeed's clip and fp64-norm passes."""
+    rate; `fused`: without DeepSpeed's clip and fp64-norm passes, its cast and copy-back folded into AdamW."""
     local_params = optimized / layout.world  # every stage shards the optimizer states
     if offload:
         pcie = gpu.pcie_gbs or gpu.interconnect_gbs or 1.0
@@ -508,8 +525,11 @@ def _optimizer_s(
         )
     if zero_stage == 3:
         return local_params * ADAM_BYTES_PER_PARAM / (gpu.memory_bw_gbs * GB)
-    deepspeeds = 0.0 if fused else FUSED_STEP_SAVED_BYTES_PER_PARAM  # its clip and fp64-norm passes
-    return local_params * (ZERO12_STEP_BYTES_PER_PARAM + deepspeeds) / (gpu.memory_bw_gbs * GB)
+    # DeepSpeed's own step: its clip and fp64-norm passes; the fused one: one pass where it makes three
+    per_param = ZERO12_STEP_BYTES_PER_PARAM + (
+        -ONE_PASS_SAVED_BYTES_PER_PARAM if fused else FUSED_STEP_SAVED_BYTES_PER_PARAM
+    )
+    return local_params * per_param / (gpu.memory_bw_gbs * GB)
 
 
 def _grad_copy_s(dense: float, routed: float, layout: Layout, gpu: GPU) -> float:

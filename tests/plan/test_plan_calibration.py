@@ -351,3 +351,48 @@ def _offload_memory_case(r: dict):
 def test_offload_memory_matches_measurement(row):
     predicted, summary = repredict(row)
     assert predicted["memory_gib"] == pytest.approx(row["measured"]["peak_reserved_gib"], rel=0.10), summary
+
+
+# ---------------------------------------------------------------------------------------------------
+#: 4-layer V2-Lite at micro-batch 1 and 2, seq 2048 and 4096, and global batch 16, beside torchtitan
+#: (bench/peer_bench.py, issue 49), measured since the fused step became one pass: where the host, not the
+#: GPU, sets the pace. Today's plan for each shape at the micro-batch it ran.
+PEER_BENCH = "peer_bench.py"
+SMALL_ROWS = calibration.rows(PEER_BENCH, "small-shapes")
+#: where activations set the peak, the plan is 10-13% high: ACTIVATION_SLACK was fitted on peaks the
+#: allocator reserved while DeepSpeed's step also allocated an fp32 copy of the gradient partition, which
+#: the one pass no longer does; refitting it needs the calibration runs above measured again
+SMALL_MEMORY_HIGH = {"L4 s4096 mb2", "L4 s4096 gb16"}
+
+
+def _small_id(r: dict) -> str:
+    return f"{r['_source'].split('/')[-1].removesuffix('.json')}:{r['shape']}"
+
+
+def test_the_small_shapes_cover_micro_batch_1_and_2_at_both_lengths():
+    shapes = {(r["seq_len"], r["micro_batch"]) for r in SMALL_ROWS}
+    assert {(2048, 1), (2048, 2), (4096, 1), (4096, 2)} <= shapes
+
+
+@pytest.mark.parametrize("row", SMALL_ROWS, ids=_small_id)
+def test_small_shape_speed_matches_measurement(row):
+    predicted = calibration.predicted(PEER_BENCH, row)["_predicted"]
+    assert predicted["tokens_per_s_per_gpu"] == pytest.approx(row["tok_s_gpu"], rel=0.15), predicted
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        pytest.param(
+            r,
+            marks=pytest.mark.xfail(
+                r["shape"] in SMALL_MEMORY_HIGH, strict=True, reason="the plan's memory 10-13% high here"
+            ),
+        )
+        for r in SMALL_ROWS
+    ],
+    ids=_small_id,
+)
+def test_small_shape_memory_matches_measurement(row):
+    predicted = calibration.predicted(PEER_BENCH, row)["_predicted"]
+    assert predicted["memory_gib"] == pytest.approx(row["peak_gib"], rel=0.10), predicted
