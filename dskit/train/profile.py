@@ -29,7 +29,9 @@ CATEGORIES: list[tuple[str, re.Pattern]] = [
     ("reduce-scatter, all-reduce (gradients)", re.compile(r"reduce_?scatter|all_?reduce", re.I)),
     ("communication, other (NCCL/gloo)", re.compile(r"nccl|gloo|broadcast|barrier", re.I)),
     ("attention", re.compile(r"sdpa|fmha|flash|attention|mha_", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    # the fused step's one pass (dskit/train/adamw_cast.py) is an Inductor kernel named after its ops:
+    # Adam's bias corrections (1 - beta^step, a square root) are what give it away
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|triton_\w*pow_rsub_sqrt", re.I)),
     ("loss (softmax, logsumexp)", re.compile(r"logsumexp|log_softmax|softmax|nll_loss|cross_entropy", re.I)),
     (
         "GEMM",
