@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from dskit.train.gpu_compiled import on_gpu
+
 
 def _adamw_pass(
     g16, p, m, v, w16, step, lr, scale, found_inf, beta1: float, beta2: float, eps: float, wd: float
@@ -39,17 +41,8 @@ def _adamw_pass(
     w16.copy_(p_new)
 
 
-_compiled = None
-
-
-def _pass_for(device: torch.device):
-    global _compiled
-    if device.type != "cuda":
-        return _adamw_pass
-    if _compiled is None:
-        # dynamic: one kernel for every partition size (the dense and the expert groups differ)
-        _compiled = torch.compile(_adamw_pass, fullgraph=True, dynamic=True)
-    return _compiled
+# dynamic: one kernel for every partition size (the dense and the expert groups differ)
+_pass_for = on_gpu(_adamw_pass, fullgraph=True, dynamic=True)
 
 
 def state_of(optimizer: torch.optim.AdamW, master: torch.Tensor) -> dict:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers.utils import ModelOutput
 
 from dskit.data import IGNORE_INDEX
+from dskit.train.gpu_compiled import on_gpu
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor, scale: torch.Tensor):
@@ -40,17 +41,8 @@ def _chunk_loss_and_grad(logits: torch.Tensor, y: torch.Tensor, m: torch.Tensor,
     return loss, g.to(logits.dtype)
 
 
-_compiled_chunk = None
-
-
-def _chunk_fn(device: torch.device):
-    """The fused (compiled) chunk on GPUs; eager elsewhere (CPU test runs would pay a C++ compile)."""
-    global _compiled_chunk
-    if device.type != "cuda":
-        return _chunk_loss_and_grad
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=True)
-    return _compiled_chunk
+# the fused (compiled) chunk on GPUs, eager elsewhere
+_chunk_fn = on_gpu(_chunk_loss_and_grad, dynamic=True)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
