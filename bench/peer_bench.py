@@ -236,7 +236,8 @@ def main() -> None:
                 "attention": d.get("attention"),
                 "plan": d.get("plan"),
                 "sets": a.set,
-                **{k: d[k] for k in ("profile", "gpu_busy", "host", "error") if k in d},
+                # per step: a lever's run compares its loss curve with the plan's (same data, same seed)
+                **{k: d[k] for k in ("losses", "profile", "gpu_busy", "host", "error") if k in d},
             }
         )
         for v in a.variant:
@@ -253,7 +254,7 @@ def main() -> None:
                     "step_s": d.get("step_s"),
                     "peak_gib": d.get("peak_reserved_gb"),
                     "deepspeed_patch": patch,
-                    **{k: d[k] for k in ("profile", "gpu_busy", "host", "error") if k in d},
+                    **{k: d[k] for k in ("losses", "profile", "gpu_busy", "host", "error") if k in d},
                 }
             )
         t = run_torchtitan(a.torchtitan, name, layers, seq, tt_flags, a.work)
