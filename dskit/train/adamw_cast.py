@@ -41,8 +41,9 @@ def _adamw_pass(
     w16.copy_(p_new)
 
 
-# dynamic: one kernel for every partition size (the dense and the expert groups differ)
-_pass_for = on_gpu(_adamw_pass, fullgraph=True, dynamic=True)
+#: dynamic: one kernel for every partition size (the dense and the expert groups differ)
+COMPILE_OPTIONS = {"fullgraph": True, "dynamic": True}
+_pass_for = on_gpu(_adamw_pass, **COMPILE_OPTIONS)
 
 
 def state_of(optimizer: torch.optim.AdamW, master: torch.Tensor) -> dict:

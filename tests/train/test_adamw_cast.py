@@ -87,3 +87,32 @@ def test_mismatched_partitions_are_refused():
             None,
             None,
         )
+
+
+def test_the_compiled_pass_is_the_eager_one():
+    """What the GPU runs is this function through torch.compile (Inductor writes the master, moments and
+    weights in place): compiled here for the CPU with the same options, it must leave the same tensors,
+    at two partition sizes (one kernel for both) and on a skipped step."""
+    compiled = torch.compile(adamw_cast._adamw_pass, **adamw_cast.COMPILE_OPTIONS)
+    torch.manual_seed(1)
+    for n, inf in ((N, 0.0), (2 * N + 5, 0.0), (N, 1.0)):
+        p, m, v = torch.randn(n) * 0.1, torch.randn(n) * 0.01, torch.rand(n) * 1e-4
+        g16 = torch.randn(n).to(torch.bfloat16)
+        args = (
+            torch.tensor(3.0),
+            torch.tensor(1e-3),
+            torch.tensor(2.0),
+            torch.tensor(inf),
+            0.9,
+            0.95,
+            1e-8,
+            0.1,
+        )
+        eager = [t.clone() for t in (p, m, v)] + [torch.zeros(n, dtype=torch.bfloat16)]
+        ours = [t.clone() for t in (p, m, v)] + [torch.zeros(n, dtype=torch.bfloat16)]
+        adamw_cast._adamw_pass(g16, *eager, *args)
+        compiled(g16, *ours, *args)
+        for a, b in zip(ours, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-9)
+        if inf:
+            assert torch.equal(ours[0], p)  # skipped: the master as it was
