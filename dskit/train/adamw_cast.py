@@ -53,6 +53,10 @@ def state_of(optimizer: torch.optim.AdamW, master: torch.Tensor) -> dict:
         state["step"] = torch.zeros((), dtype=torch.float32, device=master.device)
         state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+    step = state["step"]
+    if not torch.is_tensor(step) or step.device != master.device or step.dtype != torch.float32:
+        # a state loaded from elsewhere (a universal checkpoint puts ZeRO-1/2's count on the CPU)
+        state["step"] = torch.as_tensor(step, dtype=torch.float32).to(master.device)
     return state
 
 

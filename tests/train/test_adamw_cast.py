@@ -73,6 +73,12 @@ def test_the_state_is_torch_adamws_own_so_checkpoints_read_either_way():
         adamw_cast.step(one, one.param_groups[0], grad16, one_master, weights, None, None)
     torch.testing.assert_close(one_master.detach(), ref_master.detach(), rtol=2e-6, atol=1e-8)
     assert float(one.state[one_master]["step"]) == 3.0
+    # a count loaded as a number or in another dtype (not torch's fused form) is taken as it is
+    one.state[one_master]["step"] = 3
+    adamw_cast.step(one, one.param_groups[0], grad16, one_master, weights, None, None)
+    assert (
+        one.state[one_master]["step"].dtype == torch.float32 and float(one.state[one_master]["step"]) == 4.0
+    )
 
 
 def test_mismatched_partitions_are_refused():
