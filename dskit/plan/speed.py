@@ -124,12 +124,14 @@ GPU_LAYER_PASS_UNHOOKED_S = 0.0055
 #: already slower than measured, the host may not add to it (docs/planner.md "The optimizer step at both
 #: widths")
 HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
-#: ZeRO-1/2 with the fused step: host time per micro-step besides the layers. Nothing in its micro-step
-#: waits for the GPU any more (DeepSpeed's overflow check read a flag back every step; on one rank
-#: overlap_comm synchronised the device per gradient bucket), so HOST_MICRO_STEP_S, fitted on runs that
-#: paid both, overstates it. The same kind of upper bound as the layer passes': the largest value on a
-#: 5 ms grid at which the host-bound 4-layer runs beside torchtitan (micro-batch 1 and 2, seq 2048 and
-#: 4096) are predicted no more than 2% slower than measured (docs/planner.md "Small micro-steps")
+#: ZeRO-1/2 with the fused step on one rank: host time per micro-step besides the layers. Nothing in its
+#: micro-step waits for the GPU any more (DeepSpeed's overflow check read a flag back every step, and
+#: overlap_comm, now off on one rank, synchronised the device per gradient bucket), so HOST_MICRO_STEP_S,
+#: fitted on runs that paid both, overstates it. The same kind of upper bound as the layer passes': the
+#: largest value on a 5 ms grid at which the host-bound 4-layer runs beside torchtitan (micro-batch 1 and
+#: 2, seq 2048 and 4096) are predicted no more than 2% slower than measured. Several ranks keep
+#: overlap_comm and its synchronisations, and no run there has measured this: they keep HOST_MICRO_STEP_S
+#: (docs/planner.md "Small micro-steps")
 HOST_MICRO_STEP_FUSED_S = 0.015
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
@@ -344,7 +346,12 @@ def predict(
         host_s=grad_accum
         * scales.host
         * (
-            host_pass * passes + (HOST_MICRO_STEP_FUSED_S if fused_step and not hooked else HOST_MICRO_STEP_S)
+            host_pass * passes
+            + (
+                HOST_MICRO_STEP_FUSED_S
+                if fused_step and not hooked and layout.world == 1
+                else HOST_MICRO_STEP_S
+            )
         ),
         optimizer_s=_optimizer_s(
             c.total if tuning is None else tuning.trainable,
