@@ -29,12 +29,14 @@ def deepspeed_config(
     on_gpu, offload_optimizer = hardware.on_gpu, parallel.offload_optimizer
     micro_batch, grad_accum = parallel.micro_batch, parallel.grad_accum
     autoep_preset = AUTOEP_PRESETS.get(model.config.get("model_type"), "deepseek_v2")
+    one_rank_zero12 = hardware.world_size == 1 and parallel.zero_stage < 3 and not offload_optimizer
     zero: dict[str, Any] = {
         "stage": parallel.zero_stage,
-        # On one rank there is nothing to overlap, and with overlap_comm DeepSpeed synchronises the whole
-        # device before each gradient bucket's reduce (stage_1_and_2.allreduce_and_copy): at micro-batch 1
-        # on one H200 the step ran 12% faster without it (bench/results/peer, 2026-12-04).
-        "overlap_comm": on_gpu and hardware.world_size > 1,
+        # ZeRO-1/2 on one rank has nothing to overlap, and with overlap_comm DeepSpeed synchronises the
+        # whole device before each gradient bucket's reduce (stage_1_and_2.allreduce_and_copy): at
+        # micro-batch 1 on one H200 the step ran 12% faster without it (bench/results/peer, 2026-12-04).
+        # ZeRO-3 (its side streams) and offload (the copies to the host) keep it: measured with it.
+        "overlap_comm": on_gpu and not one_rank_zero12,
         "contiguous_gradients": True,
         # Bucket sizes in elements: DeepSpeed's own defaults, written out so run.yaml shows them. The
         # h*h "auto" heuristics of DeepSpeed's HF integration (tuned for dense layers of ~12h^2

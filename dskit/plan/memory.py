@@ -63,7 +63,8 @@ ACTIVATION_SLACK = 1.5
 #   AutoEP copies that layer's local experts (1/ep of them) out of the gathered tensors before the full
 #   ones are freed, so both are alive at once;
 #   the CUDA context and NCCL buffers (OVERHEAD_GIB, as for training).
-#: ZeRO-1/2's 16-bit reduce buckets on a single rank, which runs without overlap_comm (dskit/plan/deepspeed.py)
+#: ZeRO-1/2's 16-bit reduce buckets on a single rank without offload, which runs without overlap_comm
+#: (dskit/plan/deepspeed.py)
 ONE_RANK_REDUCE_BUCKETS = 1
 WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies on the GPU
 
@@ -314,7 +315,7 @@ def estimate(
         grads = 2 * (local if zero_stage == 1 else c.total / world)
         states = 2 * local + grads + 12 * c.total / world
         # 16-bit reduce buckets: two in flight with overlap_comm (DeepSpeed's double buffer), one rank has one
-        buckets = 2 if world > 1 else ONE_RANK_REDUCE_BUCKETS
+        buckets = 2 if world > 1 or offload_optimizer else ONE_RANK_REDUCE_BUCKETS
         working = 2 * buckets * min(REDUCE_BUCKET_ELEMENTS, local)
     trained = c.total if tuning is None else tuning.trainable
     working += boundary_grad_copy(trained, world, zero_stage, grad_accum)

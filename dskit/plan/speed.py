@@ -277,6 +277,7 @@ def predict(
     zero_stage: int = 3,
     fused_step: bool = False,
     compiled_attention: bool = False,
+    precision: str = "bf16",
     tuning: Tuning | None = None,
     host_threads: int = 8,
     scales: Scales | None = None,
@@ -324,6 +325,10 @@ def predict(
         else HOST_LAYER_PASS_UNHOOKED_S
     )
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
+    # bf16's fused step on one rank reads nothing back (fp16 keeps DeepSpeed's overflow check, offload
+    # and several ranks overlap_comm's synchronisations: dskit/plan/deepspeed.py)
+    unsynced = fused_step and not hooked and not offload and layout.world == 1 and precision == "bf16"
+    micro_host = HOST_MICRO_STEP_FUSED_S if unsynced else HOST_MICRO_STEP_S
     dequant = grad_copy = 0.0
     if zero_stage < 3:  # stage 2 copies each micro-step's gradients, stage 1 the accumulated ones once
         copy = _grad_copy_s(*_trained_grads(c, layout, tuning), layout, gpu)
@@ -343,16 +348,7 @@ def predict(
         collectives_s=grad_accum * per_micro,
         grad_copy_s=grad_copy,
         all_to_all_s=grad_accum * a2a,
-        host_s=grad_accum
-        * scales.host
-        * (
-            host_pass * passes
-            + (
-                HOST_MICRO_STEP_FUSED_S
-                if fused_step and not hooked and layout.world == 1
-                else HOST_MICRO_STEP_S
-            )
-        ),
+        host_s=grad_accum * scales.host * (host_pass * passes + micro_host),
         optimizer_s=_optimizer_s(
             c.total if tuning is None else tuning.trainable,
             layout,

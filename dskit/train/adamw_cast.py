@@ -27,7 +27,7 @@ def _adamw_pass(
     g16, p, m, v, w16, step, lr, scale, found_inf, beta1: float, beta2: float, eps: float, wd: float
 ):
     g = g16.float() / scale
-    decayed = p * (1 - lr * wd)
+    decayed = p - lr * wd * p  # torch's order: p * (1 - lr * wd) would round the factor in fp32
     m_new = beta1 * m + (1 - beta1) * g
     v_new = beta2 * v + (1 - beta2) * g * g
     bias1 = 1 - torch.pow(beta1, step)

@@ -85,6 +85,7 @@ def install(zero_optimizer) -> None:
         return total
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
+        inner.found_inf = None  # no norm (clip 0): nothing to skip by, whatever the last step was
         if total_norm is not None:
             norm = (
                 total_norm
@@ -136,7 +137,9 @@ def _step(z) -> None:
             z.overflow = True
     prev_scale = z.loss_scale
     z._update_scale(z.overflow)
+    inner = z.optimizer
     if z.overflow:  # DeepSpeed's own check found it (fp16, or bf16 with the check on): no step
+        inner.found_inf = None  # not the last step's: step_taken() reads DeepSpeed's overflow flag instead
         if z.compute_grad_norm:
             z._global_grad_norm = float("inf")
         z.zero_grad(set_to_none=True)
@@ -147,7 +150,9 @@ def _step(z) -> None:
         return
     if norm is not None:
         z._global_grad_norm = norm / prev_scale
-    inner = z.optimizer
+    # once per step, not per parameter group: it counts a skipped step and sets found_inf and grad_scale
+    # (the gradients are not touched)
+    z.unscale_and_clip_grads([], norm)
     for i in range(len(z.bit16_groups)):
         group_rank = dist.get_rank(group=z.real_dp_process_group[i])
         z.free_grad_in_param_list(z.params_not_in_partition[i])
@@ -161,7 +166,6 @@ def _step(z) -> None:
         z._release_preflattened_grad_buffers(i)
         z.averaged_gradients[i] = None
         z.all_grad_tensors[i] = None
-        z.unscale_and_clip_grads([grad], norm)  # sets found_inf and grad_scale; the gradient is not touched
         adamw_cast.step(
             inner,
             inner.param_groups[i],

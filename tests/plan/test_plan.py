@@ -61,8 +61,11 @@ def test_overlap_comm_only_where_there_is_communication_to_overlap():
     one = plan_for(*small, hardware__gpu="h200-141gb", hardware__gpus_per_node=1)
     two = plan_for(*small, hardware__gpu="h200-141gb", hardware__gpus_per_node=2)
     assert one.hardware.world_size == 1 and two.hardware.world_size == 2
-    assert one.deepspeed["zero_optimization"]["overlap_comm"] is False
+    assert one.parallel.zero_stage < 3 and one.deepspeed["zero_optimization"]["overlap_comm"] is False
     assert two.deepspeed["zero_optimization"]["overlap_comm"] is True
+    # ZeRO-3's side streams and offload's copies to the host were measured with it, and keep it
+    z3 = plan_for(*small, "overrides.zero_stage=3", hardware__gpu="h200-141gb", hardware__gpus_per_node=1)
+    assert z3.deepspeed["zero_optimization"]["overlap_comm"] is True
 
 
 def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
