@@ -8,7 +8,7 @@ times, over flat partitions of N parameters (bf16 gradient and weights, fp32 mas
 Both with a clip coefficient and found_inf on the device, as the fused step runs them. Effective GB/s
 counts the bytes each must move at least (40 and 28 per parameter); the H200's HBM3e peak is 4.8 TB/s.
 
-    python bench/adamw_cast_bench.py --out bench/results/training/h200-adamw-cast-DATE.json
+    python bench/adamw_cast_bench.py --out bench/results/training/h200-adamw-cast-2026-12-04.json
 """
 
 from __future__ import annotations
