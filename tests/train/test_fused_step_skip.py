@@ -24,8 +24,15 @@ cfg = {
     "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
     "zero_optimization": {"stage": 2}, "bf16": {"enabled": True, "check_grad_overflow": False},
 }
-engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                  optimizer=lambda ps: fused_step.adamw(ps, opt), config=cfg)
+def two_groups(ps):
+    # two parameter groups, as the dense and expert groups of a MoE model: a skip is one step, not one per group
+    ps = list(ps)
+    p = opt["params"]
+    return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:]}], lr=p["lr"], betas=tuple(p["betas"]),
+                             eps=p["eps"], weight_decay=p["weight_decay"], fused=True)
+
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=two_groups, config=cfg)
+assert len(engine.optimizer.bit16_groups) == 2
 fused_step.install(engine.optimizer)
 x = torch.randn(4, 16, dtype=torch.bfloat16)
 
