@@ -74,14 +74,8 @@ def _attention_compiled(r: dict) -> bool:
 
 @contextmanager
 def constants(**values: float) -> Iterator[None]:
-    old = {k: getattr(speed, k) for k in values}
-    try:
-        for k, v in values.items():
-            setattr(speed, k, v)
+    with runs.patched(speed, **values):
         yield
-    finally:
-        for k, v in old.items():
-            setattr(speed, k, v)
 
 
 def _error(r: dict, tmp: Path) -> float:

@@ -151,6 +151,19 @@ ONE_PASS_SINCE = "2026-12-04T10:20"
 
 
 @contextmanager
+def patched(module, **values):
+    """The module's named constants set to `values` for the block, restored after it, also on an error."""
+    old = {k: getattr(module, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(module, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+@contextmanager
 def as_measured(measured_at: str):
     """Today's step-time and memory model for a run measured at `measured_at` (its result file's date),
     or, for a run measured before ONE_PASS_SINCE, the model of the trainer that ran it: its step without
@@ -160,18 +173,8 @@ def as_measured(measured_at: str):
     if measured_at >= ONE_PASS_SINCE:
         yield
         return
-    saved = (
-        speed.ONE_PASS_SAVED_BYTES_PER_PARAM,
-        speed.HOST_MICRO_STEP_FUSED_S,
-        memory.ONE_RANK_REDUCE_BUCKETS,
-    )
-    speed.ONE_PASS_SAVED_BYTES_PER_PARAM, speed.HOST_MICRO_STEP_FUSED_S = 0.0, speed.HOST_MICRO_STEP_S
-    memory.ONE_RANK_REDUCE_BUCKETS = 2
-    try:
+    with (
+        patched(speed, ONE_PASS_SAVED_BYTES_PER_PARAM=0.0, HOST_MICRO_STEP_FUSED_S=speed.HOST_MICRO_STEP_S),
+        patched(memory, ONE_RANK_REDUCE_BUCKETS=2),
+    ):
         yield
-    finally:
-        (
-            speed.ONE_PASS_SAVED_BYTES_PER_PARAM,
-            speed.HOST_MICRO_STEP_FUSED_S,
-            memory.ONE_RANK_REDUCE_BUCKETS,
-        ) = saved

@@ -91,17 +91,17 @@ FUSED_STEP_SAVED_BYTES_PER_PARAM = 24.0
 #: per-micro-step part by runs at two accumulation lengths (bench/optimizer_refit.py; docs/planner.md
 #: "The optimizer step at both widths")
 ZERO12_STEP_BYTES_PER_PARAM = 54.0
-#: ZeRO-1/2 copy every gradient a rank holds into a reduce bucket (bf16 read and written: 4 bytes) and
-#: the rank's partition of it into the fp32 gradient the optimizer reads (2 read, 4 written: 6), stage 2
-#: in every micro-step, stage 1 once per step. Counted, not fitted: the difference between stage 1 and
-#: stage 2 at V3's width agrees with the count (docs/planner.md "The second gradient copy at the
-#: accumulation boundary")
 #: what the fused step's one pass (dskit/train/adamw_cast.py: the gradient read in 16 bits, AdamW, the
 #: 16-bit weights written in the same kernel) takes off DeepSpeed's cast, fused AdamW and copy-back, per
 #: parameter and step, as bytes at the GPU's bandwidth. Measured, not fitted: 21.81 against 11.51 ms for
 #: 1.6 B parameters on the H200, (21.81 - 11.51) ms x 4.8 TB/s / 1.6e9 = 31 bytes
 #: (bench/results/training/h200-adamw-cast-2026-12-04.json)
 ONE_PASS_SAVED_BYTES_PER_PARAM = 31.0
+#: ZeRO-1/2 copy every gradient a rank holds into a reduce bucket (bf16 read and written: 4 bytes) and
+#: the rank's partition of it into the fp32 gradient the optimizer reads (2 read, 4 written: 6), stage 2
+#: in every micro-step, stage 1 once per step. Counted, not fitted: the difference between stage 1 and
+#: stage 2 at V3's width agrees with the count (docs/planner.md "The second gradient copy at the
+#: accumulation boundary")
 ZERO12_BUCKET_BYTES_PER_PARAM = 4.0
 ZERO12_PARTITION_BYTES_PER_PARAM = 6.0
 #: with more than one rank, GPU time per layer pass spent synchronising collectives (ZeRO-3 gathers
