@@ -541,7 +541,8 @@ def planner_pick(row: dict) -> list[str]:
     step = next(x for x in forced if x.startswith("overrides.optimizer_step="))
     sets = [*COMMON, *planned_sets(row), f"overrides.compile={compiled}", step]
     flags = _flags(row["gpus"], "x", Path("/nonexistent"), sets)
-    p = build_plan(load_spec(sets=_resolve(sets), flags=flags)).parallel
+    with runs.as_measured(row.get("_date", "")):  # the pick of the model of the trainer that ran the rows
+        p = build_plan(load_spec(sets=_resolve(sets), flags=flags)).parallel
     return _forced(
         p.ep_size,
         p.micro_batch,

@@ -106,7 +106,7 @@ def add_rows_args(ap, predict_help: str) -> None:
 
 def ran_otherwise(run_dir: Path) -> str | None:
     """Why a finished run is not a measurement of its plan: the attention kernel it fell back to, a
-    compile it did not do, another optimizer step (the trainer's `ran` record in construction-rank0.json,
+    compile it did not do, another optimizer step or gradient path (the trainer's `ran` record in construction-rank0.json,
     dskit/train/entry.py); None where it ran as planned. Benchmarks refuse such a row: each row says
     what ran, and only rows that ran the plan compare with it."""
     from dskit.plan.schema import load_plan
@@ -126,6 +126,13 @@ def ran_otherwise(run_dir: Path) -> str | None:
         wrong.append("attention not compiled (planned compiled)")
     if ran["optimizer_step"] != p.optimizer_step:
         wrong.append(f"optimizer step {ran['optimizer_step']} (planned {p.optimizer_step})")
+    from dskit.plan.memory import flat_gradients
+
+    fused = p.optimizer_step == "fused"
+    planned = flat_gradients(plan.hardware.world_size, p.zero_stage, p.offload_optimizer, fused, p.precision)
+    want = "flat" if planned else "buckets"
+    if p.zero_stage < 3 and ran.get("gradients", "buckets") != want:
+        wrong.append(f"gradients {ran.get('gradients', 'buckets')} (planned {want})")
     return "ran " + ", ".join(wrong) if wrong else None
 
 
@@ -148,6 +155,11 @@ def train(rd: Path) -> str:
 #: One file falls between the two: peer/h200-vs-torchtitan-overlap-2026-12-04.json ran the one pass with
 #: overlap_comm still on (its variant row turned it off); it is in no calibration series.
 ONE_PASS_SINCE = "2026-12-04T10:20"
+#: when one rank's ZeRO-1/2 gradients went flat (dskit/train/flat_grads.py, issue 49): runs measured
+#: between the two ran the one pass through DeepSpeed's per-gradient hooks and buckets, whose micro-step
+#: host time was fitted then at HOST_MICRO_STEP_BUCKETS_S
+FLAT_SINCE = "2026-12-04T14:40"
+HOST_MICRO_STEP_BUCKETS_S = 0.015
 
 
 @contextmanager
@@ -166,15 +178,24 @@ def patched(module, **values):
 @contextmanager
 def as_measured(measured_at: str):
     """Today's step-time and memory model for a run measured at `measured_at` (its result file's date),
-    or, for a run measured before ONE_PASS_SINCE, the model of the trainer that ran it: its step without
-    the one pass's saving, its micro-step host time (HOST_MICRO_STEP_S) and two reduce buckets on one rank."""
+    or the model of the trainer that ran it: before FLAT_SINCE, one rank's gradients went through
+    DeepSpeed's hooks and buckets, at the micro-step host time fitted then; before ONE_PASS_SINCE also
+    its step without the one pass's saving, DeepSpeed's micro-step host time (HOST_MICRO_STEP_S) and two
+    reduce buckets on one rank."""
     from dskit.plan import memory, speed
 
-    if measured_at >= ONE_PASS_SINCE:
+    if measured_at >= FLAT_SINCE:
         yield
+        return
+    if measured_at >= ONE_PASS_SINCE:
+        with (
+            patched(speed, HOST_MICRO_STEP_FUSED_S=HOST_MICRO_STEP_BUCKETS_S),
+            patched(memory, FLAT_GRADIENTS=False),
+        ):
+            yield
         return
     with (
         patched(speed, ONE_PASS_SAVED_BYTES_PER_PARAM=0.0, HOST_MICRO_STEP_FUSED_S=speed.HOST_MICRO_STEP_S),
-        patched(memory, ONE_RANK_REDUCE_BUCKETS=2),
+        patched(memory, ONE_RANK_REDUCE_BUCKETS=2, FLAT_GRADIENTS=False),
     ):
         yield

@@ -78,6 +78,8 @@ class Shape:
     per_rank: int  # sequences per rank and optimizer step: micro-batch x accumulation
     compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
     tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/adapters.py)
+    fused_step: bool = False  # overrides.optimizer_step is not deepspeed (where ZeRO-1/2 admit it)
+    precision: str = "bf16"
 
     @property
     def world(self) -> int:
@@ -157,6 +159,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         zero_stage=c.zero_stage,
         tuning=s.tuning,
         grad_accum=s.grad_accum(c),
+        flat=memory.flat_gradients(s.world, c.zero_stage, c.offload, s.fused_step, s.precision),
     )
     build = memory.construction(
         s.counts,

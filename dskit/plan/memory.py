@@ -64,7 +64,7 @@ ACTIVATION_SLACK = 1.5
 #   ones are freed, so both are alive at once;
 #   the CUDA context and NCCL buffers (OVERHEAD_GIB, as for training).
 #: ZeRO-1/2's 16-bit reduce buckets on a single rank without offload, which runs without overlap_comm
-#: (dskit/plan/deepspeed.py)
+#: (dskit/plan/deepspeed.py), where its gradients do not go flat (fp16)
 ONE_RANK_REDUCE_BUCKETS = 1
 WEIGHT_BYTES = 2  # bf16 or fp16 weights; construction never holds fp32 copies on the GPU
 
@@ -204,6 +204,25 @@ def construction(
     )
 
 
+#: whether the trainer takes one_rank_fused() plans' gradients flat (dskit/train/flat_grads.py): off only to
+#: predict runs measured before it did (bench/runs.py `as_measured`)
+FLAT_GRADIENTS = True
+
+
+def one_rank_fused(world: int, zero_stage: int, offload: bool, fused_step: bool, precision: str) -> bool:
+    """ZeRO-1/2's fused step on one rank in bf16, without offload: a step that reads nothing back to the
+    host (fp16 keeps DeepSpeed's overflow check)."""
+    return world == 1 and zero_stage in (1, 2) and not offload and fused_step and precision == "bf16"
+
+
+def flat_gradients(world: int, zero_stage: int, offload: bool, fused_step: bool, precision: str) -> bool:
+    """Whether ZeRO-1/2's gradients accumulate straight into one flat buffer per parameter group
+    (dskit/train/flat_grads.py): on one_rank_fused() plans, where nothing reads DeepSpeed's gradient
+    structures. Then there are no reduce buckets, no second gradient copy at the accumulation boundary,
+    and no per-gradient hook on the host."""
+    return FLAT_GRADIENTS and one_rank_fused(world, zero_stage, offload, fused_step, precision)
+
+
 def boundary_grad_copy(trained: float, world: int, zero_stage: int, grad_accum: int) -> float:
     """Bytes of the second 16-bit gradient partition ZeRO-1/2 hold in a backward after the first of an
     optimizer step: DeepSpeed 0.19.8 (stage_1_and_2.py `copy_grads_in_partition`) allocates a contiguous
@@ -299,9 +318,11 @@ def estimate(
     zero_stage: int = 3,
     tuning: Tuning | None = None,
     grad_accum: int = 1,
+    flat: bool = False,
 ) -> MemoryEstimate:
     """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/adapters.py`); None: full fine-tuning.
-    `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`)."""
+    `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`).
+    `flat`: the gradients go flat (`flat_gradients`): no buckets and no boundary copy."""
     if tuning is not None:
         states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)
     elif zero_stage == 3:
@@ -316,9 +337,10 @@ def estimate(
         states = 2 * local + grads + 12 * c.total / world
         # 16-bit reduce buckets: two in flight with overlap_comm (DeepSpeed's double buffer), one rank has one
         buckets = 2 if world > 1 or offload_optimizer else ONE_RANK_REDUCE_BUCKETS
-        working = 2 * buckets * min(REDUCE_BUCKET_ELEMENTS, local)
+        working = 0 if flat else 2 * buckets * min(REDUCE_BUCKET_ELEMENTS, local)
     trained = c.total if tuning is None else tuning.trainable
-    working += boundary_grad_copy(trained, world, zero_stage, grad_accum)
+    if not flat:
+        working += boundary_grad_copy(trained, world, zero_stage, grad_accum)
     tokens = micro_batch * seq_len
     L, dense_layers = cfg["num_hidden_layers"], c.dense_layers
     # ACTIVATION_SLACK scales what the eager layers keep (fitted on eager runs); the compiled saving is

@@ -52,11 +52,14 @@ def plan_parallel(
         _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
     gb, per_rank = _batch_split(spec, world)
     compiled = _compiled(spec, gpu, warnings)
+    fused = spec.overrides.optimizer_step != "deepspeed"
     shape = dataclasses.replace(
-        _shape(spec, model, model_counts, gpu, hardware, compiled, per_rank), tuning=tuning
+        _shape(spec, model, model_counts, gpu, hardware, compiled, per_rank),
+        tuning=tuning,
+        fused_step=fused,
+        precision=precision,
     )
     seq_len = spec.training.seq_len
-    fused = spec.overrides.optimizer_step != "deepspeed"
     attention = attention_compile(spec.overrides.compile, gpu)
     speed_of = _speed_of(
         model,

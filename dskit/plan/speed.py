@@ -53,6 +53,7 @@ from dskit.plan import links as links_
 from dskit.plan.adapters import Tuning
 from dskit.plan.calibrated import FITTED, Scales
 from dskit.plan.links import Links
+from dskit.plan.memory import flat_gradients, one_rank_fused
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import PREFETCH_BUCKET, gathered_layer_params, max_live, prefetches
 
@@ -325,12 +326,16 @@ def predict(
         else HOST_LAYER_PASS_UNHOOKED_S
     )
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
-    # bf16's fused step on one rank reads nothing back (fp16 keeps DeepSpeed's overflow check, offload
-    # and several ranks overlap_comm's synchronisations: dskit/plan/deepspeed.py)
-    unsynced = fused_step and not hooked and not offload and layout.world == 1 and precision == "bf16"
+    # bf16's fused step on one rank reads nothing back, and its gradients go flat: no per-gradient hook,
+    # no copy (fp16 keeps DeepSpeed's overflow check, offload and several ranks overlap_comm's
+    # synchronisations and the reduce path: dskit/plan/deepspeed.py, dskit/train/flat_grads.py)
+    unsynced = one_rank_fused(layout.world, zero_stage, offload, fused_step, precision)
+    flat = flat_gradients(layout.world, zero_stage, offload, fused_step, precision)
     micro_host = HOST_MICRO_STEP_FUSED_S if unsynced else HOST_MICRO_STEP_S
     dequant = grad_copy = 0.0
-    if zero_stage < 3:  # stage 2 copies each micro-step's gradients, stage 1 the accumulated ones once
+    if (
+        zero_stage < 3 and not flat
+    ):  # stage 2 copies each micro-step's gradients, stage 1 the accumulated once
         copy = _grad_copy_s(*_trained_grads(c, layout, tuning), layout, gpu)
         if zero_stage == 2:
             grad_copy = grad_accum * copy

@@ -281,6 +281,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         "attention": attention,
         "compiled": compiled,
         "optimizer_step": "fused" if fused_step.installed(engine) else "deepspeed",  # installed, not asked
+        "gradients": fused_step.gradients(engine),
     }
     adapters = plan.finetune.adapter_params if plan.finetune else 0
     _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)
@@ -315,8 +316,16 @@ def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool
             optimizer=lambda ps: fused_step.adamw(ps, opt),  # called after AutoEP's replacement
             config={k: v for k, v in ds_config.items() if k != "optimizer"},
         )
-        fused_step.install(engine.optimizer)
+        fused_step.install(engine.optimizer, flat=_flat_gradients(plan))
         return engine
+
+
+def _flat_gradients(plan) -> bool:
+    """The plan's: whether ZeRO-1/2's gradients go flat on this one rank (dskit/plan/memory.py)."""
+    from dskit.plan.memory import flat_gradients
+
+    p = plan.parallel
+    return flat_gradients(plan.hardware.world_size, p.zero_stage, p.offload_optimizer, True, p.precision)
 
 
 CONSTRUCTION_FILE = "construction-rank{rank}.json"  # what each rank held once the model was built

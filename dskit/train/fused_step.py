@@ -42,11 +42,14 @@ def adamw(params, opt: dict) -> torch.optim.AdamW:
     )
 
 
-def install(zero_optimizer) -> None:
+def install(zero_optimizer, *, flat: bool = False) -> None:
     """Replace the passes on this DeepSpeedZeroOptimizer instance (stage 1 or 2 on the device, torch fused
-    AdamW)."""
+    AdamW). `flat`: the plan's gradients go flat on the one rank (dskit/plan/memory.py `flat_gradients`,
+    dskit/train/flat_grads.py); an engine that cannot take them is an error, not a fallback."""
     from deepspeed import comm as dist
     from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+
+    from dskit.train import flat_grads
 
     z = zero_optimizer
     inner = z.optimizer
@@ -112,6 +115,11 @@ def install(zero_optimizer) -> None:
     z.get_grad_norm_direct = get_grad_norm_direct
     z.unscale_and_clip_grads = unscale_and_clip_grads
     z.step = lambda closure=None: _step(z)
+    if flat:
+        why = flat_grads.refused(z)
+        if why:
+            raise TypeError(f"the plan's flat gradients do not run here: {why}")
+        flat_grads.attach(z)
 
 
 def _step(z) -> None:
@@ -122,8 +130,11 @@ def _step(z) -> None:
     from deepspeed.runtime.utils import all_gather_dp_groups, is_invalid_grad_norm
     from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-    from dskit.train import adamw_cast
+    from dskit.train import adamw_cast, flat_grads
 
+    flats = getattr(z, "dskit_flat_grads", None)
+    if flats is not None:
+        flat_grads.check_attached(z)
     z.micro_step_id = INITIAL_MICRO_STEP_ID
     if not z.compute_grad_norm:
         z._global_grad_norm = None
@@ -155,6 +166,17 @@ def _step(z) -> None:
     z.unscale_and_clip_grads([], norm)
     for i in range(len(z.bit16_groups)):
         group_rank = dist.get_rank(group=z.real_dp_process_group[i])
+        if flats is not None:  # the buffer is the partition's gradient; zero_grad() clears it after the step
+            adamw_cast.step(
+                inner,
+                inner.param_groups[i],
+                flats[i],
+                master=z.single_partition_of_fp32_groups[i],
+                weights=z.parallel_partitioned_bit16_groups[i][0],
+                grad_scale=inner.grad_scale,
+                found_inf=inner.found_inf,
+            )
+            continue
         z.free_grad_in_param_list(z.params_not_in_partition[i])
         grad = z._get_preflattened_grad_partition(i)
         if grad is None:
@@ -177,6 +199,8 @@ def _step(z) -> None:
         )
         del grad
     z._lazy_init_hp_params_optimizer_state()
+    if flats is not None:  # one rank: the weights written are the parameters' own storage, nothing to gather
+        return
     all_gather_dp_groups(
         groups_flat=z.bit16_groups_flat,
         partitioned_param_groups=z.parallel_partitioned_bit16_groups,
@@ -191,6 +215,12 @@ def _step(z) -> None:
 def _inner(engine):
     """The torch optimizer inside the engine's ZeRO optimizer (None: another engine)."""
     return getattr(getattr(engine, "optimizer", None), "optimizer", None)
+
+
+def gradients(engine) -> str:
+    """Where this engine's ZeRO-1/2 gradients went: "flat" (dskit/train/flat_grads.py) or DeepSpeed's
+    "buckets"."""
+    return "flat" if hasattr(getattr(engine, "optimizer", None), "dskit_flat_grads") else "buckets"
 
 
 def installed(engine) -> bool:

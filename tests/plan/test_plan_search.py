@@ -67,9 +67,14 @@ ONE_GPU = speed.Layout(world=1, per_node=1, ep_size=1)
 
 
 def _v2_lite_step(
-    micro_batch: int = 2, grad_accum: int = 1, layout: speed.Layout = ONE_GPU, zero_stage: int = 3
+    micro_batch: int = 2,
+    grad_accum: int = 1,
+    layout: speed.Layout = ONE_GPU,
+    zero_stage: int = 3,
+    fused: bool = True,
 ) -> speed.StepTime:
-    """4-layer V2-Lite at seq 4096 on H200, as the calibration runs were (ZeRO-1/2 with the fused step)."""
+    """4-layer V2-Lite at seq 4096 on H200, as the calibration runs were (ZeRO-1/2 with the fused step
+    unless `fused` is False)."""
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
     c = counts(cfg, 4096)
     return speed.predict(
@@ -86,7 +91,7 @@ def _v2_lite_step(
         ckpt_every=0,
         offload=False,
         zero_stage=zero_stage,
-        fused_step=zero_stage < 3,
+        fused_step=fused and zero_stage < 3,
     )
 
 
@@ -278,9 +283,13 @@ def test_explain_works_for_every_catalog_model_and_gpu(model, gpu, nodes):
 
 
 def test_zero2_copies_gradients_every_micro_step_zero1_once_per_step():
-    """On one GPU the copies are all that tell the stages apart: stage 2 pays them in each micro-step,
-    on the GPU timeline; stage 1 once, after the last backward, with its boundary."""
-    z2, z1, z3 = (_v2_lite_step(grad_accum=4, zero_stage=z) for z in (2, 1, 3))
+    """On one GPU under DeepSpeed's step the copies are all that tell the stages apart: stage 2 pays them
+    in each micro-step, on the GPU timeline; stage 1 once, after the last backward, with its boundary.
+    With the fused step (bf16) the gradients go flat (dskit/train/flat_grads.py): no copy at all."""
+    z2, z1, z3 = (_v2_lite_step(grad_accum=4, zero_stage=z, fused=False) for z in (2, 1, 3))
+    for z in (2, 1):
+        flat = _v2_lite_step(grad_accum=4, zero_stage=z)
+        assert flat.grad_copy_s == 0.0 and flat.boundary_s == 0.0
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
     c = counts(cfg, 4096)
     copy = (
@@ -292,7 +301,9 @@ def test_zero2_copies_gradients_every_micro_step_zero1_once_per_step():
     assert z1.grad_copy_s == 0.0 and z1.boundary_s == pytest.approx(copy)
     assert z3.grad_copy_s == 0.0 and z3.boundary_s == 0.0
     assert z1.step_s < z2.step_s
-    assert _v2_lite_step(zero_stage=1).step_s == pytest.approx(_v2_lite_step(zero_stage=2).step_s)
+    assert _v2_lite_step(zero_stage=1, fused=False).step_s == pytest.approx(
+        _v2_lite_step(zero_stage=2, fused=False).step_s
+    )
 
 
 def test_the_gradient_copy_buckets_every_held_gradient_and_partitions_each_over_its_group():

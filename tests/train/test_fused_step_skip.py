@@ -33,7 +33,7 @@ def two_groups(ps):
 
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=two_groups, config=cfg)
 assert len(engine.optimizer.bit16_groups) == 2
-fused_step.install(engine.optimizer)
+fused_step.install(engine.optimizer, flat=os.environ["DSKIT_FLAT"] == "1")
 x = torch.randn(4, 16, dtype=torch.bfloat16)
 
 def weights():
@@ -58,11 +58,20 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def test_a_non_finite_gradient_skips_the_step_on_the_device_and_is_counted(tmp_path):
+@pytest.mark.parametrize("flat", [False, True], ids=["buckets", "flat"])
+def test_a_non_finite_gradient_skips_the_step_on_the_device_and_is_counted(tmp_path, flat):
+    """Both gradient paths of one rank: DeepSpeed's buckets, and the flat buffers (dskit/train/flat_grads.py),
+    where the non-finite gradient sits in the buffer until the step's zero_grad clears it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "DSKIT_FLAT": str(int(flat)),
+    }
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT],
         capture_output=True,
