@@ -46,6 +46,8 @@ GRIDS: dict[str, tuple[float, ...]] = {
     "ADAM_BYTES_PER_PARAM": (56.0, 64.0, 72.0, 80.0, 88.0, 96.0),
     "SYNC_LAYER_PASS_S": (0.002, 0.0025, 0.003, 0.0035, 0.004),
     "LORA_LAYER_PASS_FACTOR": (0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7),
+    "GPU_LAYER_PASS_FLAT_S": tuple(round(0.002 + 0.0005 * i, 4) for i in range(9)),
+    "HOST_LAYER_PASS_FLAT_S": tuple(round(0.002 + 0.0005 * i, 4) for i in range(9)),
 }
 #: how much slower than measured a host bound may make a run's prediction
 HOST_SLACK = 0.02
@@ -169,7 +171,51 @@ def refit(near: bool = False) -> list[tuple[str, float, float, str]]:
         best,
         f"worst {_with(best, lambda: worst(lora, tmp)):.1%} over {len(lora)} LoRA-bench runs",
     )
+    flat = _flat_rows()
+    g = min(_grid("GPU_LAYER_PASS_FLAT_S", near), key=lambda v: _flat_worst(flat, GPU_LAYER_PASS_FLAT_S=v))
+    put(
+        "GPU_LAYER_PASS_FLAT_S",
+        g,
+        f"worst {_flat_worst(flat, GPU_LAYER_PASS_FLAT_S=g):.1%} over {len(flat)} runs",
+    )
+    put("HOST_LAYER_PASS_FLAT_S", _flat_host_bound(flat, near), f"bound, {len(flat)} runs")
     return out
+
+
+def _flat_rows() -> list[dict]:
+    """The one-GPU runs beside torchtitan (series small-shapes) whose gradients went flat."""
+    import peer_bench
+
+    rows = peer_bench.derived(runs.results("small-shapes"), predict=False)
+    return [r for r in rows if r["_date"] >= runs.FLAT_SINCE]
+
+
+def _flat_tok_s(rows: list[dict], **values: float) -> list[float]:
+    import peer_bench
+
+    with constants(**values):
+        return [peer_bench.repredict(r, r["_date"])["tokens_per_s_per_gpu"] for r in rows]
+
+
+def _flat_worst(rows: list[dict], **values: float) -> float:
+    return max(abs(p / r["tok_s_gpu"] - 1) for p, r in zip(_flat_tok_s(rows, **values), rows, strict=True))
+
+
+def _flat_host_bound(rows: list[dict], near: bool) -> float:
+    """host_bound()'s rule on these runs, in tokens/s: no run predicted slower than both its measurement
+    (by HOST_SLACK) and its GPU timeline alone."""
+    gpu_only = _flat_tok_s(rows, HOST_LAYER_PASS_FLAT_S=0.0, HOST_MICRO_STEP_FUSED_S=0.0)
+    ok = 0.0
+    for h in _grid("HOST_LAYER_PASS_FLAT_S", near):
+        got = _flat_tok_s(rows, HOST_LAYER_PASS_FLAT_S=h)
+        if all(
+            p >= min(r["tok_s_gpu"] / (1 + HOST_SLACK), g) - 1e-6
+            for p, r, g in zip(got, rows, gpu_only, strict=True)
+        ):
+            ok = h
+        else:
+            break
+    return ok
 
 
 def _with(factor: float, f: Callable[[], float]) -> float:

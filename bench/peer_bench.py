@@ -150,7 +150,8 @@ def repredict(row: dict, date: str) -> dict:
 
 def derived(files: list[Path], predict: bool) -> list[dict]:
     """`--rows`: the measured dskit rows at the plan's own config (no variant, no error) as the
-    calibration tests read them, with `_source`, `_index` and `_date`; `predict`: also `_predicted`."""
+    calibration tests read them, with `_source`, `_index`, `_date` and `_trainer` (runs.trainer_at);
+    `predict`: also `_predicted`."""
     out = []
     for f in files:
         d = json.loads(f.read_text())
@@ -161,6 +162,7 @@ def derived(files: list[Path], predict: bool) -> list[dict]:
                 "_source": str(f.resolve().relative_to(runs.RESULTS)),
                 "_index": i,
                 "_date": d["date"],
+                "_trainer": runs.trainer_at(d["date"]),  # which one-rank path ran it
             }
             if predict:
                 row["_predicted"] = repredict(r, d["date"])

@@ -158,7 +158,7 @@ ONE_PASS_SINCE = "2026-12-04T10:20"
 #: when one rank's ZeRO-1/2 gradients went flat (dskit/train/flat_grads.py, issue 49): runs measured
 #: between the two ran the one pass through DeepSpeed's per-gradient hooks and buckets, whose micro-step
 #: host time was fitted then at HOST_MICRO_STEP_BUCKETS_S
-FLAT_SINCE = "2026-12-04T14:40"
+FLAT_SINCE = "2026-12-04T14:15"
 HOST_MICRO_STEP_BUCKETS_S = 0.015
 
 
@@ -175,6 +175,15 @@ def patched(module, **values):
             setattr(module, k, v)
 
 
+def trainer_at(measured_at: str) -> str:
+    """Which of the trainer's one-rank ZeRO-1/2 paths ran a run measured at `measured_at`: "flat"
+    (flat gradients, since FLAT_SINCE), "one pass" (the one-pass step through DeepSpeed's hooks and
+    buckets, since ONE_PASS_SINCE) or "deepspeed" (before)."""
+    return (
+        "flat" if measured_at >= FLAT_SINCE else "one pass" if measured_at >= ONE_PASS_SINCE else "deepspeed"
+    )
+
+
 @contextmanager
 def as_measured(measured_at: str):
     """Today's step-time and memory model for a run measured at `measured_at` (its result file's date),
@@ -184,10 +193,11 @@ def as_measured(measured_at: str):
     reduce buckets on one rank."""
     from dskit.plan import memory, speed
 
-    if measured_at >= FLAT_SINCE:
+    trainer = trainer_at(measured_at)
+    if trainer == "flat":
         yield
         return
-    if measured_at >= ONE_PASS_SINCE:
+    if trainer == "one pass":
         with (
             patched(speed, HOST_MICRO_STEP_FUSED_S=HOST_MICRO_STEP_BUCKETS_S),
             patched(memory, FLAT_GRADIENTS=False),

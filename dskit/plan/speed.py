@@ -134,6 +134,15 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 #: overlap_comm and its synchronisations, and no run there has measured this: they keep HOST_MICRO_STEP_S
 #: (docs/planner.md "Small micro-steps")
 HOST_MICRO_STEP_FUSED_S = 0.015
+#: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
+#: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
+#: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
+#: none. Fitted by bench/optimizer_refit.py on the 4-layer runs beside torchtitan measured since
+#: (micro-batch 1-16, seq 2048 and 4096): the GPU's as the grid's smallest worst error, the host's as
+#: the same kind of upper bound as the other host constants, with attention compiled (the GPU default;
+#: no flat run had it eager, which keeps HOST_LAYER_PASS_UNHOOKED_S) (docs/planner.md "Small micro-steps")
+GPU_LAYER_PASS_FLAT_S = 0.0035
+HOST_LAYER_PASS_FLAT_S = 0.003
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/adapters.py) take this much longer than GEMM_EFFICIENCY says (each adapted
@@ -325,17 +334,18 @@ def predict(
         if attention
         else HOST_LAYER_PASS_UNHOOKED_S
     )
-    gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_UNHOOKED_S
     # bf16's fused step on one rank reads nothing back, and its gradients go flat: no per-gradient hook,
     # no copy (fp16 keeps DeepSpeed's overflow check, offload and several ranks overlap_comm's
     # synchronisations and the reduce path: dskit/plan/deepspeed.py, dskit/train/flat_grads.py)
     unsynced = one_rank_fused(layout.world, zero_stage, offload, fused_step, precision)
     flat = flat_gradients(layout.world, zero_stage, offload, fused_step, precision)
+    gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_FLAT_S if flat else GPU_LAYER_PASS_UNHOOKED_S
+    if flat and attention:  # measured only with attention compiled, the GPU default; eager keeps its bound
+        host_pass = HOST_LAYER_PASS_FLAT_S
     micro_host = HOST_MICRO_STEP_FUSED_S if unsynced else HOST_MICRO_STEP_S
     dequant = grad_copy = 0.0
-    if (
-        zero_stage < 3 and not flat
-    ):  # stage 2 copies each micro-step's gradients, stage 1 the accumulated once
+    # stage 2 copies each micro-step's gradients, stage 1 the accumulated ones once; flat ones are not copied
+    if zero_stage < 3 and not flat:
         copy = _grad_copy_s(*_trained_grads(c, layout, tuning), layout, gpu)
         if zero_stage == 2:
             grad_copy = grad_accum * copy

@@ -359,10 +359,15 @@ def test_offload_memory_matches_measurement(row):
 #: GPU, sets the pace. Today's plan for each shape at the micro-batch it ran.
 PEER_BENCH = "peer_bench.py"
 SMALL_ROWS = calibration.rows(PEER_BENCH, "small-shapes")
-#: where activations set the peak, the plan is 10-13% high: ACTIVATION_SLACK was fitted on peaks the
-#: allocator reserved while DeepSpeed's step also allocated an fp32 copy of the gradient partition, which
-#: the one pass no longer does; refitting it needs the calibration runs above measured again
+#: measured before the gradients went flat (bench/runs.py `trainer_at`), where activations set the peak,
+#: the plan of that trainer is 10-13% high: ACTIVATION_SLACK was fitted on peaks reserved while DeepSpeed's
+#: step also allocated an fp32 copy of the gradient partition, which the one pass no longer does. Today's
+#: trainer, measured since, is 7-9% under the plan on every shape
 SMALL_MEMORY_HIGH = {"L4 s4096 mb2", "L4 s4096 gb16"}
+
+
+def _small_memory_high(r: dict) -> bool:
+    return r["shape"] in SMALL_MEMORY_HIGH and r["_trainer"] != "flat"
 
 
 def _small_id(r: dict) -> str:
@@ -386,7 +391,7 @@ def test_small_shape_speed_matches_measurement(row):
         pytest.param(
             r,
             marks=pytest.mark.xfail(
-                r["shape"] in SMALL_MEMORY_HIGH, strict=True, reason="the plan's memory 10-13% high here"
+                _small_memory_high(r), strict=True, reason="the plan's memory 10-13% high here"
             ),
         )
         for r in SMALL_ROWS
