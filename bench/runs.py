@@ -133,6 +133,9 @@ def ran_otherwise(run_dir: Path) -> str | None:
     want = "flat" if planned else "buckets"
     if p.zero_stage < 3 and ran.get("gradients", "buckets") != want:
         wrong.append(f"gradients {ran.get('gradients', 'buckets')} (planned {want})")
+    combine = plan.deepspeed["expert_parallel"].get("combine_impl", "weighted_sum")
+    if ran.get("moe_combine", ["weighted_sum"]) not in ([combine], []):
+        wrong.append(f"MoE combine {ran.get('moe_combine')} (planned {combine})")
     return "ran " + ", ".join(wrong) if wrong else None
 
 
@@ -160,6 +163,9 @@ ONE_PASS_SINCE = "2026-12-04T10:20"
 #: host time was fitted then at HOST_MICRO_STEP_BUCKETS_S
 FLAT_SINCE = "2026-12-04T14:15"
 HOST_MICRO_STEP_BUCKETS_S = 0.015
+#: when the plan turned on AutoEP's fused combine for large micro-steps (dskit/plan/memory.py
+#: `fused_combine`); runs before it combined eagerly at every size
+FUSED_COMBINE_SINCE = "2026-12-04T15:00"
 
 
 @contextmanager
@@ -187,25 +193,24 @@ def trainer_at(measured_at: str) -> str:
 @contextmanager
 def as_measured(measured_at: str):
     """Today's step-time and memory model for a run measured at `measured_at` (its result file's date),
-    or the model of the trainer that ran it: before FLAT_SINCE, one rank's gradients went through
-    DeepSpeed's hooks and buckets, at the micro-step host time fitted then; before ONE_PASS_SINCE also
-    its step without the one pass's saving, DeepSpeed's micro-step host time (HOST_MICRO_STEP_S) and two
-    reduce buckets on one rank."""
+    or the model of the trainer that ran it: before FUSED_COMBINE_SINCE, AutoEP's eager combine; before
+    FLAT_SINCE, one rank's gradients through DeepSpeed's hooks and buckets, at the micro-step host time
+    fitted then; before ONE_PASS_SINCE also its step without the one pass's saving, DeepSpeed's
+    micro-step host time (HOST_MICRO_STEP_S) and two reduce buckets on one rank."""
     from dskit.plan import memory, speed
 
-    trainer = trainer_at(measured_at)
-    if trainer == "flat":
-        yield
-        return
-    if trainer == "one pass":
-        with (
-            patched(speed, HOST_MICRO_STEP_FUSED_S=HOST_MICRO_STEP_BUCKETS_S),
-            patched(memory, FLAT_GRADIENTS=False),
-        ):
-            yield
-        return
-    with (
-        patched(speed, ONE_PASS_SAVED_BYTES_PER_PARAM=0.0, HOST_MICRO_STEP_FUSED_S=speed.HOST_MICRO_STEP_S),
-        patched(memory, ONE_RANK_REDUCE_BUCKETS=2, FLAT_GRADIENTS=False),
-    ):
+    in_speed: dict = {}
+    in_memory: dict = {}
+    if measured_at < FUSED_COMBINE_SINCE:
+        in_memory["FUSED_COMBINE"] = False
+    if trainer_at(measured_at) != "flat":
+        in_speed["HOST_MICRO_STEP_FUSED_S"] = HOST_MICRO_STEP_BUCKETS_S
+        in_memory["FLAT_GRADIENTS"] = False
+    if trainer_at(measured_at) == "deepspeed":
+        in_speed |= {
+            "ONE_PASS_SAVED_BYTES_PER_PARAM": 0.0,
+            "HOST_MICRO_STEP_FUSED_S": speed.HOST_MICRO_STEP_S,
+        }
+        in_memory["ONE_RANK_REDUCE_BUCKETS"] = 2
+    with patched(speed, **in_speed), patched(memory, **in_memory):
         yield

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dskit.plan.memory import REDUCE_BUCKET_ELEMENTS
+from dskit.plan.memory import REDUCE_BUCKET_ELEMENTS, fused_combine
 from dskit.plan.prefetch import zero3_keys
 from dskit.plan.schema import HardwarePlan, ModelPlan, OptimPlan, ParallelPlan
 
@@ -74,7 +74,17 @@ def deepspeed_config(
                 "weight_decay": optim.weight_decay,
             },
         },
-        "expert_parallel": {"enabled": True, "autoep_size": parallel.ep_size, "preset_model": autoep_preset},
+        "expert_parallel": {
+            "enabled": True,
+            "autoep_size": parallel.ep_size,
+            "preset_model": autoep_preset,
+            # its fused top-k combine where the micro-step is large enough to gain (dskit/plan/memory.py)
+            **(
+                {"combine_impl": "fused_weighted_sum"}
+                if fused_combine(on_gpu, micro_batch * parallel.seq_len, hardware.world_size)
+                else {}
+            ),
+        },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

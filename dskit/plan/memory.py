@@ -204,6 +204,34 @@ def construction(
     )
 
 
+#: AutoEP's top-k combine as its fused Triton kernel (`expert_parallel.combine_impl: fused_weighted_sum`)
+#: instead of its eager weighted sum, which multiplies the [tokens, k, hidden] expert rows by their
+#: routing weights in fp32 and sums them (two fp32 transients of that size at the backward peak), on GPUs
+#: from this many tokens per micro-step. Measured on one H200 (bench/results/peer/
+#: h200-vs-torchtitan-combine-2026-12-04.json): at 65,536 tokens 9% faster and 5.4 GiB smaller; at 2,048
+#: (-combine-s2048-2026-12-04.json) 8% slower, one sample each. The line between the two samples breaks
+#: even near 10k tokens; the switch is set at half the measured win, where no run has measured a loss
+FUSED_COMBINE_MIN_TOKENS = 32768
+#: off only to predict runs measured before the trainer used it (bench/runs.py `as_measured`)
+FUSED_COMBINE = True
+
+
+def fused_combine(on_gpu: bool, tokens: int, world: int) -> bool:
+    """Whether AutoEP combines the routed experts' outputs with its fused kernel (a GPU kernel): from
+    FUSED_COMBINE_MIN_TOKENS tokens per micro-step, on one rank, where it was measured. Several ranks keep
+    the eager combine until a run there measures it: under EP the kernel restores rows an all-to-all
+    brought back, a path no lent machine has run, and its saving alone would move multi-node picks (to
+    EP 1 and longer micro-steps) on the strength of one GPU."""
+    return FUSED_COMBINE and on_gpu and world == 1 and tokens >= FUSED_COMBINE_MIN_TOKENS
+
+
+def combine_transient_bytes(cfg: dict[str, Any], tokens: int) -> int:
+    """The eager combine's fp32 transients the fused kernel does not allocate: the weighted
+    [tokens, k, hidden] product and its gradient, both alive at the backward peak of a MoE layer (the
+    measured difference, 5.4 GiB at 65,536 tokens of V2-Lite, is 0.92 of this count)."""
+    return 2 * 4 * tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"]
+
+
 #: whether the trainer takes one_rank_fused() plans' gradients flat (dskit/train/flat_grads.py): off only to
 #: predict runs measured before it did (bench/runs.py `as_measured`)
 FLAT_GRADIENTS = True
@@ -373,6 +401,9 @@ def estimate(
         else:
             stored += a - frozen * tokens
     act = kept * tokens + max(peak, stored)
+    # ACTIVATION_SLACK was fitted with the eager combine's transients allocated
+    if c.moe_layers and fused_combine(on_gpu, tokens, world):
+        act = max(0.0, act - combine_transient_bytes(cfg, tokens))
     logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(
         states_gib=states / GIB,

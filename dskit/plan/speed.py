@@ -53,7 +53,7 @@ from dskit.plan import links as links_
 from dskit.plan.adapters import Tuning
 from dskit.plan.calibrated import FITTED, Scales
 from dskit.plan.links import Links
-from dskit.plan.memory import flat_gradients, one_rank_fused
+from dskit.plan.memory import flat_gradients, fused_combine, one_rank_fused
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import PREFETCH_BUCKET, gathered_layer_params, max_live, prefetches
 
@@ -141,8 +141,14 @@ HOST_MICRO_STEP_FUSED_S = 0.015
 #: (micro-batch 1-16, seq 2048 and 4096): the GPU's as the grid's smallest worst error, the host's as
 #: the same kind of upper bound as the other host constants, with attention compiled (the GPU default;
 #: no flat run had it eager, which keeps HOST_LAYER_PASS_UNHOOKED_S) (docs/planner.md "Small micro-steps")
-GPU_LAYER_PASS_FLAT_S = 0.0035
-HOST_LAYER_PASS_FLAT_S = 0.003
+#: what AutoEP's fused top-k combine saves against the eager weighted sum (dskit/plan/memory.py
+#: `fused_combine`), bytes at the GPU's memory rate per (token, routed copy, hidden element) and MoE layer,
+#: forward and backward together: the eager sum's scatter into a zeroed buffer, its fp32 product and sum
+#: and their casts, both ways. Measured, not fitted: 43.8 ms a step at 65,536 tokens over 3 MoE layers of
+#: V2-Lite on one H200, in one call (bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json)
+FUSED_COMBINE_SAVED_BYTES = 87.0
+GPU_LAYER_PASS_FLAT_S = 0.004
+HOST_LAYER_PASS_FLAT_S = 0.0035
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/adapters.py) take this much longer than GEMM_EFFICIENCY says (each adapted
@@ -356,8 +362,13 @@ def predict(
         gpu_pass *= LORA_LAYER_PASS_FACTOR
         weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
         dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)
+    combine = 0.0  # the fused combine's saving, forward and backward (a recomputed forward: half the pair's)
+    if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world):
+        slots = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * c.moe_layers * (1 + frac / 2)
+        combine = slots * FUSED_COMBINE_SAVED_BYTES / (gpu.memory_bw_gbs * GB)
     return StepTime(
-        compute_s=grad_accum * compute,
+        # the eager combine's passes scale with the tokens, as the FLOPs do: GEMM_EFFICIENCY absorbed them
+        compute_s=grad_accum * (compute - combine),
         # the per-layer GPU work: launches and small kernels per layer pass, and an FP8 base's dequantising
         layer_gpu_s=grad_accum * (gpu_pass * passes + dequant),
         collectives_s=grad_accum * per_micro,

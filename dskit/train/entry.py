@@ -282,6 +282,10 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         "compiled": compiled,
         "optimizer_step": "fused" if fused_step.installed(engine) else "deepspeed",  # installed, not asked
         "gradients": fused_step.gradients(engine),
+        # AutoEP's top-k combine in its layers (resolved: "weighted_sum" or "fused_weighted_sum")
+        "moe_combine": sorted(
+            {m.combine_impl for m in engine.module.modules() if hasattr(m, "combine_impl")}
+        ),
     }
     adapters = plan.finetune.adapter_params if plan.finetune else 0
     _record_construction(engine, plan.model.params_total + adapters, rank, device, plan.run.output_dir, built)

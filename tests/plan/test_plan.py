@@ -68,6 +68,64 @@ def test_overlap_comm_only_where_there_is_communication_to_overlap():
     assert z3.deepspeed["zero_optimization"]["overlap_comm"] is True
 
 
+def test_one_rank_gradients_go_flat_in_bf16_with_the_fused_step():
+    """dskit/train/flat_grads.py: on one rank with the fused step in bf16 the gradients need no reduce
+    bucket and no boundary copy (issue 49); several ranks, fp16 and DeepSpeed's step keep DeepSpeed's path."""
+    from dskit.plan.memory import flat_gradients
+
+    def flat(p) -> bool:
+        q = p.parallel
+        fused = q.optimizer_step == "fused"
+        return flat_gradients(p.hardware.world_size, q.zero_stage, q.offload_optimizer, fused, q.precision)
+
+    small = ("model.num_layers=4", "training.global_batch=4", "overrides.zero_stage=2")
+    one = plan_for(*small, hardware__gpu="h200-141gb", hardware__gpus_per_node=1)
+    plain = plan_for(
+        *small, "overrides.optimizer_step=deepspeed", hardware__gpu="h200-141gb", hardware__gpus_per_node=1
+    )
+    two = plan_for(*small, hardware__gpu="h200-141gb", hardware__gpus_per_node=2)
+    assert flat(one) and not flat(plain) and not flat(two)
+    assert one.memory["working_set_gib"] == 0 < plain.memory["working_set_gib"]  # the reduce bucket
+    assert one.speed["grad_copy_s"] == 0 < plain.speed["grad_copy_s"]
+
+
+def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
+    """AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`): on a GPU, one rank, from
+    FUSED_COMBINE_MIN_TOKENS tokens per micro-step; less memory and time than the eager weighted sum."""
+    from dskit.plan import memory, speed
+    from dskit.plan.memory import FUSED_COMBINE_MIN_TOKENS
+
+    def combine(*sets: str, gpus: int = 1, gpu: str = "h200-141gb"):
+        p = plan_for("model.num_layers=4", *sets, hardware__gpu=gpu, hardware__gpus_per_node=gpus)
+        tokens = p.parallel.micro_batch * p.parallel.seq_len
+        return p, tokens, p.deepspeed["expert_parallel"].get("combine_impl", "weighted_sum")
+
+    big, tokens, impl = combine(
+        "training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=16"
+    )
+    assert tokens >= FUSED_COMBINE_MIN_TOKENS and impl == "fused_weighted_sum"
+    small, tokens, impl = combine(
+        "training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=4"
+    )
+    assert tokens < FUSED_COMBINE_MIN_TOKENS and impl == "weighted_sum"
+    ranks = combine("training.seq_len=4096", "training.global_batch=32", "overrides.micro_batch=16", gpus=2)
+    assert ranks[2] == "weighted_sum"  # several ranks: not measured there
+    cpu = combine("training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=16", gpu="cpu")
+    assert cpu[2] == "weighted_sum"  # a Triton kernel
+    # against the same plan combining eagerly: the transients it does not allocate, the bytes it does not move
+    monkeypatch.setattr(memory, "FUSED_COMBINE", False)
+    eager, *_ = combine("training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=16")
+    cfg, moe_layers = big.model.config, 3  # 4 layers, the first dense
+    slots = 16 * 4096 * cfg["num_experts_per_tok"] * cfg["hidden_size"]
+    assert (eager.memory["activations_gib"] - big.memory["activations_gib"]) * 2**30 == pytest.approx(
+        memory.combine_transient_bytes(cfg, 16 * 4096)
+    )
+    bw = catalog.gpu("h200-141gb").memory_bw_gbs * 1e9
+    assert eager.speed["compute_s"] - big.speed["compute_s"] == pytest.approx(
+        slots * moe_layers * speed.FUSED_COMBINE_SAVED_BYTES / bw, rel=1e-3
+    )
+
+
 def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
     p = plan_for("training.seq_len=128", hardware__gpu="v100-32gb", model__preset="tiny-v2")
     assert p.parallel.precision == "fp16" and p.parallel.attention == "sdpa"
@@ -401,9 +459,12 @@ def test_a_run_yaml_rendered_before_the_data_fields_still_loads():
     assert not plan.parallel.compile_regions
 
 
-def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it():
+def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it(monkeypatch):
     """overrides.compile: auto compiles on GPUs (measured faster and smaller on H200, issue 13) and not on the
     cpu profile; the plan's memory and step time are those of the compiled run, less than eager's."""
+    from dskit.plan import memory
+
+    monkeypatch.setattr(memory, "FUSED_COMBINE", False)  # its saving comes off compute_s: the compile's alone
     shape = ("model.num_layers=4", "training.seq_len=4096", "training.global_batch=16")
     flags = {"hardware__gpu": "h200-141gb", "hardware__gpus_per_node": 1, "model__preset": "deepseek-v2-lite"}
     # the regions alone here; compiling whole attention blocks too (compile=on, auto's ZeRO-1/2 default)
