@@ -138,7 +138,7 @@ HOST_MICRO_STEP_FUSED_S = 0.015
 #: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
 #: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
 #: none. Fitted by bench/optimizer_refit.py on the 4-layer runs beside torchtitan measured since
-#: (micro-batch 1-16, seq 2048 and 4096): the GPU's as the grid's smallest worst error, the host's as
+#: (nine runs: micro-batch 1-16, seq 2048 and 4096): the GPU's as the grid's smallest worst error, the host's as
 #: the same kind of upper bound as the other host constants, with attention compiled (the GPU default;
 #: no flat run had it eager, which keeps HOST_LAYER_PASS_UNHOOKED_S) (docs/planner.md "Small micro-steps")
 #: what AutoEP's fused top-k combine saves against the eager weighted sum (dskit/plan/memory.py
