@@ -2,13 +2,9 @@
 as DeepSpeed's hooks and buckets, with none of them. Real DeepSpeed engines on one CPU rank (gloo), each in a
 subprocess: a process group must not outlive the test."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
+
+from tests.support import one_rank
 
 pytestmark = pytest.mark.train
 
@@ -67,26 +63,9 @@ print("RESULT " + json.dumps(out))
 
 
 def _run(tmp_path, *args: str) -> dict | str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, *args],
-        capture_output=True, text=True, env={**os.environ, **env}, cwd=tmp_path, timeout=600,
-    )  # fmt: skip
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-        if line.startswith("REFUSED "):
-            return line[len("REFUSED ") :]
-    raise AssertionError(proc.stdout[-2000:] + proc.stderr[-3000:])
+    proc = one_rank.run(SCRIPT, tmp_path, *args)
+    refused = one_rank.printed(proc, "REFUSED")
+    return refused if refused is not None else one_rank.result(proc)
 
 
 @pytest.mark.parametrize("stage", [2, 1])

@@ -3,12 +3,9 @@ inside torch's fused AdamW (its `found_inf`), parameters, moments and step count
 counted, with DeepSpeed's own bf16 overflow pass switched off as the plan renders it. Real DeepSpeed
 ZeRO-2 engine on one CPU rank (gloo), in a subprocess: a process group must not outlive the test."""
 
-import json
-import socket
-import subprocess
-import sys
-
 import pytest
+
+from tests.support import one_rank
 
 pytestmark = pytest.mark.train
 
@@ -62,27 +59,7 @@ print("RESULT " + json.dumps(out))
 def test_a_non_finite_gradient_skips_the_step_on_the_device_and_is_counted(tmp_path, flat):
     """Both gradient paths of one rank: DeepSpeed's buckets, and the flat buffers (dskit/train/flat_grads.py),
     where the non-finite gradient sits in the buffer until the step's zero_grad clears it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "DSKIT_FLAT": str(int(flat)),
-    }
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
-        capture_output=True,
-        text=True,
-        env={**__import__("os").environ, **env, "MASTER_PORT": str(port)},
-        cwd=tmp_path,
-        timeout=600,
-    )
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, proc.stdout[-2000:] + proc.stderr[-3000:]
-    r = json.loads(line[len("RESULT ") :])
+    r = one_rank.result(one_rank.run(SCRIPT, tmp_path, env={"DSKIT_FLAT": str(int(flat))}))
     assert r["finite"]["moved"] > 0 and r["finite"]["skipped"] == 0
     assert [r[k]["taken"] for k in ("finite", "nan", "inf", "after")] == [1, 0, 0, 1]
     for bad in ("nan", "inf"):  # untouched: weights, and Adam's step count (its moments with it)
