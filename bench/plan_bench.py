@@ -531,8 +531,9 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
 
 
 def planner_pick(row: dict) -> list[str]:
-    """The current planner's own choice for a row's configuration (compiled as the row was), as the
-    overrides the bench forces."""
+    """Today's planner's own choice for a row's configuration (compiled as the row was), as the
+    overrides the bench forces, with the step-time and memory model of the trainer that ran the row
+    (runs.as_measured): a pick is judged against runs that trainer made."""
     from dskit.plan.build import build_plan
     from dskit.spec import load_spec
 

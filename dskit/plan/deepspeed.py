@@ -81,7 +81,9 @@ def deepspeed_config(
             # its fused top-k combine where the micro-step is large enough to gain (dskit/plan/memory.py)
             **(
                 {"combine_impl": "fused_weighted_sum"}
-                if fused_combine(on_gpu, micro_batch * parallel.seq_len, hardware.world_size)
+                if fused_combine(
+                    on_gpu, micro_batch * parallel.seq_len, hardware.world_size, parallel.precision
+                )
                 else {}
             ),
         },

@@ -160,6 +160,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         tuning=s.tuning,
         grad_accum=s.grad_accum(c),
         flat=memory.flat_gradients(s.world, c.zero_stage, c.offload, s.fused_step, s.precision),
+        precision=s.precision,
     )
     build = memory.construction(
         s.counts,

@@ -216,20 +216,28 @@ FUSED_COMBINE_MIN_TOKENS = 32768
 FUSED_COMBINE = True
 
 
-def fused_combine(on_gpu: bool, tokens: int, world: int) -> bool:
+def fused_combine(on_gpu: bool, tokens: int, world: int, precision: str) -> bool:
     """Whether AutoEP combines the routed experts' outputs with its fused kernel (a GPU kernel): from
-    FUSED_COMBINE_MIN_TOKENS tokens per micro-step, on one rank, where it was measured. Several ranks keep
+    FUSED_COMBINE_MIN_TOKENS tokens per micro-step, on one rank in bf16, where it was measured (fp16 GPUs
+    are older than the Triton kernels AutoEP ships were written for). Several ranks keep
     the eager combine until a run there measures it: under EP the kernel restores rows an all-to-all
     brought back, a path no lent machine has run, and its saving alone would move multi-node picks (to
     EP 1 and longer micro-steps) on the strength of one GPU."""
-    return FUSED_COMBINE and on_gpu and world == 1 and tokens >= FUSED_COMBINE_MIN_TOKENS
+    return (
+        FUSED_COMBINE and on_gpu and precision == "bf16" and world == 1 and tokens >= FUSED_COMBINE_MIN_TOKENS
+    )
 
 
-def combine_transient_bytes(cfg: dict[str, Any], tokens: int) -> int:
-    """The eager combine's fp32 transients the fused kernel does not allocate: the weighted
-    [tokens, k, hidden] product and its gradient, both alive at the backward peak of a MoE layer (the
-    measured difference, 5.4 GiB at 65,536 tokens of V2-Lite, is 0.92 of this count)."""
-    return 2 * 4 * tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"]
+#: the share of combine_transient_bytes' count the measured peak lost (5.4 GiB at 65,536 tokens of V2-Lite,
+#: one H200): the plan takes off no more than was measured
+COMBINE_TRANSIENT_MEASURED_SHARE = 0.9
+
+
+def combine_transient_bytes(cfg: dict[str, Any], tokens: int) -> float:
+    """The eager combine's fp32 transients the fused kernel does not allocate, as measured: by count the
+    weighted [tokens, k, hidden] product and its gradient, both alive at the backward peak of a MoE
+    layer, times COMBINE_TRANSIENT_MEASURED_SHARE."""
+    return COMBINE_TRANSIENT_MEASURED_SHARE * 2 * 4 * tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"]
 
 
 #: whether the trainer takes one_rank_fused() plans' gradients flat (dskit/train/flat_grads.py): off only to
@@ -347,6 +355,7 @@ def estimate(
     tuning: Tuning | None = None,
     grad_accum: int = 1,
     flat: bool = False,
+    precision: str = "bf16",
 ) -> MemoryEstimate:
     """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/adapters.py`); None: full fine-tuning.
     `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`).
@@ -402,7 +411,7 @@ def estimate(
             stored += a - frozen * tokens
     act = kept * tokens + max(peak, stored)
     # ACTIVATION_SLACK was fitted with the eager combine's transients allocated
-    if c.moe_layers and fused_combine(on_gpu, tokens, world):
+    if c.moe_layers and fused_combine(on_gpu, tokens, world, precision):
         act = max(0.0, act - combine_transient_bytes(cfg, tokens))
     logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
     return MemoryEstimate(

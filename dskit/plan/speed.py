@@ -363,7 +363,7 @@ def predict(
         weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
         dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)
     combine = 0.0  # the fused combine's saving, forward and backward (a recomputed forward: half the pair's)
-    if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world):
+    if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world, precision):
         slots = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * c.moe_layers * (1 + frac / 2)
         combine = slots * FUSED_COMBINE_SAVED_BYTES / (gpu.memory_bw_gbs * GB)
     return StepTime(

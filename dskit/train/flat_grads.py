@@ -30,6 +30,7 @@ def refused(z) -> str | None:
         f"{dist.get_world_size()} ranks": dist.get_world_size() != 1,
         "DeepSpeed's overflow check (fp16, or bf16 with check_grad_overflow)": z.check_grad_overflow,
         "the grad_accum attribute": z.use_grad_accum_attribute,
+        "a separate gradient accumulation dtype (data_types.grad_accum_dtype)": z.use_separate_grad_accum,
         "optimizer offload": z.cpu_offload,
         "ZenFlow": z.zenflow,
     }
