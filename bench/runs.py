@@ -126,13 +126,8 @@ def ran_otherwise(run_dir: Path) -> str | None:
         wrong.append("attention not compiled (planned compiled)")
     if ran["optimizer_step"] != p.optimizer_step:
         wrong.append(f"optimizer step {ran['optimizer_step']} (planned {p.optimizer_step})")
-    from dskit.plan.memory import flat_gradients
-
-    fused = p.optimizer_step == "fused"
-    planned = flat_gradients(plan.hardware.world_size, p.zero_stage, p.offload_optimizer, fused, p.precision)
-    want = "flat" if planned else "buckets"
-    if p.zero_stage < 3 and ran.get("gradients", "buckets") != want:
-        wrong.append(f"gradients {ran.get('gradients', 'buckets')} (planned {want})")
+    if p.zero_stage < 3 and ran.get("gradients", "buckets") != p.gradients:
+        wrong.append(f"gradients {ran.get('gradients', 'buckets')} (planned {p.gradients})")
     combine = plan.deepspeed["expert_parallel"].get("combine_impl", "weighted_sum")
     if ran.get("moe_combine", ["weighted_sum"]) not in ([combine], []):
         wrong.append(f"MoE combine {ran.get('moe_combine')} (planned {combine})")

@@ -96,6 +96,9 @@ def plan_parallel(
         compile_regions=compiled,
         compile_attention=attention and c.zero_stage < 3,
         optimizer_step=step,
+        gradients="flat"
+        if memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
+        else "buckets",
     )
     return parallel, found
 

@@ -94,6 +94,9 @@ class ParallelPlan(_Frozen):
     # ZeRO-1/2 without offload: torch's fused AdamW with the clip in its kernel (dskit/train/fused_step.py);
     # run.yaml files from before ran DeepSpeed's step
     optimizer_step: Literal["deepspeed", "fused"] = "deepspeed"
+    # ZeRO-1/2's gradients on one rank in bf16 with the fused step: straight into flat buffers
+    # (dskit/train/flat_grads.py, dskit/plan/memory.py `flat_gradients`); run.yaml files from before: buckets
+    gradients: Literal["buckets", "flat"] = "buckets"
 
 
 class OptimPlan(_Frozen):

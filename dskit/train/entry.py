@@ -320,16 +320,8 @@ def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool
             optimizer=lambda ps: fused_step.adamw(ps, opt),  # called after AutoEP's replacement
             config={k: v for k, v in ds_config.items() if k != "optimizer"},
         )
-        fused_step.install(engine.optimizer, flat=_flat_gradients(plan))
+        fused_step.install(engine.optimizer, flat=plan.parallel.gradients == "flat")
         return engine
-
-
-def _flat_gradients(plan) -> bool:
-    """The plan's: whether ZeRO-1/2's gradients go flat on this one rank (dskit/plan/memory.py)."""
-    from dskit.plan.memory import flat_gradients
-
-    p = plan.parallel
-    return flat_gradients(plan.hardware.world_size, p.zero_stage, p.offload_optimizer, True, p.precision)
 
 
 CONSTRUCTION_FILE = "construction-rank{rank}.json"  # what each rank held once the model was built
