@@ -211,6 +211,15 @@ def _deepspeed(host: _Host) -> list[Check]:
     return [Check("deepspeed", PASS, dv), *_deepspeed_ops(host.gpu)]
 
 
+def _build_locks(host: _Host) -> list[Check]:
+    from dskit.build_locks import extensions_root, orphaned, warning
+
+    found = orphaned()
+    if not found:
+        return [Check("build locks", PASS, f"no orphaned torch extension lock under {extensions_root()}")]
+    return [Check("build locks", WARN, warning(lock)) for lock in found]
+
+
 def _triton(host: _Host) -> list[Check]:
     if not host.cuda_build:
         return []
@@ -339,6 +348,7 @@ CHECKS: tuple[Callable[[_Host], list[Check]], ...] = (
     _nccl,
     _flash_attn,
     _deepspeed,
+    _build_locks,
     _triton,
     lambda host: [_shm()],  # /dev/shm and the RDMA devices need nothing from _Host
     lambda host: [_infiniband()],

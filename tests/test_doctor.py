@@ -143,3 +143,37 @@ def test_flash_attention_2s_own_cute_copy_does_not_fail_an_ampere_image(tmp_path
     (tmp_path / "flash_attn" / "__init__.py").write_text('raise ImportError("undefined symbol: _ZN3c10")\n')
     status = _flash_checks(env)
     assert status["flash_attn"]["status"] == "FAIL" and "undefined symbol" in status["flash_attn"]["detail"]
+
+
+def _build_lock_checks(root) -> list[dict]:
+    r = dskit("doctor", "--json", env={"TORCH_EXTENSIONS_DIR": str(root)})
+    return [c for c in json.loads(r.stdout) if c["name"] == "build locks"]
+
+
+def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_not(tmp_path):
+    """torch's JIT build holds its `lock` open while it compiles; a build killed mid-compile leaves the
+    file, and every later run that loads the extension waits on it forever without a word."""
+    import subprocess
+
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    (warned,) = _build_lock_checks(tmp_path)
+    assert warned["status"] == "WARN", warned
+    assert f"rm -f {lock} " in warned["detail"] and "'deepspeed_shm_comm' was interrupted" in warned["detail"]
+    # the same file held open by a live process, as a build in progress holds it
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import time; f = open({str(lock)!r}); print('open', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert [c["status"] for c in _build_lock_checks(tmp_path)] == ["PASS"]
+    finally:
+        holder.kill()
+        holder.wait()

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from dskit import build_locks
 from dskit.contract import LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.refusals import fp8_base_zero_stage
@@ -187,6 +188,9 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
 
 def start_distributed(plan):
     """(device, rank, world) once the process group is up; rank 0 records the launch env it saw."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once a host: DeepSpeed's start may wait on one forever
+        for lock in build_locks.orphaned():
+            log.warning("%s", build_locks.warning(lock))
     import deepspeed
     import torch
     import torch.distributed as dist

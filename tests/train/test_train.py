@@ -382,6 +382,38 @@ def test_missing_data_is_one_line_and_exit_2(tmp_path):
     )
 
 
+def test_an_interrupted_builds_lock_is_named_before_deepspeed_waits_on_it(tmp_path, monkeypatch):
+    """A JIT build killed mid-compile leaves torch's `lock` in the extension's build folder; DeepSpeed's
+    CPU collectives (`deepspeed_shm_comm`) then wait on it at start, forever and silently. The trainer
+    names the file and its fix first, so the log of a run that hangs there says why."""
+    ext = tmp_path / "extensions"
+    flavour = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_cpu"
+    lock = (
+        ext / flavour / "deepspeed_shm_comm" / "lock"
+    )  # torch's layout (cpp_extension._get_build_directory)
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    rd = render_tiny(tmp_path, "tiny-v2", gpus_per_node=1)
+    log = tmp_path / "train.log"
+    p = start(rd, log)
+    try:
+        t0 = time.time()
+        while "a torch extension build lock" not in log.read_text():
+            assert p.poll() is None, log.read_text()[-3000:]
+            assert time.time() - t0 < 300, "the trainer never reached DeepSpeed's start"
+            time.sleep(0.2)
+    finally:
+        for child in psutil.Process(p.pid).children(recursive=True):
+            child.kill()
+        p.kill()
+        p.wait()
+    line = next(ln for ln in log.read_text().splitlines() if "a torch extension build lock" in ln)
+    assert f"{lock}: a torch extension build lock no process on this host holds" in line
+    assert f"rm -f {lock} " in line
+    assert "rank 0 of 1" not in log.read_text()  # said before the process group's start, where it waits
+
+
 def test_local_launch_refuses_a_world_size_the_plan_was_not_made_for(tmp_path):
     rd = render_tiny(tmp_path, "tiny-v2")
     r = dskit("train", "--local", str(rd), "--nproc", "3")
