@@ -7,8 +7,9 @@ message (torch/utils/file_baton.py). A build killed mid-compile (Ctrl-C, a preem
 timeout) never removes it, so every later run on that cache waits forever at `init_distributed`.
 
 A live build holds its lock open, so a lock no process on this host holds open is an orphan, unless a
-build on another host that shares the cache holds it (a shared home directory): so dskit names the file
-and the command that frees it, and deletes nothing itself. `dskit doctor` and the trainer's start both say it.
+build on another host or in another container that shares the cache holds it (a shared home directory, a
+host mount): so dskit names the file and the command that frees it, and deletes nothing itself.
+`dskit doctor` and the trainer's start both say it.
 """
 
 from __future__ import annotations
@@ -19,38 +20,63 @@ from pathlib import Path
 
 
 def extensions_root() -> Path:
-    """Where torch builds JIT extensions: TORCH_EXTENSIONS_DIR, else torch's per-user cache."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+    """Where torch builds JIT extensions: TORCH_EXTENSIONS_DIR (set, even empty, as torch reads it), else
+    torch's per-user cache."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
         return Path(os.environ["TORCH_EXTENSIONS_DIR"])
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root())
 
 
-def _open_files() -> set[str]:
-    """Every file a process this user may inspect holds open on this host (Linux /proc)."""
+def _locks(root: Path) -> list[Path]:
+    """The build locks under `root` in torch's layout (cpp_extension._get_build_directory): ROOT/<name>/lock
+    under TORCH_EXTENSIONS_DIR, ROOT/py<ver>_<accelerator>/<name>/lock under the default cache."""
+    depth = "*/lock" if os.environ.get("TORCH_EXTENSIONS_DIR") is not None else "*/*/lock"
+    return sorted(root.glob(depth))
+
+
+def _open_files() -> tuple[set[str], bool]:
+    """Every file the processes this user may inspect hold open on this host (Linux /proc), and whether
+    that was every process (False: some belong to another user, whose builds this cannot see)."""
     held: set[str] = set()
+    every = True
     for fd_dir in Path("/proc").glob("[0-9]*/fd"):
         try:
-            for fd in fd_dir.iterdir():
-                try:
-                    held.add(os.readlink(fd))
-                except OSError:  # closed meanwhile
-                    continue
-        except OSError:  # the process ended, or belongs to another user
+            fds = list(fd_dir.iterdir())
+        except PermissionError:
+            every = False
             continue
-    return held
+        except OSError:  # the process ended
+            continue
+        for fd in fds:
+            try:
+                held.add(os.readlink(fd))
+            except OSError:  # closed meanwhile
+                continue
+    return held, every
 
 
 def orphaned(root: Path | None = None) -> list[Path]:
-    """The build locks under `root` (torch's layout: ROOT/<python>_<cuda>/<extension>/lock) that no
-    process on this host holds open."""
+    """The build locks under `root` (default: extensions_root()) that no process on this host holds open.
+    Without /proc nothing can be told, so nothing is claimed; a lock of another user's is claimed only
+    when every process's files could be read."""
     root = extensions_root() if root is None else root
-    locks = sorted(root.glob("*/*/lock"))
-    if not locks:
+    locks = _locks(root)
+    if not locks or not Path("/proc/self/fd").is_dir():
         return []
-    held = _open_files()
-    return [lock for lock in locks if str(lock.resolve()) not in held]
+    held, every = _open_files()
+    uid = os.getuid()
+    found = []
+    for lock in locks:
+        try:
+            mine = lock.stat().st_uid == uid
+        except FileNotFoundError:  # its build finished meanwhile
+            continue
+        # listed before /proc was read: a build that ended in between has removed its lock by now
+        if str(lock.resolve()) not in held and (every or mine) and lock.exists():
+            found.append(lock)
+    return found
 
 
 def warning(lock: Path) -> str:
@@ -58,5 +84,6 @@ def warning(lock: Path) -> str:
     return (
         f"{lock}: a torch extension build lock no process on this host holds (a build of "
         f"'{lock.parent.name}' was interrupted); a run that loads that extension waits on it forever "
-        f"without a message: rm -f {shlex.quote(str(lock))} (unless a host sharing this cache is building it now)"
+        f"without a message: rm -f {shlex.quote(str(lock))} (unless a host or container sharing this "
+        "cache is building it now)"
     )

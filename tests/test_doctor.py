@@ -6,6 +6,8 @@ import json
 import shutil
 import sys
 
+import pytest
+
 from tests.conftest import dskit
 
 
@@ -145,22 +147,34 @@ def test_flash_attention_2s_own_cute_copy_does_not_fail_an_ampere_image(tmp_path
     assert status["flash_attn"]["status"] == "FAIL" and "undefined symbol" in status["flash_attn"]["detail"]
 
 
-def _build_lock_checks(root) -> list[dict]:
-    r = dskit("doctor", "--json", env={"TORCH_EXTENSIONS_DIR": str(root)})
+def _build_lock_checks() -> list[dict]:
+    r = dskit("doctor", "--json")
     return [c for c in json.loads(r.stdout) if c["name"] == "build locks"]
 
 
-def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_not(tmp_path):
+@pytest.mark.parametrize("cache", ["TORCH_EXTENSIONS_DIR", "default"])
+def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_not(
+    cache, tmp_path, monkeypatch
+):
     """torch's JIT build holds its `lock` open while it compiles; a build killed mid-compile leaves the
-    file, and every later run that loads the extension waits on it forever without a word."""
+    file, and every later run that loads the extension waits on it forever without a word. Both of torch's
+    layouts: ROOT/<name> under TORCH_EXTENSIONS_DIR, <cache>/torch_extensions/py<ver>_<accelerator>/<name>."""
+    import shlex
     import subprocess
 
-    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
-    lock.parent.mkdir(parents=True)
-    lock.touch()
-    (warned,) = _build_lock_checks(tmp_path)
+    from tests.support.build_lock import plant
+
+    where = tmp_path / "a cache; rm -rf x"  # the fix is printed as a shell command: quoted
+    if cache == "TORCH_EXTENSIONS_DIR":
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(where))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(where))
+    lock = plant("deepspeed_shm_comm")
+    (warned,) = _build_lock_checks()
     assert warned["status"] == "WARN", warned
-    assert f"rm -f {lock} " in warned["detail"] and "'deepspeed_shm_comm' was interrupted" in warned["detail"]
+    assert f"rm -f {shlex.quote(str(lock))} " in warned["detail"], warned["detail"]
+    assert "'deepspeed_shm_comm' was interrupted" in warned["detail"]
     # the same file held open by a live process, as a build in progress holds it
     holder = subprocess.Popen(
         [
@@ -173,7 +187,7 @@ def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_n
     )
     try:
         assert holder.stdout.readline().strip() == "open"
-        assert [c["status"] for c in _build_lock_checks(tmp_path)] == ["PASS"]
+        assert [c["status"] for c in _build_lock_checks()] == ["PASS"]
     finally:
         holder.kill()
         holder.wait()

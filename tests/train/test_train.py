@@ -386,14 +386,10 @@ def test_an_interrupted_builds_lock_is_named_before_deepspeed_waits_on_it(tmp_pa
     """A JIT build killed mid-compile leaves torch's `lock` in the extension's build folder; DeepSpeed's
     CPU collectives (`deepspeed_shm_comm`) then wait on it at start, forever and silently. The trainer
     names the file and its fix first, so the log of a run that hangs there says why."""
-    ext = tmp_path / "extensions"
-    flavour = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}_cpu"
-    lock = (
-        ext / flavour / "deepspeed_shm_comm" / "lock"
-    )  # torch's layout (cpp_extension._get_build_directory)
-    lock.parent.mkdir(parents=True)
-    lock.touch()
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    from tests.support.build_lock import plant
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    lock = plant("deepspeed_shm_comm")  # where DeepSpeed's build of its CPU collectives waits
     rd = render_tiny(tmp_path, "tiny-v2", gpus_per_node=1)
     log = tmp_path / "train.log"
     p = start(rd, log)
