@@ -124,11 +124,14 @@ def late_load(recs: list[dict]) -> float:
 
 def test_the_bias_update_brings_the_skewed_load_down(runs):
     """Measured: 2.53 with the update, 3.89 frozen (35% lower; the worst layer alone 2.77 vs 3.99, 30%),
-    the loss the same (3.136 vs 3.139 at step 40). The gate itself drifts towards collapse at lr 3e-3,
-    which the bias keeps countering: its spread grows past the skew."""
+    the loss the same (3.136 vs 3.139 at step 40). On another CPU (AMD EPYC, AVX2 only: other bf16 GEMM
+    kernels) 2.71 vs 3.86, 30% lower, and 29-30% over any window of the last 3-20 steps: the bound is a
+    quarter, below both, where a bias that did not move (or moved the wrong way) sits at 1.0 or above.
+    The gate itself drifts towards collapse at lr 3e-3, which the bias keeps countering: its spread grows
+    past the skew."""
     free, frozen = (records(runs[m]) for m in ("aux_free", "frozen"))
     assert free[0]["expert_load_max_over_mean"] > 2.5  # the skew took: two experts of eight get most tokens
-    assert late_load(free) <= 0.7 * late_load(frozen), (late_load(free), late_load(frozen))
+    assert late_load(free) <= 0.75 * late_load(frozen), (late_load(free), late_load(frozen))
     assert free[-1]["loss"] == pytest.approx(frozen[-1]["loss"], rel=2e-2)
     assert free[-1]["expert_bias_spread"] > SKEW + 0.02  # it moved, by gamma a step
     assert frozen[-1]["expert_bias_spread"] == pytest.approx(SKEW)
@@ -238,8 +241,10 @@ def test_one_and_two_ranks_move_the_bias_alike(runs, resharded):
     another expert. That flips an expert's sign only when its load sits within a token or two of the
     mean, and each flip is 2 gamma on that expert, until a later step flips it back. Measured: 1 rank vs
     2 ranks (EP 1) identical at steps 21-25 and 30, one flip on 2 of 16 entries at 26-29; EP 1 vs EP 2
-    at step 30, 8 of 16 entries equal, the others 1 or 2 flips off. Bounds: 2 and 4 flips per entry; a
-    wrong sign or gamma would be off by up to 20 gamma (10 steps of 2 gamma)."""
+    at step 30, 8 of 16 entries equal, the others 1 or 2 flips off; on another CPU (AMD EPYC, AVX2 only)
+    1 rank and 2 ranks identical, EP 1 vs EP 2 8 of 16 equal and the worst entry 6 flips off (the near-
+    ties compound over the 10 steps). Bounds: 2 and 6 flips per entry; a wrong sign or gamma would be off
+    by up to 20 gamma (10 flips: 10 steps of 2 gamma)."""
     ref = one_bias(tags(runs["aux_free"])[RESUMED_TO // 10 - 1])
     gamma = load_plan(runs["aux_free"] / "run.yaml").model.bias_update_speed
     got = {
@@ -251,7 +256,7 @@ def test_one_and_two_ranks_move_the_bias_alike(runs, resharded):
         return max((a[k] - b[k]).abs().max().item() for k in a) / (2 * gamma)
 
     assert flips(got["1 rank"], got["2 ranks, EP 1"]) <= 2 + 1e-3
-    assert flips(got["2 ranks, EP 1"], ref) <= 4 + 1e-3
+    assert flips(got["2 ranks, EP 1"], ref) <= 6 + 1e-3
 
 
 # ---------------------------------------------------------------- LoRA
