@@ -302,6 +302,9 @@ def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool
     replacement (dskit/train/lora/routed.py) and, under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
     import deepspeed
 
+    if plan.parallel.gradients == "flat" and plan.parallel.optimizer_step != "fused":  # a hand edit
+        raise SpecError("parallel.gradients", "flat runs only with the fused step under ZeRO-1/2; re-render")
+
     with contextlib.ExitStack() as stack:
         if plan.finetune is not None and stage != 3:
             from dskit.train.lora.inject import frozen_experts_allowed
@@ -324,7 +327,10 @@ def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool
             optimizer=lambda ps: fused_step.adamw(ps, opt),  # called after AutoEP's replacement
             config={k: v for k, v in ds_config.items() if k != "optimizer"},
         )
-        fused_step.install(engine.optimizer, flat=plan.parallel.gradients == "flat")
+        try:
+            fused_step.install(engine.optimizer, flat=plan.parallel.gradients == "flat")
+        except fused_step.Refused as e:  # bad input (run.yaml edited by hand): one line, exit 2
+            raise SpecError(e.field, str(e)) from None
         return engine
 
 

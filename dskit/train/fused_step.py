@@ -42,6 +42,14 @@ def adamw(params, opt: dict) -> torch.optim.AdamW:
     )
 
 
+class Refused(TypeError):
+    """The engine cannot take what the plan's `field` asks of it (a run.yaml edited past what it admits)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 def install(zero_optimizer, *, flat: bool = False) -> None:
     """Replace the passes on this DeepSpeedZeroOptimizer instance (stage 1 or 2 on the device, torch fused
     AdamW). `flat`: the plan's gradients go flat on the one rank (dskit/plan/memory.py `flat_gradients`,
@@ -54,7 +62,10 @@ def install(zero_optimizer, *, flat: bool = False) -> None:
     z = zero_optimizer
     inner = z.optimizer
     if not isinstance(inner, torch.optim.AdamW) or not inner.defaults.get("fused"):
-        raise TypeError(f"the fused step needs torch's fused AdamW inside ZeRO, got {type(inner).__name__}")
+        raise Refused(
+            "parallel.optimizer_step",
+            f"the fused step needs torch's fused AdamW inside ZeRO, got {type(inner).__name__}",
+        )
     # the plan asks for the fused step only where none of these is on (dskit/plan/schema.py)
     unsupported = {
         "optimizer offload": z.cpu_offload,
@@ -62,7 +73,10 @@ def install(zero_optimizer, *, flat: bool = False) -> None:
         "torch autocast's GradScaler": z.torch_autocast_gradscaler is not None,
     }
     if any(unsupported.values()):
-        raise TypeError(f"the fused step does not run with {[k for k, on in unsupported.items() if on]}")
+        raise Refused(
+            "parallel.optimizer_step",
+            f"the fused step does not run with {[k for k, on in unsupported.items() if on]}",
+        )
 
     def get_grad_norm_direct(gradients, params, norm_type=2):
         # DeepSpeed's L2 branch (stage_1_and_2.py), the fp64 copy of every gradient left out
@@ -118,7 +132,7 @@ def install(zero_optimizer, *, flat: bool = False) -> None:
     if flat:
         why = flat_grads.refused(z)
         if why:
-            raise TypeError(f"the plan's flat gradients do not run here: {why}")
+            raise Refused("parallel.gradients", f"the plan's flat gradients do not run here: {why}")
         flat_grads.attach(z)
 
 

@@ -410,6 +410,26 @@ def test_an_interrupted_builds_lock_is_named_before_deepspeed_waits_on_it(tmp_pa
     assert "rank 0 of 1" not in log.read_text()  # said before the process group's start, where it waits
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_run_yaml_edited_to_flat_gradients_on_two_ranks_is_one_line_and_exit_2(tmp_path, stage):
+    """`parallel.gradients: flat` is the plan's for one rank only: written by hand into a 2-rank run.yaml
+    (the fused step of ZeRO-2, DeepSpeed's step of ZeRO-3) the trainer names the field and exits 2."""
+    import yaml
+
+    rd = render_tiny(tmp_path, "tiny-v2", steps=2, extra=[f"overrides.zero_stage={stage}"])
+    data = yaml.safe_load((rd / "run.yaml").read_text())
+    assert data["parallel"]["gradients"] == "buckets"
+    data["parallel"]["gradients"] = "flat"
+    (rd / "run.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    log = tmp_path / "train.log"
+    assert run(rd, log) == 2, log.read_text()[-3000:]
+    errors = [
+        ln for ln in log.read_text().splitlines() if ln.startswith("dskit: error: parallel.gradients: ")
+    ]
+    assert errors and ("2 ranks" in errors[0] if stage == 2 else "only with the fused step" in errors[0])
+    assert not losses(rd)
+
+
 def test_local_launch_refuses_a_world_size_the_plan_was_not_made_for(tmp_path):
     rd = render_tiny(tmp_path, "tiny-v2")
     r = dskit("train", "--local", str(rd), "--nproc", "3")
