@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -148,3 +149,27 @@ def small_disk(tmp_path):
     yield make
     for d in mounts:
         subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture(scope="session")
+def _extensions_root() -> Path:
+    """torch's JIT extension cache under the suite's own environment (before any test changes it)."""
+    from dskit.build_locks import extensions_root
+
+    return extensions_root()
+
+
+@pytest.fixture(autouse=True)
+def _no_orphaned_build_lock(request, _extensions_root):
+    """A test that kills ranks (a fault, a timeout, a cluster's teardown) while one loads a JIT op leaves
+    torch's build lock, and every later trainer start in the suite then waits on it forever: one test's
+    kill would become every later test's timeout. The lock is the test's debris, like its namespaces:
+    removed here, with a warning naming the test."""
+    yield
+    from dskit.build_locks import orphaned
+
+    for lock in orphaned(_extensions_root):
+        lock.unlink(missing_ok=True)
+        warnings.warn(
+            f"{request.node.nodeid} left {lock} (a JIT build or load it killed); removed", stacklevel=1
+        )
