@@ -247,17 +247,20 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
     except Exception as e:
         return [Check("deepspeed ops", FAIL, f"cannot read the op report: {e}")]
-    # cpu_adam: optimizer offload. fused_adam: the engine's Adam on GPUs (the CPU accelerator runs
-    # torch's AdamW, the plan's optimizer.params.torch_adam). shm_comm: DeepSpeed's CPU collectives.
-    is_gpu = gpu or bool(os.environ.get("DSKIT_IMAGE_ARCH"))
-    wanted = ["cpu_adam"] + (["fused_adam"] if is_gpu else ["deepspeed_shm_comm"])
+    from dskit.jit_ops import wanted
+
     checks = []
-    for op in wanted:
+    for op in wanted(gpu or bool(os.environ.get("DSKIT_IMAGE_ARCH"))):
         if installed_ops.get(op):
             checks.append(Check(f"deepspeed op {op}", PASS, "prebuilt"))
         elif op in ALL_OPS and ALL_OPS[op].is_compatible():
             checks.append(
-                Check(f"deepspeed op {op}", WARN, "not prebuilt: every worker JIT-compiles it at start")
+                Check(
+                    f"deepspeed op {op}",
+                    WARN,
+                    "not prebuilt: every worker loads it through torch's JIT cache, compiling it where the cache "
+                    "lacks it (`python -m dskit.jit_ops` builds it ahead of the run)",
+                )
             )
         else:
             checks.append(Check(f"deepspeed op {op}", FAIL, "incompatible with this environment"))

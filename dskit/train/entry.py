@@ -17,7 +17,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit import build_locks
+from dskit import build_locks, jit_ops
 from dskit.contract import LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.refusals import fp8_base_zero_stage
@@ -188,6 +188,7 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
 
 def start_distributed(plan):
     """(device, rank, world) once the process group is up; rank 0 records the launch env it saw."""
+    jit_ops.use_own_ninja()  # before DeepSpeed loads its first compiled op (shm_comm on CPU ranks)
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once a host: DeepSpeed's start may wait on one forever
         for lock in build_locks.orphaned():
             log.warning("%s", build_locks.warning(lock))

@@ -1,0 +1,68 @@
+"""DeepSpeed's compiled ops a rank on this host loads, and building the missing ones ahead of the run.
+
+An op the DeepSpeed install did not prebuild (`installed_ops`) is JIT-compiled by every fresh process
+that loads it, under torch's build lock (dskit/build_locks.py): minutes of g++ on a small host, inside
+whatever deadline the launcher or a health check gives the start, and a process killed midway leaves
+the lock that every later start waits on forever. The images prebuild these ops (images/*/install.sh,
+DS_BUILD_*); a virtualenv (`make setup`, Slurm's `runtime: none`) builds them here once instead:
+
+    python -m dskit.jit_ops        # into torch's extension cache; later loads only check it
+
+with the ninja every rank of a run uses (`use_own_ninja`, which the trainer calls before DeepSpeed
+starts): a build by another ninja would not count as built.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import time
+
+
+def use_own_ninja() -> None:
+    """Put this interpreter's environment (its `ninja`, a DeepSpeed dependency) first on PATH, as the
+    images do. torch builds with the first `ninja` on PATH, which a launcher's PATH decides: a Slurm job
+    of a virtualenv gets the user's shell PATH, Ray's workers their own. Two ninjas on one cache keep
+    their build logs in different formats, so each switch rebuilds every op (seen here between Debian's
+    1.11 and pip's 1.13: cpu_adam 160 s and shm_comm 92 s again on a busy 2-core host); without a
+    system ninja the load fails ("Ninja is required to load C++ extensions")."""
+    scripts = sysconfig.get_path("scripts")
+    if not os.path.isfile(os.path.join(scripts, "ninja")):
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != scripts:
+        os.environ["PATH"] = scripts + (os.pathsep + path if path else "")
+
+
+def wanted(gpu: bool) -> list[str]:
+    """The compiled ops a rank loads: cpu_adam (optimizer offload, and `dskit calibrate`'s CPU Adam), plus
+    fused_adam (the engine's Adam) on GPUs, or DeepSpeed's shared-memory collectives on CPU ranks (the
+    CPU accelerator runs torch's AdamW: the plan's optimizer.params.torch_adam)."""
+    return ["cpu_adam"] + (["fused_adam"] if gpu else ["deepspeed_shm_comm"])
+
+
+def main() -> int:
+    import torch
+    from deepspeed.git_version_info import installed_ops
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+
+    from dskit.build_locks import extensions_root
+
+    use_own_ninja()
+    for op in wanted(torch.cuda.is_available() or bool(os.environ.get("DSKIT_IMAGE_ARCH"))):
+        if installed_ops.get(op):
+            print(f"deepspeed op {op}: prebuilt in the DeepSpeed install")
+            continue
+        builder = ALL_OPS.get(op)
+        if builder is None or not builder.is_compatible(verbose=False):
+            print(f"deepspeed op {op}: incompatible with this environment (`dskit doctor` says why)")
+            return 1
+        t0 = time.monotonic()
+        builder.load(verbose=False)
+        print(f"deepspeed op {op}: ready in {time.monotonic() - t0:.0f} s under {extensions_root()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
