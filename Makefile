@@ -4,30 +4,30 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   := runs/demo
-# The venv's tools first for every process the tests start (their own DeepSpeed engines, clusters,
-# scripts): torch's JIT builds with the first `ninja` on PATH, and a second ninja on the same cache
-# rebuilds every op (dskit/jit_ops.py; the trainer puts its own first itself).
-ON_PATH := PATH="$(abspath $(BIN)):$$PATH"
 
-.PHONY: setup demo test test-fast examples lint clean image
+.PHONY: setup ops demo test test-fast examples lint clean image
 
 # torch first, pinned: 2.13.0 is a CPU build on the development/CI machines; an unpinned torch
-# pulled in by deepspeed would be a multi-GB CUDA download. DeepSpeed's CPU ops are compiled here, once,
-# as the CPU image's install.sh prebuilds them: a first build inside a run's start (minutes on 2 cores)
-# runs into the launcher's and the tests' deadlines, and one killed midway hangs every later start.
+# pulled in by deepspeed would be a multi-GB CUDA download.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
 	$(BIN)/python -m pip install -q -e ".[train,ray,test,data,track]"
-	$(BIN)/python -m dskit.jit_ops
 	touch $@
 
 setup: $(BIN)/.installed
 
+# DeepSpeed's compiled ops, built into torch's extension cache before anything trains, as the CPU image's
+# install.sh prebuilds them: a first build inside a run's start (minutes on 2 cores) runs into the
+# launcher's and the tests' deadlines, and one killed midway hangs every later start. Built, it is a
+# check of a few seconds; not a stamp, since the cache lives outside the venv (dskit/jit_ops.py).
+ops: setup
+	$(BIN)/python -m dskit.jit_ops
+
 # The main job on the embedded default: tiny DeepSeek-V2 (MLA + MoE), 2 CPU ranks, EP=2, ZeRO-3,
 # rendered exactly like a cluster job, trained on real text, then exported to Hugging Face format.
-demo: setup
+demo: ops
 	$(BIN)/dskit render slurm --force -o $(DEMO) --job-name demo --gpu cpu --gpus-per-node 2 \
 	  --model tiny-v2 --runtime none --set runtime.python=$(abspath $(BIN))/python \
 	  --set storage.root=$(abspath runs/storage) --set training.seq_len=256 --set training.global_batch=16 \
@@ -38,14 +38,14 @@ demo: setup
 
 # Everything (what CI's .ci/run runs after `make lint`): trainer, Slurm, Ray, pods, network, the CPU image.
 # Duration: docs/development.md.
-test: setup
-	$(ON_PATH) $(BIN)/python -m pytest
+test: ops
+	$(BIN)/python -m pytest
 
 # Unit + render + golden tests: no trainer, cluster, pod run, image build or network (duration: docs/development.md).
 # Two pytest-xdist workers: these tests share no cluster or port, unlike the rest of `make test`.
 FAST := not train and not slurm and not ray and not network and not slow and not image
 test-fast: setup
-	$(ON_PATH) DSKIT_PROPERTY_EXAMPLES=50 $(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
+	DSKIT_PROPERTY_EXAMPLES=50 $(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
 
 # Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests),
 # images/, helm/dskit/values.schema.json and helm/dskit/files/launch.sh; then review the diff.

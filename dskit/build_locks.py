@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 
 
@@ -27,6 +28,25 @@ def extensions_root() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root())
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds extension `name` (cpp_extension._get_build_directory's layout, which creates
+    the folder; this only names it): ROOT/<name> under TORCH_EXTENSIONS_DIR, else
+    ROOT/py<ver>_<accelerator>/<name>."""
+    root = extensions_root()
+    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
+        return root / name
+    import torch
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return root / f"{python}_{accelerator}" / name
 
 
 def _locks(root: Path) -> list[Path]:

@@ -9,7 +9,10 @@ DS_BUILD_*); a virtualenv (`make setup`, Slurm's `runtime: none`) builds them he
     python -m dskit.jit_ops        # into torch's extension cache; later loads only check it
 
 with the ninja every rank of a run uses (`use_own_ninja`, which the trainer calls before DeepSpeed
-starts): a build by another ninja would not count as built.
+starts): a build by another ninja would not count as built. A cache serves the hosts that share it
+only where their CPUs match the builder's: DeepSpeed compiles cpu_adam with -march=native and the
+building CPU's SIMD width, so a host of another width rebuilds it, and one of the same width with fewer
+instructions may die on it (illegal instruction). Build it where the ranks run, or use an image.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import sys
 import sysconfig
 import time
+from pathlib import Path
 
 
 def use_own_ninja() -> None:
@@ -42,26 +46,54 @@ def wanted(gpu: bool) -> list[str]:
     return ["cpu_adam"] + (["fused_adam"] if gpu else ["deepspeed_shm_comm"])
 
 
+def prebuilt(op: str) -> bool:
+    """Whether DeepSpeed loads `op` from its install (DS_BUILD_*), as OpBuilder.load decides: built in,
+    for the accelerator running now."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    return bool(installed_ops.get(op)) and accelerator_name == get_accelerator()._name
+
+
+def cached(op: str) -> Path | None:
+    """The library a JIT build of `op` left in torch's extension cache, if any."""
+    from dskit.build_locks import build_directory
+
+    lib = build_directory(op) / f"{op}.so"
+    return lib if lib.is_file() else None
+
+
 def main() -> int:
     import torch
-    from deepspeed.git_version_info import installed_ops
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-    from dskit.build_locks import extensions_root
+    from dskit.build_locks import extensions_root, orphaned, warning
 
+    stuck = orphaned()
+    for lock in stuck:  # a load would wait on it forever, without a word
+        print(f"dskit.jit_ops: {warning(lock)}", file=sys.stderr)
+    if stuck:
+        return 1
     use_own_ninja()
+    failed = 0
     for op in wanted(torch.cuda.is_available() or bool(os.environ.get("DSKIT_IMAGE_ARCH"))):
-        if installed_ops.get(op):
-            print(f"deepspeed op {op}: prebuilt in the DeepSpeed install")
-            continue
         builder = ALL_OPS.get(op)
-        if builder is None or not builder.is_compatible(verbose=False):
-            print(f"deepspeed op {op}: incompatible with this environment (`dskit doctor` says why)")
-            return 1
-        t0 = time.monotonic()
-        builder.load(verbose=False)
-        print(f"deepspeed op {op}: ready in {time.monotonic() - t0:.0f} s under {extensions_root()}")
-    return 0
+        if prebuilt(op):
+            print(f"deepspeed op {op}: prebuilt in the DeepSpeed install")
+        elif builder is None or not builder.is_compatible(verbose=False):
+            print(
+                f"deepspeed op {op}: skipped, incompatible with this host (`dskit doctor` says what it costs)"
+            )
+        else:
+            t0 = time.monotonic()
+            try:
+                builder.load(verbose=False)
+            except Exception as e:  # the compiler's own output is above; one line per op here
+                print(f"dskit.jit_ops: deepspeed op {op}: build failed: {e}", file=sys.stderr)
+                failed += 1
+                continue
+            print(f"deepspeed op {op}: ready in {time.monotonic() - t0:.0f} s under {extensions_root()}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

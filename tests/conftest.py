@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -151,6 +152,15 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
+def pytest_configure(config):
+    """Every process the tests start (their own DeepSpeed engines, clusters, scripts) builds with this
+    venv's ninja, as the trainer does (dskit/jit_ops.py): a second ninja on the same cache rebuilds
+    every op, minutes each, inside some test's deadline."""
+    from dskit.jit_ops import use_own_ninja
+
+    use_own_ninja()
+
+
 @pytest.fixture(scope="session")
 def _extensions_root() -> Path:
     """torch's JIT extension cache under the suite's own environment (before any test changes it)."""
@@ -159,17 +169,30 @@ def _extensions_root() -> Path:
     return extensions_root()
 
 
+def _remove_orphaned_locks(root: Path, when: str) -> None:
+    """Remove the build locks no process holds, seen so twice a second apart with the same inode: a lock
+    between a live build's close and its own removal, or created anew meanwhile, is left alone."""
+    from dskit.build_locks import orphaned
+
+    first = {lock: lock.stat().st_ino for lock in orphaned(root) if lock.exists()}
+    if not first:
+        return
+    time.sleep(1.0)
+    for lock in orphaned(root):
+        try:
+            if first.get(lock) == lock.stat().st_ino:
+                lock.unlink()
+                warnings.warn(f"{when}: {lock} (a JIT build or load killed midway); removed", stacklevel=2)
+        except FileNotFoundError:
+            continue
+
+
 @pytest.fixture(autouse=True)
 def _no_orphaned_build_lock(request, _extensions_root):
     """A test that kills ranks (a fault, a timeout, a cluster's teardown) while one loads a JIT op leaves
     torch's build lock, and every later trainer start in the suite then waits on it forever: one test's
     kill would become every later test's timeout. The lock is the test's debris, like its namespaces:
-    removed here, with a warning naming the test."""
+    removed after it, with a warning naming the test (and before it, where an earlier run left one)."""
+    _remove_orphaned_locks(_extensions_root, f"before {request.node.nodeid}")
     yield
-    from dskit.build_locks import orphaned
-
-    for lock in orphaned(_extensions_root):
-        lock.unlink(missing_ok=True)
-        warnings.warn(
-            f"{request.node.nodeid} left {lock} (a JIT build or load it killed); removed", stacklevel=1
-        )
+    _remove_orphaned_locks(_extensions_root, f"{request.node.nodeid} left")

@@ -3,15 +3,17 @@ again by a rank whose launcher gave it another PATH."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import sysconfig
-from pathlib import Path
 
 import pytest
 
-from dskit.jit_ops import use_own_ninja, wanted
+from dskit.build_locks import build_directory
+from dskit.jit_ops import cached, prebuilt, use_own_ninja, wanted
+from tests.conftest import dskit
 
 LOAD = """
 import sys
@@ -24,22 +26,19 @@ print("loaded")
 """
 
 
-def _load(path: str, ninja: str) -> None:
-    r = subprocess.run(
+def _load(path: str, ninja: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-c", LOAD, ninja],
         capture_output=True,
         text=True,
-        env={**os.environ, "PATH": path},
+        env={**os.environ, "PATH": path, "DS_ACCELERATOR": "cpu"},
         timeout=900,
     )
-    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-3000:]
 
 
 def _built(op: str) -> tuple[float, str]:
     """The op's library's mtime and ninja's build log in torch's cache."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    d = Path(_get_build_directory(op, verbose=False))
+    d = build_directory(op)
     return (d / f"{op}.so").stat().st_mtime, (d / ".ninja_log").read_text()
 
 
@@ -57,13 +56,49 @@ def test_cpu_ranks_load_their_collectives_and_every_rank_cpu_adam():
     assert wanted(gpu=True) == ["cpu_adam", "fused_adam"]
 
 
+@pytest.mark.parametrize("cache", ["TORCH_EXTENSIONS_DIR", "default"])
+def test_the_build_directory_is_torchs_own(cache, tmp_path, monkeypatch):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if cache == "TORCH_EXTENSIONS_DIR":
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    named = build_directory("cpu_adam")
+    assert not named.exists()  # named, not created
+    assert str(named) == _get_build_directory("cpu_adam", verbose=False)
+
+
 @pytest.mark.slow
-def test_an_op_built_ahead_is_not_built_again_by_a_rank_with_the_shells_path():
-    """`make setup` builds shm_comm with the venv's ninja; a Slurm job of that venv starts its ranks with
-    the user's shell PATH, where another ninja (Debian's, here) or none comes first. Loaded as the trainer
-    loads it, the op is found built: same library, nothing added to ninja's log."""
+def test_an_op_built_ahead_is_not_built_again_by_a_rank_with_the_shells_path(tmp_path):
+    """`make ops` builds shm_comm with the venv's ninja; a Slurm job of that venv starts its ranks with the
+    user's shell PATH, where another ninja (Debian's here) or none comes first. Here a decoy `ninja`
+    comes first, which fails and leaves a mark: loaded as the trainer loads it, the op is found built
+    by the venv's ninja, the decoy never runs, the library and ninja's log stay as they were, and
+    `dskit doctor` says it is built."""
+    if prebuilt("deepspeed_shm_comm"):
+        pytest.skip("DeepSpeed's install has shm_comm built in: no JIT")
     venv_first = f"{sysconfig.get_path('scripts')}:{os.environ['PATH']}"
-    _load(venv_first, "as-given")  # built here if the cache lacks it (minutes), else only checked
+    r = _load(venv_first, "as-given")  # built here if the cache lacks it (minutes), else only checked
+    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-3000:]
     before = _built("deepspeed_shm_comm")
-    _load("/usr/local/bin:/usr/bin:/bin", "own")
+    decoy = tmp_path / "bin"
+    decoy.mkdir()
+    mark = tmp_path / "decoy-ran"
+    (decoy / "ninja").write_text(f"#!/bin/sh\ntouch '{mark}'\nexit 1\n")
+    (decoy / "ninja").chmod(0o755)
+    shell_path = f"{decoy}:/usr/local/bin:/usr/bin:/bin"
+
+    r = _load(shell_path, "own")
+    assert r.returncode == 0 and "loaded" in r.stdout, r.stderr[-3000:]
+    assert not mark.exists()
     assert _built("deepspeed_shm_comm") == before
+    # without it, torch runs the decoy: the test can tell
+    r = _load(shell_path, "as-given")
+    assert r.returncode != 0 and mark.exists()
+    doctor = {c["name"]: c for c in json.loads(dskit("doctor", "--json").stdout)}
+    assert doctor["deepspeed op deepspeed_shm_comm"]["status"] == "PASS"
+    assert doctor["deepspeed op deepspeed_shm_comm"]["detail"].startswith(
+        f"built in torch's extension cache ({cached('deepspeed_shm_comm').parent})"
+    )
