@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.conftest import dskit
+from tests.support.build_lock import LAYOUTS
 
 
 def test_doctor_reports_every_check_as_one_line():
@@ -152,7 +153,7 @@ def _build_lock_checks() -> list[dict]:
     return [c for c in json.loads(r.stdout) if c["name"] == "build locks"]
 
 
-@pytest.mark.parametrize("cache", ["TORCH_EXTENSIONS_DIR", "default"])
+@pytest.mark.parametrize("cache", LAYOUTS)
 def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_not(
     cache, tmp_path, monkeypatch
 ):
@@ -162,14 +163,9 @@ def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_n
     import shlex
     import subprocess
 
-    from tests.support.build_lock import plant
+    from tests.support.build_lock import plant, use_cache
 
-    where = tmp_path / "a cache; rm -rf x"  # the fix is printed as a shell command: quoted
-    if cache == "TORCH_EXTENSIONS_DIR":
-        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(where))
-    else:
-        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-        monkeypatch.setenv("XDG_CACHE_HOME", str(where))
+    use_cache(cache, tmp_path / "a cache; rm -rf x", monkeypatch)  # the fix is a shell command: quoted
     lock = plant("deepspeed_shm_comm")
     (warned,) = _build_lock_checks()
     assert warned["status"] == "WARN", warned

@@ -14,6 +14,7 @@ import pytest
 from dskit.build_locks import build_directory
 from dskit.jit_ops import cached, prebuilt, use_own_ninja, wanted
 from tests.conftest import dskit
+from tests.support.build_lock import LAYOUTS, use_cache
 
 LOAD = """
 import sys
@@ -56,15 +57,11 @@ def test_cpu_ranks_load_their_collectives_and_every_rank_cpu_adam():
     assert wanted(gpu=True) == ["cpu_adam", "fused_adam"]
 
 
-@pytest.mark.parametrize("cache", ["TORCH_EXTENSIONS_DIR", "default"])
+@pytest.mark.parametrize("cache", LAYOUTS)
 def test_the_build_directory_is_torchs_own(cache, tmp_path, monkeypatch):
     from torch.utils.cpp_extension import _get_build_directory
 
-    if cache == "TORCH_EXTENSIONS_DIR":
-        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    else:
-        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
-        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    use_cache(cache, tmp_path, monkeypatch)
     named = build_directory("cpu_adam")
     assert not named.exists()  # named, not created
     assert str(named) == _get_build_directory("cpu_adam", verbose=False)
