@@ -37,9 +37,12 @@ demo: ops
 	$(BIN)/dskit export $(DEMO) -o runs/demo-hf --force
 
 # Everything (what CI's .ci/run runs after `make lint`): trainer, Slurm, Ray, pods, network, the CPU image.
+# The fast tier on two workers (its tests share nothing; serially it was a fifth of an 85-minute run on
+# 2 cores), then the rest in one process, since those share clusters and ports.
 # Duration: docs/development.md.
 test: ops
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
+	$(BIN)/python -m pytest -m "not ($(FAST))"
 
 # Unit + render + golden tests: no trainer, cluster, pod run, image build or network (duration: docs/development.md).
 # Two pytest-xdist workers: these tests share no cluster or port, unlike the rest of `make test`.

@@ -283,7 +283,12 @@ def test_bad_input_fails_the_job_without_a_requeue(cluster, tmp_path):
     assert st["JobState"] == "FAILED" and st["ExitCode"] == "2:0", (st, out[-3000:])
     assert int(st["Restarts"]) == 0
     assert f"dskit: error: data.path: {data / 'index.json'} not found" in out
-    assert "not requeued" in out and "Traceback" not in out
+    assert "not requeued" in out
+    # No traceback of dskit's: the rank says one line. The other node's torchrun agent may still print
+    # torch's own rendezvous traceback when node 1, which hosts the rendezvous store, exits first: a race
+    # between the two nodes seen once in a fresh-clone CI run (c10d_rendezvous_backend.py, _call_store).
+    tracebacks = out.split("Traceback (most recent call last):")[1:]
+    assert all("/dskit/" not in t and "torch/distributed/elastic/" in t for t in tracebacks), out[-3000:]
 
 
 def test_a_chain_of_time_limited_jobs_continues_the_run(cluster, tmp_path):
