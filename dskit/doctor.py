@@ -249,7 +249,7 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
     except Exception as e:
         return [Check("deepspeed ops", FAIL, f"cannot read the op report: {e}")]
     checks = []
-    for op in wanted(gpu or bool(os.environ.get("DSKIT_IMAGE_ARCH"))):
+    for op in wanted(gpu):
         name = f"deepspeed op {op}"
         if prebuilt(op):
             checks.append(Check(name, PASS, "prebuilt"))

@@ -4,7 +4,7 @@ An op the DeepSpeed install did not prebuild (`installed_ops`) is JIT-compiled b
 that loads it, under torch's build lock (dskit/build_locks.py): minutes of g++ on a small host, inside
 whatever deadline the launcher or a health check gives the start, and a process killed midway leaves
 the lock that every later start waits on forever. The images prebuild these ops (images/*/install.sh,
-DS_BUILD_*); a virtualenv (`make setup`, Slurm's `runtime: none`) builds them here once instead:
+DS_BUILD_*); a virtualenv (`make ops`, Slurm's `runtime: none`) builds them here once instead:
 
     python -m dskit.jit_ops        # into torch's extension cache; later loads only check it
 
@@ -42,7 +42,9 @@ def use_own_ninja() -> None:
 def wanted(gpu: bool) -> list[str]:
     """The compiled ops a rank loads: cpu_adam (optimizer offload, and `dskit calibrate`'s CPU Adam), plus
     fused_adam (the engine's Adam) on GPUs, or DeepSpeed's shared-memory collectives on CPU ranks (the
-    CPU accelerator runs torch's AdamW: the plan's optimizer.params.torch_adam)."""
+    CPU accelerator runs torch's AdamW: the plan's optimizer.params.torch_adam). A GPU image's build
+    (DSKIT_IMAGE_ARCH set) counts as a GPU host: it has no device yet."""
+    gpu = gpu or bool(os.environ.get("DSKIT_IMAGE_ARCH"))
     return ["cpu_adam"] + (["fused_adam"] if gpu else ["deepspeed_shm_comm"])
 
 
@@ -63,7 +65,15 @@ def cached(op: str) -> Path | None:
     return lib if lib.is_file() else None
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m dskit.jit_ops",
+        description="Build the DeepSpeed ops a rank on this host loads that the install did not prebuild "
+        "into torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), with this "
+        "environment's ninja. Exit 1 on an orphaned build lock or a failed build.",
+    ).parse_args(argv)
     import torch
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
@@ -76,7 +86,7 @@ def main() -> int:
         return 1
     use_own_ninja()
     failed = 0
-    for op in wanted(torch.cuda.is_available() or bool(os.environ.get("DSKIT_IMAGE_ARCH"))):
+    for op in wanted(torch.cuda.is_available()):
         builder = ALL_OPS.get(op)
         if prebuilt(op):
             print(f"deepspeed op {op}: prebuilt in the DeepSpeed install")

@@ -99,3 +99,9 @@ def test_an_op_built_ahead_is_not_built_again_by_a_rank_with_the_shells_path(tmp
     assert doctor["deepspeed op deepspeed_shm_comm"]["detail"].startswith(
         f"built in torch's extension cache ({cached('deepspeed_shm_comm').parent})"
     )
+
+
+def test_an_unknown_flag_is_refused_before_anything_is_built():
+    r = subprocess.run([sys.executable, "-m", "dskit.jit_ops", "--gpu"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unrecognized arguments: --gpu" in r.stderr
+    assert r.stdout == ""
