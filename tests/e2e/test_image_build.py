@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import dskit
-from tests.render.test_images import check_ops_within_v3
+from tests.support.isa import check_ops_within_v3
 
 pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.network]
 
