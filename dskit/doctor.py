@@ -35,6 +35,10 @@ def _version(mod: str) -> str | None:
     if importlib.util.find_spec(mod) is None:
         return None
     try:
+        if mod == "deepspeed":  # as the trainer imports it: without MLflow's second (dskit/jit_ops.py)
+            from dskit.jit_ops import import_deepspeed
+
+            import_deepspeed(mlflow=False)
         return getattr(importlib.import_module(mod), "__version__", "unknown")
     except Exception as e:  # a broken install (ABI mismatch: "undefined symbol") is exactly what we report
         return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"

@@ -12,9 +12,13 @@ rank already explained in one line. Here each failed rank is one line instead.
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import signal
 import socket
 import sys
+import threading
 
 TRAINER_MODULE = "dskit.train"
 LAUNCHER_MODULE = "dskit.torchrun"
@@ -60,6 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_teardown(code: int) -> None:
+    """End this process as the interpreter would, minus freeing every module: wait for the threads that
+    are not daemons, run the exit handlers (trackers, logging), flush, then os._exit. Freeing what
+    torch, DeepSpeed and transformers loaded took 1.2 s of each trainer rank's exit and 0.3 s of
+    torchrun's on 2 cores, at every launch and restart, after the work was done."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # noqa: SLF001 (what the interpreter would run at exit, in its order)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
@@ -68,4 +87,4 @@ def _signal_name(num: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -105,3 +105,50 @@ def test_an_unknown_flag_is_refused_before_anything_is_built():
     r = subprocess.run([sys.executable, "-m", "dskit.jit_ops", "--gpu"], capture_output=True, text=True)
     assert r.returncode == 2 and "unrecognized arguments: --gpu" in r.stderr
     assert r.stdout == ""
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def _results(proc: subprocess.CompletedProcess) -> list[str]:
+    """The words of the lines a script printed after `RESULT` (DeepSpeed logs to stdout too)."""
+    return [w for line in proc.stdout.splitlines() if line.startswith("RESULT ") for w in line.split()[1:]]
+
+
+def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it():
+    """DeepSpeed's autotuner imports MLflow, a second of each rank's start: hidden from it unless the run
+    tracks to MLflow, and importable again afterwards."""
+    code = (
+        "import sys\nfrom dskit.jit_ops import import_deepspeed\n"
+        "import_deepspeed(mlflow={})\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "print('RESULT', 'mlflow' in sys.modules, autotuner.has_mlflow)\n"
+        "import mlflow\nprint('RESULT', mlflow.__name__)\n"
+    )
+    hidden = _python(code.format(False))
+    assert hidden.returncode == 0, hidden.stderr[-2000:]
+    assert _results(hidden) == ["False", "False", "mlflow"]
+    tracked = _python(code.format(True))
+    assert tracked.returncode == 0, tracked.stderr[-2000:]
+    assert _results(tracked) == ["True", "True", "mlflow"]
+
+
+def test_a_process_ended_without_teardown_still_finishes_its_threads_and_exit_handlers(tmp_path):
+    """exit_without_teardown skips freeing the modules only: the threads that are not daemons finish,
+    the exit handlers run, buffered output is written, and the code is the process's status."""
+    code = f"""
+import atexit, pathlib, threading, time
+from dskit.torchrun import exit_without_teardown
+out = pathlib.Path({str(tmp_path)!r})
+def late():
+    time.sleep(0.5)
+    (out / "thread").write_text("done")
+threading.Thread(target=late).start()
+atexit.register(lambda: (out / "atexit").write_text("ran"))
+print("buffered", end="")
+exit_without_teardown(3)
+"""
+    r = _python(code)
+    assert r.returncode == 3 and r.stdout == "buffered", (r.returncode, r.stdout, r.stderr[-2000:])
+    assert (tmp_path / "thread").read_text() == "done" and (tmp_path / "atexit").read_text() == "ran"

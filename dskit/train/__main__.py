@@ -1,5 +1,16 @@
+"""`python -m dskit.train`: the trainer's process (dskit/train/entry.py). A run that ended leaves without
+the interpreter's teardown (dskit/torchrun.py `exit_without_teardown`): its files are closed and its exit
+code recorded by then. Bad input (exit 2) leaves the usual way: a rank refused at start gains nothing from
+a quicker exit, and the usual one leaves its peers the time to say their own line before the launcher
+stops them. An exception ends the usual way too, with its traceback."""
+
 import sys
 
+from dskit.errors import EXIT_BAD_INPUT
+from dskit.torchrun import exit_without_teardown
 from dskit.train.entry import main
 
-sys.exit(main())
+code = main()
+if code == EXIT_BAD_INPUT:
+    sys.exit(code)
+exit_without_teardown(code)

@@ -423,6 +423,7 @@ def _main() -> int:
     except SpecError as e:
         _error_line(e)
         return EXIT_BAD_INPUT
+    jit_ops.import_deepspeed(mlflow=plan.tracking is not None and plan.tracking.mlflow is not None)
     from dskit.train.checkpoints.reshard import ConversionFailed
     from dskit.train.checkpoints.store import DiskFull
 
