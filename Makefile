@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEMO   := runs/demo
 
-.PHONY: setup ops demo test test-fast examples lint clean image
+.PHONY: setup ops demo test test-fast test-image suite-cost examples lint clean image
 
 # torch first, pinned: 2.13.0 is a CPU build on the development/CI machines; an unpinned torch
 # pulled in by deepspeed would be a multi-GB CUDA download.
@@ -36,19 +36,32 @@ demo: ops
 	$(BIN)/dskit train --local $(DEMO)
 	$(BIN)/dskit export $(DEMO) -o runs/demo-hf --force
 
-# Everything (what CI's .ci/run runs after `make lint`): trainer, Slurm, Ray, pods, network, the CPU image.
-# The fast tier on two workers (its tests share nothing; serially it was a fifth of an 85-minute run on
-# 2 cores), then the rest in one process, since those share clusters and ports.
-# Duration: docs/development.md.
+# Everything (what CI's .ci/run runs after `make lint`): one pytest over the whole suite on two workers.
+# tests/support/scheduling.py groups the tests that share a cluster or a reference run, starts the costly
+# groups first, gives every test a timeout, and writes each test's seconds (runs/test/suite-cost.json; the
+# slowest are printed too). The image tests run where an image input changed since they last passed
+# (tests/support/image_gate.py; DSKIT_IMAGE_TESTS=always|never to decide). Duration: docs/development.md.
+XDIST      := -n 2 --dist loadscope --no-loadscope-reorder
+REPORTS    := runs/test
+IMAGE_RUN   = $(shell $(PYTHON) tests/support/image_gate.py)
 test: ops
-	$(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
-	$(BIN)/python -m pytest -m "not ($(FAST))"
+	$(BIN)/python -m pytest $(XDIST) $(if $(filter verified,$(IMAGE_RUN)),-m "not image") -rfE --durations=25 \
+	  --junitxml=$(REPORTS)/junit.xml --suite-cost=$(REPORTS)/suite-cost.json
+
+# The image tests alone (the CPU image built with podman: .ci/image-setup.sh first), then the record that
+# lets `make test` leave them out until an image input changes again.
+test-image: ops
+	DSKIT_IMAGE_TESTS=always $(BIN)/python -m pytest -m image -rfE --durations=10 --junitxml=$(REPORTS)/junit-image.xml
+	$(PYTHON) tests/support/image_gate.py record
+
+# tests/suite-cost.json (the order of the next runs; docs/development.md's figures) from the last full `make test`
+suite-cost:
+	$(BIN)/python -m tests.support.scheduling $(REPORTS)/suite-cost.json
 
 # Unit + render + golden tests: no trainer, cluster, pod run, image build or network (duration: docs/development.md).
-# Two pytest-xdist workers: these tests share no cluster or port, unlike the rest of `make test`.
 FAST := not train and not slurm and not ray and not network and not slow and not image
 test-fast: setup
-	DSKIT_PROPERTY_EXAMPLES=50 $(BIN)/python -m pytest -n 2 --dist worksteal -m "$(FAST)"
+	DSKIT_PROPERTY_EXAMPLES=50 $(BIN)/python -m pytest $(XDIST) -m "$(FAST)"
 
 # Regenerate the rendered examples in slurm/ and examples/ (they double as the golden files of the tests),
 # images/, helm/dskit/values.schema.json and helm/dskit/files/launch.sh; then review the diff.

@@ -14,6 +14,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# groups, order, timeouts and the cost record of `make test` (the file says how and why)
+pytest_plugins = ["tests.support.scheduling"]
+
 #: a resharded resume against the uninterrupted run: the batch cut into other micro-steps and reduced in
 #: another order. Measured on these tests within 2e-5 (and 2e-4 between fresh 1- and 2-rank runs);
 #: resumed without the Adam moments the curve is off by 7e-3 one step later, with DeepSpeed's shared

@@ -1,5 +1,5 @@
-"""What the end-to-end tiers share: the real 2-node Slurm cluster (tests/support/slurm_cluster.py), one
-per test module that asks for it."""
+"""What the end-to-end tiers share: the real 2-node Slurm cluster (tests/support/slurm_cluster.py), started
+once for the run and kept by one worker (its tests form one xdist group: tests/support/scheduling.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from tests.support.slurm_cluster import SlurmCluster, missing_tools
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     missing = missing_tools()
     if os.geteuid() != 0 or missing:

@@ -7,9 +7,7 @@ on two network-namespace hosts (tests/support/k8s_pods.py), training across them
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -376,20 +374,9 @@ def test_pod_failure_policy_maps_the_trainers_exit_codes():
 # --------------------------------------------------------------------------- the pods, run
 
 
-def require_pod_hosts() -> None:
-    """The pod tests need root and these tools (network namespaces); CI must have them."""
-    tools = ("nsenter", "unshare", "ip", "mount", "getent")
-    missing = [t for t in tools if not shutil.which(t, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")]
-    if os.geteuid() != 0 or missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the pod tests: root={os.geteuid() == 0}, missing {missing}")
-        pytest.skip(f"needs root and {', '.join(tools)} (missing: {missing})")
-
-
 @pytest.fixture
-def pods_for(tmp_path):
+def pods_for(tmp_path, pod_hosts):
     """Pods of a 2-node CPU render (1 rank per pod, EP=2, gloo over the hosts' eth0), not yet started."""
-    require_pod_hosts()
     made: list[Pods] = []
 
     def make(

@@ -34,7 +34,6 @@ from tests.render.test_helm import (
     enum_violations,
     lint_problems,
     render_chart,
-    require_pod_hosts,
     steps_logged,
     values_for,
 )
@@ -300,12 +299,11 @@ def test_combinations_the_workload_cannot_take_are_refused(tmp_path, sets, field
 
 
 @pytest.mark.train
-def test_jobset_pods_train_across_two_hosts_and_restart_after_preemption(tmp_path):
+def test_jobset_pods_train_across_two_hosts_and_restart_after_preemption(tmp_path, pod_hosts):
     """The JobSet's pods (its child Job NAME-node-0, hostnames NAME-node-0-i in the JobSet's subdomain)
     on two network-namespace hosts. Pod 1 is preempted: it and its peer checkpoint and exit 75, the
     child Job fails by its podFailurePolicy, and the JobSet's rule restarts the group without counting
     it; the new pods resume and complete."""
-    require_pod_hosts()
     root = tmp_path / "js"
     run_dir = render_tiny(
         root, name=RELEASE, target="helm", steps=24, nodes=2, gpus_per_node=1,

@@ -103,9 +103,9 @@ class PrivateNet:
             return
         rule = ["FORWARD", "-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT"]
         if on:
-            sh("iptables", "-I", *rule, check=False)
+            sh("iptables", "-w", "-I", *rule, check=False)
         else:
-            while sh("iptables", "-D", *rule, check=False).returncode == 0:
+            while sh("iptables", "-w", "-D", *rule, check=False).returncode == 0:
                 pass
 
 
