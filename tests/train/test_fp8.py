@@ -19,6 +19,7 @@ from dskit import catalog
 from dskit.hf_checkpoint import fp8_format
 from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks, quantize_blocks
 from tests.conftest import dskit, render_tiny
+from tests.support.shared import built_once
 from tests.train.test_train import losses, run
 
 QUANT = {
@@ -115,9 +116,16 @@ def save_fp8_twins(root: Path) -> tuple[Path, Path]:
     return dirs
 
 
+def shared_fp8_twins(tmp_path_factory) -> tuple[Path, Path]:
+    """save_fp8_twins' two checkpoints, trained and written once per run for every module that reads them
+    (tests/support/shared.py): a test must copy them before changing them."""
+    d = built_once(tmp_path_factory, "fp8-twins", save_fp8_twins)
+    return d / "v3-fp8", d / "v3-bf16"
+
+
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> tuple[Path, Path]:
-    return save_fp8_twins(tmp_path_factory.mktemp("fp8"))
+    return shared_fp8_twins(tmp_path_factory)
 
 
 # ---------------------------------------------------------------------------------------------------

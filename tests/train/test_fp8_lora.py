@@ -22,7 +22,7 @@ import torch
 from dskit.hf_checkpoint import fp8_format
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
-from tests.train.test_fp8 import BROKEN, W, _small_fp8_dir, save_fp8_twins
+from tests.train.test_fp8 import BROKEN, W, _small_fp8_dir, shared_fp8_twins
 from tests.train.test_train import RESUME_RTOL, losses, run
 
 STEPS, EVERY = 8, 4
@@ -40,7 +40,7 @@ SETS = [
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory) -> tuple[Path, Path]:
-    return save_fp8_twins(tmp_path_factory.mktemp("fp8-lora"))
+    return shared_fp8_twins(tmp_path_factory)
 
 
 def _render(tmp: Path, ckpt: Path, name: str = "run", extra: tuple[str, ...] = ()) -> Path:
@@ -181,7 +181,7 @@ def test_exports_dequantise_the_fp8_base(runs, twins, tmp_path, capsys):
 # construction, directly (no engine): from the meta device, no bf16 copy of the base anywhere
 
 
-def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twins):
+def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twins, tmp_path):
     """The FP8 linears hold the checkpoint's bytes, every other tensor is the bf16 twin's, the routed
     experts were never materialised (AutoEP + experts_stay_fp8 read each rank's share later), and
     nothing else is in bf16: what a rank holds after the build is the plan's non-expert FP8 base."""
@@ -194,7 +194,7 @@ def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twi
     from dskit.train.fp8.frozen_base import held_bytes
     from dskit.train.model import build_model
 
-    rd = render_tiny(Path(str(twins[0]) + "-plan"), None, extra=[f"model.path={twins[0]}", *SETS])
+    rd = render_tiny(tmp_path, None, extra=[f"model.path={twins[0]}", *SETS])
     plan = load_plan(rd / "run.yaml")
     m = build_model(
         plan.model, attention="sdpa", dtype=torch.bfloat16, seed=1, ckpt_every=0,

@@ -21,7 +21,7 @@ from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
 from tests.support.hf_reference import first_step_loss
 from tests.train.test_train import RESUME_RTOL, losses, run
-from tests.train.test_weights import LOSS_RTOL, save_checkpoint
+from tests.train.test_weights import LOSS_RTOL, saved
 
 pytestmark = pytest.mark.train
 STEPS, EVERY = 8, 4
@@ -61,21 +61,22 @@ def _render(tmp: Path, case: str, ckpt: Path) -> Path:
 
 
 class _Bases(dict):
-    """model -> its base checkpoint, shared by the cases on that model, saved when first asked for."""
+    """model -> its base checkpoint, shared by the cases on that model (and by other modules' tests: it
+    is saved once per run, tests/train/test_weights.py `saved`), saved when first asked for."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, factory: pytest.TempPathFactory):
         super().__init__()
-        self.tmp = tmp
+        self.factory = factory
 
     def __missing__(self, model: str) -> Path:
         # a base trained 2 steps: far from converged, so 8 LoRA steps move the loss well past batch noise
-        self[model] = save_checkpoint(model, self.tmp / model, train_steps=2)
+        self[model] = saved(self.factory, model, train_steps=2)
         return self[model]
 
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory) -> _Bases:
-    return _Bases(tmp_path_factory.mktemp("bases"))
+    return _Bases(tmp_path_factory)
 
 
 class _Runs(dict):

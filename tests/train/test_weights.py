@@ -9,6 +9,7 @@ so a model that silently kept its random init lands far away (checked).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from dskit import catalog
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
 from tests.support.hf_reference import first_step_loss
+from tests.support.shared import built_once
 from tests.train.test_train import losses, run
 
 pytestmark = pytest.mark.train
@@ -53,6 +55,20 @@ def save_checkpoint(model: str, out: Path, *, train_steps: int = 30) -> Path:
     return out
 
 
+def saved(factory: pytest.TempPathFactory, model: str, train_steps: int = 30) -> Path:
+    """save_checkpoint's checkpoint, trained and written once per run for every test that reads it
+    (tests/support/shared.py); a test that changes it takes `saved_copy`."""
+    return built_once(
+        factory, f"hf-{model}-{train_steps}", lambda d: save_checkpoint(model, d, train_steps=train_steps)
+    )
+
+
+def saved_copy(factory: pytest.TempPathFactory, model: str, to: Path) -> Path:
+    """A copy of `saved`'s checkpoint at `to`, this test's own to damage."""
+    shutil.copytree(saved(factory, model), to)
+    return to
+
+
 def hf_first_step_loss(model_dir: Path, run_dir: Path, *, fresh_seed: int | None = None) -> float:
     """The saved model's step-1 loss on the trainer's batches; `fresh_seed`: a freshly initialised
     model of the same config instead (the contrast: the weights were really loaded)."""
@@ -67,8 +83,8 @@ def hf_first_step_loss(model_dir: Path, run_dir: Path, *, fresh_seed: int | None
 
 
 @pytest.mark.parametrize("model,ranks", [("tiny-v2", 2), ("tiny-v2", 4), ("tiny-v3", 2), ("tiny-v3", 4)])
-def test_training_starts_from_the_saved_weights(tmp_path, model, ranks):
-    ckpt = save_checkpoint(model, tmp_path / "hf")
+def test_training_starts_from_the_saved_weights(tmp_path, tmp_path_factory, model, ranks):
+    ckpt = saved(tmp_path_factory, model)
     rd = render_tiny(tmp_path, None, steps=2, gpus_per_node=ranks, extra=[f"model.path={ckpt}"])
     assert load_plan(rd / "run.yaml").model.path == str(ckpt)
     assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
@@ -88,10 +104,10 @@ def test_training_starts_from_the_saved_weights(tmp_path, model, ranks):
 
 
 @pytest.mark.parametrize("stage", [2, 1])
-def test_zero1_and_2_start_from_the_saved_weights_too(tmp_path, stage):
+def test_zero1_and_2_start_from_the_saved_weights_too(tmp_path, tmp_path_factory, stage):
     """ZeRO-1/2 load the checkpoint whole onto the device (no zero.Init): the first loss is the saved
     model's, and each rank holds every non-expert weight and its half of the experts (EP 2)."""
-    ckpt = save_checkpoint("tiny-v2", tmp_path / "hf")
+    ckpt = saved(tmp_path_factory, "tiny-v2")
     extra = [f"model.path={ckpt}", f"overrides.zero_stage={stage}"]
     rd = render_tiny(tmp_path, None, steps=2, extra=extra)
     assert run(rd, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
@@ -104,8 +120,8 @@ def test_zero1_and_2_start_from_the_saved_weights_too(tmp_path, stage):
     assert [r["params_local"] for r in recs] == [plan.model.params_total - experts // 2] * 2
 
 
-def test_a_missing_shard_is_refused_at_render_and_at_start(tmp_path):
-    ckpt = save_checkpoint("tiny-v2", tmp_path / "hf")
+def test_a_missing_shard_is_refused_at_render_and_at_start(tmp_path, tmp_path_factory):
+    ckpt = saved_copy(tmp_path_factory, "tiny-v2", tmp_path / "hf")
     rd = render_tiny(tmp_path, None, steps=2, extra=[f"model.path={ckpt}"])
     victim = sorted(ckpt.glob("model-*.safetensors"))[1]
     victim.unlink()
@@ -117,8 +133,8 @@ def test_a_missing_shard_is_refused_at_render_and_at_start(tmp_path):
     assert victim.name in again.stderr
 
 
-def test_a_truncated_shard_is_one_line_and_exit_2(tmp_path):
-    ckpt = save_checkpoint("tiny-v3", tmp_path / "hf")
+def test_a_truncated_shard_is_one_line_and_exit_2(tmp_path, tmp_path_factory):
+    ckpt = saved_copy(tmp_path_factory, "tiny-v3", tmp_path / "hf")
     victim = sorted(ckpt.glob("model-*.safetensors"))[0]
     victim.write_bytes(victim.read_bytes()[:-100])
     r = dskit("plan", "--gpu", "cpu", "--set", f"model.path={ckpt}")
@@ -126,11 +142,11 @@ def test_a_truncated_shard_is_one_line_and_exit_2(tmp_path):
     assert f"{victim} is truncated" in r.stderr
 
 
-def test_a_shard_from_another_model_stops_every_rank_with_exit_2(tmp_path):
+def test_a_shard_from_another_model_stops_every_rank_with_exit_2(tmp_path, tmp_path_factory):
     """Same tensor names, other shapes: only rank 0 reads values, yet every rank must stop, not hang."""
     from safetensors.torch import load_file, save_file
 
-    ckpt = save_checkpoint("tiny-v2", tmp_path / "hf")
+    ckpt = saved_copy(tmp_path_factory, "tiny-v2", tmp_path / "hf")
     rd = render_tiny(tmp_path, None, steps=2, extra=[f"model.path={ckpt}"])
     victim = sorted(ckpt.glob("model-*.safetensors"))[-1]
     tensors = load_file(victim)
@@ -143,7 +159,9 @@ def test_a_shard_from_another_model_stops_every_rank_with_exit_2(tmp_path):
     assert len(errors) == 2, r.stderr[-3000:]  # one line from each rank
 
 
-def test_a_model_from_model_path_trains_in_train_mode_and_recomputes_its_checkpointed_layers(tmp_path):
+def test_a_model_from_model_path_trains_in_train_mode_and_recomputes_its_checkpointed_layers(
+    tmp_path, tmp_path_factory
+):
     """transformers' from_pretrained hands back an eval-mode model, in which its checkpointing (and
     dropout) is off: a run from model.path used to keep every layer's activations. Counted here by the
     attention forwards: a checkpointed layer runs its forward again in backward."""
@@ -151,7 +169,7 @@ def test_a_model_from_model_path_trains_in_train_mode_and_recomputes_its_checkpo
 
     from dskit.train.model import build_model
 
-    ckpt = save_checkpoint("tiny-v2", tmp_path / "ckpt", train_steps=1)
+    ckpt = saved(tmp_path_factory, "tiny-v2", train_steps=1)
     plan = load_plan(render_tiny(tmp_path, None, extra=[f"model.path={ckpt}"]) / "run.yaml")
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
