@@ -43,7 +43,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     if code != 0:
         return code
     if a.candidates:
-        from dskit import candidate_runs
+        from dskit.calibrate import candidates as candidate_runs
 
         def spec_with(extra: list[str], name: str | None = None):
             # the name through its flag: --job-name, where given, takes precedence over --set name=

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dskit import calibration, catalog, hf_checkpoint
-from dskit.calibration import Calibration
+from dskit import catalog, hf_checkpoint
+from dskit.calibrate import calibration
+from dskit.calibrate.calibration import Calibration
 from dskit.contract import Env
 from dskit.errors import SpecError
 from dskit.plan import host_memory, search
@@ -382,7 +383,7 @@ def launch_env(
 def build_calibration_plan(spec: Spec) -> Plan:
     """The plan of `spec` with a calibration job's section (`dskit calibrate`): the same run.yaml, launch
     contract and targets, and a trainer that measures instead of training."""
-    from dskit.plan.calibrate_job import calibrate_plan, job_name
+    from dskit.calibrate.measures import calibrate_plan, job_name
 
     # its own name, so its storage dirs (and launch-env.json) are not the training run's
     spec = spec.model_copy(update={"name": job_name(spec.name, "calibrate")})

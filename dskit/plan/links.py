@@ -14,7 +14,7 @@ same moment (every expert-data-parallel group reduces at once), so they keep the
 An all-to-all has no ring: each rank sends `(g-1)/g` of its bytes, `(g-r)/g` of them through its own
 share of the NICs and `(r-1)/g` over the node's links, both at once.
 
-Where the user calibrated their cluster (`dskit calibrate`, dskit/calibration.py), each shape's
+Where the user calibrated their cluster (`dskit calibrate`, dskit/calibrate/calibration.py), each shape's
 measured latency and bus bandwidth replace the catalog's for that shape; `Rate.source` says which.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dskit.calibration import OPS, Calibration
+from dskit.calibrate.calibration import OPS, Calibration
 
 __all__ = ["OPS", "Group", "Links", "Rate", "groups", "moved_share", "ring_steps"]
 

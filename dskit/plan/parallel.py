@@ -14,9 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 from dskit import catalog
-from dskit.calibration import Calibration
+from dskit.calibrate import scales
+from dskit.calibrate.calibration import Calibration
 from dskit.errors import SpecError, one_of
-from dskit.plan import calibrated, fit, host_memory, links, memory, search, speed
+from dskit.plan import fit, host_memory, links, memory, search, speed
 from dskit.plan.adapters import Tuning
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
@@ -249,7 +250,7 @@ def _speed_of(
     world, per_node = hardware.world_size, hardware.procs_per_node
     threads = host_memory.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
     rates = links.Links(gpu.interconnect_gbs, fabric.gbs_per_gpu, calibration)
-    factors = calibrated.scales(calibration)
+    factors = scales.factors(calibration)
 
     def speed_of(c: fit.Candidate) -> speed.StepTime | None:
         return speed.predict(

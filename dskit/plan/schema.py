@@ -149,7 +149,7 @@ class RayPlan(_Frozen):
 
 
 class CalibrateGroup(_Frozen):
-    """One kind of process group the calibration job forms and times (dskit/plan/calibrate_job.py)."""
+    """One kind of process group the calibration job forms and times (dskit/calibrate/measures.py)."""
 
     key: str  # its shape, as links.Group.key names it ("8x2": 8 ranks on each of 2 nodes)
     role: str  # which of the plan's groups has this shape ("dense", "ep 8", "expert-data-parallel at ep 8")
@@ -168,7 +168,7 @@ class CalibratePlan(_Frozen):
     groups: list[CalibrateGroup]
     sizes_bytes: list[int]  # whole-tensor sizes each op is timed at
     iters: int  # timed calls per size, after one warm-up
-    #: (tokens, in, out) of the GEMM probe (GPU only; a fixed shape: calibrate_job.PROBE_GEMM)
+    #: (tokens, in, out) of the GEMM probe (GPU only; a fixed shape: dskit/calibrate/measures.py PROBE_GEMM)
     gemm: tuple[int, int, int] | None
     #: (batch, heads, seq, qk head dim, v head dim) of the attention probe (GPU only; fixed likewise)
     attention: tuple[int, int, int, int, int] | None

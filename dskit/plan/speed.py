@@ -3,7 +3,7 @@
 A model, not a simulator: a few terms, each with a physical reason, and the constants that cannot be
 derived fitted to training steps measured on H200 (the runs and the fits: docs/planner.md; pinned by
 tests/plan/test_plan_calibration.py). A user's `dskit calibrate` replaces the collective rates with
-its measurements and scales the fitted terms by its probes (dskit/plan/calibrated.py). Per GPU,
+its measurements and scales the fitted terms by its probes (dskit/calibrate/scales.py). Per GPU,
 per optimizer step of `grad_accum` micro-steps of T = micro_batch x seq_len tokens, two timelines run
 side by side, because the host enqueues kernels ahead of the GPU:
 
@@ -48,10 +48,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dskit.calibrate.scales import FITTED, Scales
 from dskit.catalog import GPU
 from dskit.plan import links as links_
 from dskit.plan.adapters import Tuning
-from dskit.plan.calibrated import FITTED, Scales
 from dskit.plan.links import Links
 from dskit.plan.memory import flat_gradients, fused_combine, one_rank_fused
 from dskit.plan.model_math import ModelCounts
@@ -302,7 +302,7 @@ def predict(
     `offload`: the optimizer stepped on the host's CPU Adam, on `host_threads` cores per rank.
     `peak_tflops`: at the plan's precision. `tuning`: a LoRA run (`flops_per_token` is then its own,
     `Tuning.flops_per_token`); None: full fine-tuning. `links`: the cluster's collective rates
-    (dskit/plan/links.py). `scales`: a calibration's factors on the fitted terms (dskit/plan/calibrated.py)."""
+    (dskit/plan/links.py). `scales`: a calibration's factors on the fitted terms (dskit/calibrate/scales.py)."""
     if peak_tflops is None or gpu.memory_bw_gbs is None:
         return None
     scales = scales or Scales()

@@ -66,7 +66,7 @@ def read_contract(*, launcher_env: bool = True):
                 f"{world} ranks launched but the plan is for {plan.hardware.world_size} "
                 f"({plan.hardware.nodes} nodes x {plan.hardware.procs_per_node})",
             )
-    if plan.calibrate is not None:  # a calibration job reads no data (dskit/train/calibrate.py)
+    if plan.calibrate is not None:  # a calibration job reads no data (dskit/calibrate/job.py)
         return plan, None, None, None
     vocab = plan.model.config["vocab_size"]
     if plan.run.data_sources:
@@ -136,12 +136,12 @@ def _eval_sampler(plan, data):
 
 
 def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], None] | None = None) -> int:
-    """Build model + engine and train (a calibration job measures instead: dskit/train/calibrate.py).
+    """Build model + engine and train (a calibration job measures instead: dskit/calibrate/job.py).
     The caller owns the process group's lifetime."""
     import warnings
 
     if plan.calibrate is not None:
-        from dskit.train.calibrate import calibrate
+        from dskit.calibrate.job import calibrate
 
         return calibrate(plan, *start_distributed(plan))
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dskit import calibration
+from dskit.calibrate import calibration
+from dskit.calibrate.job import BLOCKS
 from dskit.plan import links
 from dskit.plan.schema import load_plan
-from dskit.train.calibrate import BLOCKS
 from tests.conftest import TINY_SETS, dskit, render_tiny
 from tests.support.slurm_cluster import SlurmCluster
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dskit import calibration
+from dskit.calibrate import calibration
 from dskit.checkpoint_layout import newest_verified_tag
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan

@@ -1,4 +1,4 @@
-"""The calibration file as the plan reads it (dskit/calibration.py): used where it matches the plan's
+"""The calibration file as the plan reads it (dskit/calibrate/calibration.py): used where it matches the plan's
 hardware, refused in one line (exit 2, nothing written) where it does not, is damaged, or is not one.
 
 The files here are written by the test, not measured: they test the reader and the model's use of
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit import calibration
+from dskit.calibrate import calibration
 from dskit.plan import links as links_mod
 from dskit.plan.build import build_plan_searched
 from dskit.plan.links import Group, Links
@@ -171,7 +171,7 @@ def test_a_calibration_of_other_hardware_is_refused(tmp_path, sets, says):
 def _with_probes(p: Path, *, gemm_share: float, host: float) -> Path:
     """`p` with GEMM and host probe readings: `gemm_share` of the reference's share of peak, `host` x
     its host time."""
-    from dskit.plan.calibrated import reference
+    from dskit.calibrate.scales import reference
 
     ref = reference().compute
     data = json.loads(p.read_text())
@@ -187,17 +187,17 @@ def _with_probes(p: Path, *, gemm_share: float, host: float) -> Path:
 def test_probes_scale_the_fitted_terms_only_beyond_their_spread(tmp_path):
     """A GEMM probe at half the reference's share of peak doubles the compute term; a host probe within
     its measured run-to-run spread leaves the host term as fitted, and the plan says which."""
-    from dskit.plan.calibrated import SAME, SCALED, SPREAD, scales
+    from dskit.calibrate.scales import SAME, SCALED, SPREAD, factors
 
     def load(p: Path):
         return calibration.load(p, field="f", gpu="h100-80gb", fabric="infiniband", procs_per_node=8)
 
-    near = scales(
+    near = factors(
         load(_with_probes(_file(tmp_path, cross_node_gbs=50), gemm_share=0.5, host=1 + SPREAD["host"] / 2))
     )
     assert near.compute == pytest.approx(2.0) and near.sources["compute"].startswith(SCALED)
     assert near.host == 1.0 and near.sources["host"].startswith(SAME)
-    slow = scales(load(_with_probes(_file(tmp_path, cross_node_gbs=50), gemm_share=1.0, host=3.0)))
+    slow = factors(load(_with_probes(_file(tmp_path, cross_node_gbs=50), gemm_share=1.0, host=3.0)))
     assert slow.compute == 1.0 and slow.host == pytest.approx(3.0)
     base, _ = _plan()
     p = _with_probes(_file(tmp_path, cross_node_gbs=50), gemm_share=0.5, host=1.0)

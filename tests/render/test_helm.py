@@ -17,7 +17,8 @@ import jsonschema
 import pytest
 import yaml
 
-from dskit import calibration, catalog
+from dskit import catalog
+from dskit.calibrate import calibration
 from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE, REQUIRED
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.build import build_plan

@@ -31,7 +31,7 @@ EXEMPT = {
     ("dskit/catalog/__init__.py", "_load"): "the package's own catalogs",
     ("dskit/render/image.py", "toolchains"): "the package's own images.yaml",
     ("dskit/render/helm.py", "chart_files"): "the package's own Helm chart",
-    ("dskit/plan/calibrated.py", "reference"): "the package's own reference calibration",
+    ("dskit/calibrate/scales.py", "reference"): "the package's own reference calibration",
     ("dskit/image_builder.py", "source_root"): "dskit's own pyproject.toml",
     ("dskit/image_builder.py", "image_size"): "the container tool's answer on stdout, not a file",
     ("dskit/owner.py", "gone"): "os.pread of 64 KiB: bounded by the call",

@@ -1,12 +1,12 @@
-"""The calibration job's arithmetic (dskit/train/calibrate.py): the latency/bandwidth fit and the
+"""The calibration job's arithmetic (dskit/calibrate/job.py): the latency/bandwidth fit and the
 preflight's verdict, on numbers whose answer is known."""
 
 from __future__ import annotations
 
 import pytest
 
+from dskit.calibrate.job import PREFLIGHT_SHARE, fit, preflight
 from dskit.plan.schema import CalibrateGroup
-from dskit.train.calibrate import PREFLIGHT_SHARE, fit, preflight
 
 
 def test_the_fit_recovers_latency_and_bandwidth():

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit import calibration
+from dskit.calibrate import calibration
 from tests.conftest import TINY_SETS, dskit
 
 pytestmark = pytest.mark.train

@@ -1,6 +1,6 @@
 """The calibration file: what `dskit calibrate` measured on a cluster, and the one reader the plan uses.
 
-Written by the calibration job's rank 0 (dskit/train/calibrate.py), read by the plan
+Written by the calibration job's rank 0 (dskit/calibrate/job.py), read by the plan
 (`hardware.calibration` or `--calibration`) through `load`. It names the hardware it was measured on;
 a plan for other hardware, a file from another version, or a damaged one is refused in one line, never
 half-used. Neither side decides anything here: the measurement writes numbers, the step-time model
@@ -68,11 +68,11 @@ class CpuAdam(_Frozen):
 
 
 class Compute(_Frozen):
-    """The probes, at fixed shapes so that clusters compare (dskit/plan/calibrate_job.py)."""
+    """The probes, at fixed shapes so that clusters compare (dskit/calibrate/measures.py)."""
 
     gemm_tflops: float | None = Field(None, gt=0)  # bf16 matmul
     attention_tflops: float | None = Field(None, gt=0)  # SDPA forward + backward, MLA's head dims
-    host_layer_pass_s: float | None = Field(None, gt=0)  # the host probe (dskit/train/calibrate.py)
+    host_layer_pass_s: float | None = Field(None, gt=0)  # the host probe (dskit/calibrate/job.py)
 
 
 class CandidateRun(_Frozen):

@@ -1,5 +1,5 @@
 """What a calibration job measures (`dskit calibrate`): decided here from the plan, so the job itself
-(dskit/train/calibrate.py) only times what run.yaml lists.
+(dskit/calibrate/job.py) only times what run.yaml lists.
 
 It times the process groups a plan of this size forms, for every EP size the search weighs (not only
 the pick's: the pick may change once the rates are measured): the dense group (every rank), each EP
@@ -35,7 +35,7 @@ ITERS_GPU, ITERS_CPU = 5, 3
 CPU_ADAM_PARAMS_GPU, CPU_ADAM_PARAMS_CPU = 200_000_000, 4_000_000
 WIRE_BYTES = 2
 #: the GPU probes' shapes, fixed so that every cluster's reading compares with the reference's
-#: (dskit/plan/calibrated.py): V2-Lite's expert GEMM and attention at 2 x 4096 tokens, where the
+#: (dskit/calibrate/scales.py): V2-Lite's expert GEMM and attention at 2 x 4096 tokens, where the
 #: reference was read. A probe at each plan's own shape would compare shapes, not hardware: one H200
 #: ran 234 to 819 TFLOP/s over the presets' shapes.
 PROBE_GEMM = (8192, 2048, 1408)

@@ -1,5 +1,5 @@
 """The calibration job (`dskit calibrate`): time what run.yaml's `calibrate` section lists on this
-cluster, and write one calibration file (dskit/calibration.py) that the plan reads.
+cluster, and write one calibration file (dskit/calibrate/calibration.py) that the plan reads.
 
 Started like a training run (same launcher, same launch contract: `python -m dskit.train` sees the
 section and comes here). Every rank takes part in every measurement; each number is the slowest rank's,
@@ -27,8 +27,9 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from dskit import __version__, calibration
-from dskit.calibration import Calibration, Compute, CpuAdam, Fit, Hardware
+from dskit import __version__
+from dskit.calibrate import calibration
+from dskit.calibrate.calibration import Calibration, Compute, CpuAdam, Fit, Hardware
 
 #: timed blocks per size (the quickest counts)
 BLOCKS = 3

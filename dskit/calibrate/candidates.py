@@ -14,10 +14,11 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from dskit import bounded_read, calibration
-from dskit.calibration import CandidateRun
+from dskit import bounded_read
+from dskit.calibrate import calibration
+from dskit.calibrate.calibration import CandidateRun
+from dskit.calibrate.measures import job_name
 from dskit.plan.build import build_plan_searched
-from dskit.plan.calibrate_job import job_name
 from dskit.spec import Spec
 from dskit.status.report import MAX_METRICS_LINE, METRICS_FILE
 

@@ -23,7 +23,7 @@ from functools import cache
 from pathlib import Path
 
 from dskit import catalog
-from dskit.calibration import Calibration
+from dskit.calibrate.calibration import Calibration
 
 #: the probes' readings on the machine the constants were fitted on (catalog data)
 REFERENCE = Path(__file__).resolve().parent.parent / "catalog" / "calibration-reference.json"
@@ -51,7 +51,7 @@ def reference() -> Calibration:
     return Calibration.model_validate(json.loads(REFERENCE.read_text()))
 
 
-def scales(cal: Calibration | None) -> Scales:
+def factors(cal: Calibration | None) -> Scales:
     """The factors `cal` implies against REFERENCE, and each term's source. GEMM rates compare as
     shares of each GPU's bf16 peak (the probe runs bf16)."""
     src = {"compute": FITTED, "host": FITTED, "cpu_adam": FITTED}
