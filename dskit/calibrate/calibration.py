@@ -100,22 +100,22 @@ class Calibration(_Frozen):
     #: `dskit calibrate local --candidates N`: what the plan's top candidates measured (not read by the plan)
     candidates: list[CandidateRun] = []
 
-    def rate(self, op: str, key: str) -> tuple[float, float, str] | None:
-        """(bus GB/s, latency s, the shape measured) for `op` over groups shaped `key`. A ring across
-        another number of nodes than was calibrated takes the measured ring with as many ranks per node
-        across the nearest number of nodes (a ring's bus bandwidth does not depend on its length), its
-        latency scaled by the ring steps across nodes. An all-to-all is no ring: only its own shape."""
+    def nearest(self, op: str, key: str) -> tuple[Fit, str] | None:
+        """The fit of `op` measured over groups shaped `key`, with `key`; for a ring across another number
+        of nodes, the ring measured with as many ranks per node across the nearest number of nodes (the
+        wider of two as near), with that shape's key, for the plan to scale (dskit/plan/links.py). An
+        all-to-all is no ring: only its own shape. None: nothing measured that serves."""
         fits = self.collectives.get(op, {})
         if key in fits:
-            return fits[key].bus_gbs, fits[key].latency_s, key
+            return fits[key], key
         per_node, nodes = _shape(key)
         if op not in RING_OPS or nodes < 2:
             return None
-        rings = [(n, f) for k, f in fits.items() for r, n in [_shape(k)] if r == per_node and n > 1]
+        rings = [(n, k) for k in fits for r, n in [_shape(k)] if r == per_node and n > 1]
         if not rings:
             return None
-        n, f = min(rings, key=lambda nf: (abs(nf[0] - nodes), -nf[0]))
-        return f.bus_gbs, f.latency_s * (nodes - 1) / (n - 1), f"{per_node}x{n}"
+        _, at = min(rings, key=lambda nk: (abs(nk[0] - nodes), -nk[0]))
+        return fits[at], at
 
 
 def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node: int) -> Calibration:

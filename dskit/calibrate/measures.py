@@ -53,7 +53,7 @@ def calibrate_plan(
     """`plan` with the calibration job's section: what to time, at which sizes, where to write."""
     h, p, cfg = plan.hardware, plan.parallel, plan.model.config
     world, per_node = h.world_size, h.procs_per_node
-    rates = links.Links(gpu.interconnect_gbs, fabric.gbs_per_gpu)
+    rates = links.Links.of(gpu, fabric)
     shapes: dict[str, CalibrateGroup] = {}
 
     def add(g: links.Group, role: str, stride: int, ops: tuple[str, ...]) -> None:

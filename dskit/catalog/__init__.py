@@ -33,6 +33,7 @@ class GPU:
     memory_bw_gbs: float | None
     interconnect_gbs: float | None  # GPU to GPU inside a node, per GPU and direction
     interconnect_source: str
+    interconnect_kind: str | None  # nvlink, pcie (None: no GPU)
     pcie_gbs: float | None  # host link per GPU and direction
     flash_attn: str
     attention: str
@@ -84,7 +85,8 @@ class Fabric:
     k8s_resource: str | None
     env: dict[str, str]
     source: str
-    gbs_per_gpu: float | None  # inter-node, per GPU and direction; None: unknown
+    gbs_per_gpu: float | None  # inter-node line rate, per GPU and direction; None: unknown
+    bus_gbs_per_gpu: float | None  # what NCCL's rings reach of it (the step-time model's rate)
     k8s_topology_level: str | None = None  # Kueue's default topology level (a node label); None: none
 
 

@@ -4,18 +4,23 @@ A group is known by its shape (`Group`): how many of its ranks share a node, ove
 shape, not the world, sets the bandwidth. NCCL runs all-gather, reduce-scatter and all-reduce as rings
 (its tuning model, NVIDIA/nccl src/graph/tuning.cc `ncclTopoTuneModel`): a rank moves `(g-1)/g` of the
 gathered bytes for an all-gather or reduce-scatter and `2(g-1)/g` for an all-reduce (nccl-tests
-doc/PERFORMANCE.md, "bus bandwidth"), at the group's bus bandwidth, after a latency of a few
-microseconds per ring step. Inside a node the bus bandwidth is the GPU's link (NVLink, else PCIe).
+doc/PERFORMANCE.md, "bus bandwidth"), at the group's bus bandwidth, after NCCL's latency: a base per
+call and one hardware latency per ring step, inside a node over NVLink or PCIe, across nodes over the
+network (`ring_latency_s`). Inside a node the bus bandwidth is the GPU's link (NVLink, else PCIe).
 Across nodes a ring leaves each node once per channel, and NCCL gives every local rank of the group a
 channel on its own NIC: the node's share of the fabric that the group's local ranks own, `r x` the
-fabric's per-GPU rate, bounds it. The node's other ranks run their own groups of the same kind at the
-same moment (every expert-data-parallel group reduces at once), so they keep their NICs.
+rate NCCL reaches per NIC (fabrics.yaml `bus_gbs_per_gpu`, below the line rate), bounds it. The node's
+other ranks run their own groups of the same kind at the same moment (every expert-data-parallel group
+reduces at once), so they keep their NICs.
 
 An all-to-all has no ring: each rank sends `(g-1)/g` of its bytes, `(g-r)/g` of them through its own
 share of the NICs and `(r-1)/g` over the node's links, both at once.
 
-Where the user calibrated their cluster (`dskit calibrate`, dskit/calibrate/calibration.py), each shape's
-measured latency and bus bandwidth replace the catalog's for that shape; `Rate.source` says which.
+Where the user calibrated their cluster (`dskit calibrate`, dskit/calibrate/calibration.py), each
+shape's measured latency and bus bandwidth replace the catalog's for that shape; a ring across more (or
+fewer) nodes than were measured takes the measured ring with as many ranks per node across the nearest
+number of nodes (a ring's bus bandwidth does not depend on its length), its latency scaled by NCCL's
+model of the two rings (the steps inside nodes and across them). `Rate.source` says which.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dskit.calibrate.calibration import OPS, Calibration
+from dskit.catalog import GPU, Fabric
 
-__all__ = ["OPS", "Group", "Links", "Rate", "groups", "moved_share", "ring_steps"]
+__all__ = ["OPS", "Group", "Links", "Rate", "groups", "moved_share", "ring_latency_s", "ring_steps"]
 
 #: NCCL's ring latency model, protocol Simple (the one large messages take), microseconds: a base per
-#: call, plus one hardware latency per ring step that crosses a network link (tuning.cc `baseLat`,
-#: `hwLat[NCCL_HW_NET]`). The steps inside a node are not counted here: their latency is part of the
-#: per-layer-pass synchronisation fitted on one node (speed.SYNC_LAYER_PASS_S).
+#: call, plus one hardware latency per ring step, by the link the step crosses (tuning.cc `baseLat`,
+#: `hwLat`: NVLink 3.4, PCIe 5.7, the network 9.6). At 256 ranks on 32 nodes an all-gather's 224 steps
+#: inside nodes are 0.76 ms of its 1.07 ms.
 NCCL_RING_BASE_US = 8.4
-NCCL_NET_STEP_US = 9.6
+NCCL_STEP_US = {"nvlink": 3.4, "pcie": 5.7, "net": 9.6}
+NCCL_NET_STEP_US = NCCL_STEP_US["net"]
 US = 1e-6
 GB = 1e9
 
@@ -96,6 +103,17 @@ def ring_steps(op: str, g: Group) -> tuple[int, int]:
     return (2 * per_pass[0], 2 * per_pass[1]) if op == "all_reduce" else per_pass
 
 
+def ring_latency_s(op: str, g: Group, intra_kind: str | None) -> float:
+    """NCCL's latency for one call of `op` over groups shaped `g` whose steps inside a node cross
+    `intra_kind` links (nvlink, pcie; None: pcie's). An all-to-all exchanges with every peer at once:
+    one step, over the network where the group spans nodes."""
+    intra = NCCL_STEP_US["nvlink" if intra_kind == "nvlink" else "pcie"]
+    if op == "all_to_all":
+        return (NCCL_STEP_US["net"] if g.spans_nodes else intra) * US
+    steps, inter = ring_steps(op, g)
+    return (NCCL_RING_BASE_US + (steps - inter) * intra + inter * NCCL_STEP_US["net"]) * US
+
+
 @dataclass(frozen=True)
 class Rate:
     bus_gbs: float  # bytes a rank sends, per second of the transfer, in GB/s
@@ -105,29 +123,40 @@ class Rate:
 
 @dataclass(frozen=True)
 class Links:
-    """The rates of one cluster: a GPU's link inside a node, the fabric's per-GPU share across nodes
-    (None: unknown), and the user's measurements where they calibrated."""
+    """The rates of one cluster: a GPU's link inside a node (and its kind, for NCCL's step latency), the
+    fabric's per-GPU bus rate across nodes (None: unknown), and the user's measurements where they
+    calibrated."""
 
     intra_gbs: float | None
     fabric_gbs: float | None
     calibration: Calibration | None = None
+    intra_kind: str | None = "nvlink"
+
+    @classmethod
+    def of(cls, gpu: GPU, fabric: Fabric, calibration: Calibration | None = None) -> Links:
+        """The catalog's rates for `gpu` on `fabric` (the rate NCCL reaches, not the line rate)."""
+        return cls(gpu.interconnect_gbs, fabric.bus_gbs_per_gpu, calibration, gpu.interconnect_kind)
 
     def rate(self, op: str, g: Group) -> Rate | None:
         """The rate of `op` over groups shaped `g`, or None where nothing says (a fabric without a
         catalog rate, not calibrated)."""
         if self.calibration is not None:
-            measured = self.calibration.rate(op, g.key)
-            if measured is not None:
-                bus, latency, at = measured
-                source = MEASURED if at == g.key else f"{MEASURED} on {at}, latency scaled to {g.nodes} nodes"
-                # steps inside a node are the fitted synchronisation's (see NCCL_NET_STEP_US)
-                return Rate(bus, latency if g.spans_nodes else 0.0, source)
+            found = self.calibration.nearest(op, g.key)
+            if found is not None:
+                fit, at = found
+                if at == g.key:
+                    return Rate(fit.bus_gbs, fit.latency_s, MEASURED)
+                measured = Group(*(int(x) for x in at.split("x")))
+                scale = ring_latency_s(op, g, self.intra_kind) / ring_latency_s(op, measured, self.intra_kind)
+                source = f"{MEASURED} on {at}, latency scaled to {g.nodes} nodes by NCCL's ring model"
+                return Rate(fit.bus_gbs, fit.latency_s * scale, source)
         return self.catalog_rate(op, g)
 
     def catalog_rate(self, op: str, g: Group) -> Rate | None:
         intra = self.intra_gbs
+        latency = ring_latency_s(op, g, self.intra_kind)
         if not g.spans_nodes:
-            return None if intra is None else Rate(intra, 0.0, CATALOG)
+            return None if intra is None else Rate(intra, latency, CATALOG)
         if self.fabric_gbs is None or intra is None:
             return None
         if op == "all_to_all":
@@ -135,10 +164,8 @@ class Links:
             net = (g.size - g.ranks_per_node) / g.size / self.fabric_gbs
             node = (g.ranks_per_node - 1) / g.size / intra
             bus = moved_share(op, g.size) / max(net, node)
-            latency = NCCL_NET_STEP_US * US  # one exchange with every peer, in parallel
         else:
             bus = min(intra, g.ranks_per_node * self.fabric_gbs)
-            latency = (NCCL_RING_BASE_US + NCCL_NET_STEP_US * ring_steps(op, g)[1]) * US
         return Rate(bus, latency, CATALOG)
 
     def seconds(self, op: str, g: Group, nbytes: float, calls: float = 1.0) -> float | None:

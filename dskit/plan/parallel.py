@@ -249,7 +249,7 @@ def _speed_of(
     optimizer steps on the rank's OMP_NUM_THREADS cores (`cpus_per_node`: hardware.cpus_per_node)."""
     world, per_node = hardware.world_size, hardware.procs_per_node
     threads = host_memory.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
-    rates = links.Links(gpu.interconnect_gbs, fabric.gbs_per_gpu, calibration)
+    rates = links.Links.of(gpu, fabric, calibration)
     factors = scales.factors(calibration)
 
     def speed_of(c: fit.Candidate) -> speed.StepTime | None:

@@ -65,12 +65,14 @@ def test_measured_rates_replace_the_catalogs(tmp_path):
     cal = calibration.load(
         _file(tmp_path, cross_node_gbs=5.0), field="f", gpu="h100-80gb", fabric="infiniband", procs_per_node=8
     )
-    links = Links(450, 50, cal)
+    links = Links(450, 48, cal, "nvlink")
     assert links.rate("all_gather", Group(1, 2)).bus_gbs == 5.0
-    assert links.rate("all_gather", Group(8, 1)).latency_s == 0  # inside a node: the fitted sync's
-    # a ring over more nodes than calibrated: the widest measured ring's bandwidth, latency per step
+    assert links.rate("all_gather", Group(8, 1)).latency_s == 5e-5  # measured inside a node too
+    # a ring over more nodes than calibrated: the widest measured ring's bandwidth; its latency scaled by
+    # NCCL's ring model from 8 x 2 to 8 x 4 ranks: 14 -> 28 steps inside nodes, 1 -> 3 across them
     wide = links.rate("all_gather", Group(8, 4))
-    assert wide.bus_gbs == 40.0 and wide.latency_s == pytest.approx(5e-5 * 3)
+    model = {n: 8.4 + (8 * n - 1 - (n - 1)) * 3.4 + (n - 1) * 9.6 for n in (2, 4)}
+    assert wide.bus_gbs == 40.0 and wide.latency_s == pytest.approx(5e-5 * model[4] / model[2])
     plan, found = _plan(f"hardware.calibration={tmp_path / 'calibration.json'}")
     sources = found.chosen.speed.as_dict()["sources"]
     groups = [k for k in sources if k.endswith(" nodes)")]  # the groups across the two nodes
