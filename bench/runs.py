@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -41,8 +42,8 @@ def header() -> dict:
             .stdout.strip()
             .splitlines()
         )
-    except FileNotFoundError:  # a machine without NVIDIA's driver: say what ran instead
-        smi = [platform.processor() or platform.machine()]
+    except FileNotFoundError:  # a machine without NVIDIA's driver: its CPU, and how many cores
+        smi = [f"{_cpu_model()}, {os.cpu_count()} cores"]
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -55,6 +56,15 @@ def header() -> dict:
             "transformers": transformers.__version__,
         },
     }
+
+
+def _cpu_model() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [x.split(":", 1)[1].strip() for x in lines if x.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def step_records(run_dir: Path) -> list[dict]:

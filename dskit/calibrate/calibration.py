@@ -22,13 +22,17 @@ from dskit import bounded_read
 from dskit.atomic import write_file
 from dskit.errors import SpecError
 
-VERSION = 1
+VERSION = 2
 #: a calibration of a few hundred groups and sizes is tens of KiB: anything near this is not one
 MAX_BYTES = 4 * 2**20
 SHAPE_KEY = r"^[1-9][0-9]{0,3}x[1-9][0-9]{0,4}$"
-#: the collectives timed, by the names the file and the step-time model use
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-RING_OPS = OPS[:3]  # NCCL runs these as rings: a ring's bus bandwidth does not depend on its length
+#: AutoEP's dispatch and combine over an expert-parallel group, timed as a MoE layer runs them (its count
+#: exchange and uneven splits included: dskit/calibrate/job.py `_exchange_s`), beside the ring collectives
+EXCHANGE = "autoep_exchange"
+#: what the file times, by the names the file and the step-time model use: the collectives ZeRO runs, as
+#: rings (a ring's bus bandwidth does not depend on its length), and AutoEP's exchange
+RING_OPS = ("all_gather", "reduce_scatter")
+OPS = (*RING_OPS, EXCHANGE)
 #: the longest text of the file that is echoed (warnings, names in refusals)
 ECHO_CHARS = 300
 

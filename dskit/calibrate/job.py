@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from datetime import datetime, timezone
+from types import SimpleNamespace
 from typing import Any
 
 from dskit import __version__
@@ -41,7 +42,7 @@ def calibrate(plan: Any, device: Any, rank: int, world: int) -> int:
     import torch.distributed as dist
 
     c = plan.calibrate
-    say = _Progress(rank, sum(len(g.moved_share) for g in c.groups) + 3)
+    say = _Progress(rank, sum(len(g.moved_share) for g in c.groups) + len(c.exchanges) + 3)
     collectives: dict[str, dict[str, Fit]] = {}
     for g in c.groups:
         mine = _join(g, rank, world)
@@ -49,7 +50,12 @@ def calibrate(plan: Any, device: Any, rank: int, world: int) -> int:
             say(f"{op} over {g.key} ({g.role}: {world // g.size} groups of {g.size} at once)")
             points = [(s, _timed(op, mine, g.size, s, device, c.iters)) for s in c.sizes_bytes]
             collectives.setdefault(op, {})[g.key] = fit(points, share)
-    say("GEMM and attention rates" if c.gemm else "GEMM and attention rates (not on CPU)")
+    for x in c.exchanges:
+        say(f"AutoEP's dispatch and combine at EP {x.ep_size} ({x.key}), {len(x.tokens)} token counts")
+        mine = _join(SimpleNamespace(size=x.ep_size, stride=1), rank, world)
+        points = [(exchange_bytes(x, t), _exchange_s(x, t, mine, device, c.iters, rank)) for t in x.tokens]
+        collectives.setdefault(calibration.EXCHANGE, {})[x.key] = fit(points, (x.ep_size - 1) / x.ep_size)
+    say("GEMM and attention rates" if c.attention else "GEMM rate (attention: GPUs only)")
     gemm, gemm_why = _probe(_gemm_tflops, c.gemm, device) if c.gemm else (None, None)
     attention, attention_why = _probe(_attention_tflops, c.attention, device) if c.attention else (None, None)
     compute = Compute(
@@ -61,7 +67,7 @@ def calibrate(plan: Any, device: Any, rank: int, world: int) -> int:
     )
     adam, adam_why = _cpu_adam(c.cpu_adam_params, c.threads_per_rank, plan.hardware.procs_per_node)
     skipped = [w for w in (gemm_why, attention_why, adam_why) if w]
-    warnings = preflight(c.groups, collectives) + skipped + _shm(plan)
+    warnings = preflight(c.groups, c.exchanges, collectives) + skipped + _shm(plan)
     say("writing the calibration")
     if rank == 0:
         cal = Calibration(
@@ -144,6 +150,51 @@ def _timed(op: str, group: Any, size: int, nbytes: int, device: Any, iters: int)
     return best
 
 
+def exchange_bytes(x: Any, tokens: int) -> int:
+    """Bytes of one dispatch and its combine, whole-tensor (the fit's x before the moved share): every
+    routed copy of `tokens` tokens out, and back."""
+    return 2 * tokens * x.top_k * x.hidden * _WIRE
+
+
+def _exchange_s(x: Any, tokens: int, group: Any, device: Any, iters: int, rank: int) -> float:
+    """Seconds for one of AutoEP's dispatch-and-combine pairs at `tokens` routed tokens on this rank, as
+    a MoE layer runs it (deepspeed/module_inject/auto_ep_layer.py): the per-expert counts exchanged and
+    read back to the host (`compute_split_plan`), then the routed copies out and back with those uneven
+    splits. Routing is uniform top-k (what the balance loss aims at); the quickest block counts, the
+    slowest rank's time, as for the collectives."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed.module_inject.auto_ep_layer import compute_split_plan
+
+    local = x.experts // x.ep_size
+    gen = torch.Generator().manual_seed(1000 + rank)
+    chosen = torch.rand(tokens, x.experts, generator=gen).topk(x.top_k, dim=1).indices.to(device)
+    rows = torch.zeros(tokens * x.top_k, x.hidden, dtype=torch.bfloat16, device=device)
+
+    def pair() -> None:
+        split = compute_split_plan(chosen, x.experts, x.ep_size, local, group)
+        routed = rows.new_empty(sum(split.output_splits), x.hidden)
+        dist.all_to_all_single(routed, rows, split.output_splits, split.input_splits, group=group)
+        back = torch.empty_like(rows)
+        dist.all_to_all_single(back, routed, split.input_splits, split.output_splits, group=group)
+
+    pair()
+    _sync(device)
+    best = float("inf")
+    for _ in range(BLOCKS):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            pair()
+        _sync(device)
+        best = min(best, _slowest((time.perf_counter() - t0) / iters))
+    return best
+
+
+#: bytes of a routed token copy's element on the wire (AutoEP exchanges bf16 activations)
+_WIRE = 2
+
+
 def _sync(device: Any) -> None:
     if device.type == "cuda":
         import torch
@@ -184,20 +235,24 @@ def fit(points: list[tuple[int, float]], share: float) -> Fit:
     return Fit(bus_gbs=1 / slope / 1e9, latency_s=latency, points=[(float(b), t) for b, t in points])
 
 
-def preflight(groups: list[Any], collectives: dict[str, dict[str, Fit]]) -> list[str]:
-    """One line per group and op measured far below what its fabric should give."""
+def preflight(groups: list[Any], exchanges: list[Any], collectives: dict[str, dict[str, Fit]]) -> list[str]:
+    """One line per group and op measured far below what its fabric should give (AutoEP's exchange
+    beside the catalog's all-to-all rate for its shape)."""
+    wanted = [(g.key, g.role, op, expected) for g in groups for op, expected in g.expected_gbs.items()]
+    wanted += [
+        (x.key, f"expert-parallel at EP {x.ep_size}", calibration.EXCHANGE, x.expected_gbs) for x in exchanges
+    ]
     out = []
-    for g in groups:
-        for op, expected in g.expected_gbs.items():
-            got = collectives.get(op, {}).get(g.key)
-            if expected is None or got is None or got.bus_gbs >= PREFLIGHT_SHARE * expected:
-                continue
-            where = "across nodes" if not g.key.endswith("x1") else "inside a node"
-            out.append(
-                f"{op} over {g.key} ({g.role}) measured {got.bus_gbs:.3g} GB/s, {got.bus_gbs / expected:.0%} of the "
-                f"{expected:.3g} GB/s its links should give {where}: check that NCCL uses the RDMA NICs (not TCP "
-                "sockets: NCCL_DEBUG=INFO shows NET/IB), that GPUDirect RDMA is loaded, and that /dev/shm is large"
-            )
+    for key, role, op, expected in wanted:
+        got = collectives.get(op, {}).get(key)
+        if expected is None or got is None or got.bus_gbs >= PREFLIGHT_SHARE * expected:
+            continue
+        where = "across nodes" if not key.endswith("x1") else "inside a node"
+        out.append(
+            f"{op} over {key} ({role}) measured {got.bus_gbs:.3g} GB/s, {got.bus_gbs / expected:.0%} of the "
+            f"{expected:.3g} GB/s its links should give {where}: check that NCCL uses the RDMA NICs (not TCP "
+            "sockets: NCCL_DEBUG=INFO shows NET/IB), that GPUDirect RDMA is loaded, and that /dev/shm is large"
+        )
     return out
 
 

@@ -19,7 +19,7 @@ from dskit.plan import links, search
 from dskit.plan.host_memory import threads_per_rank
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import gathered_layer_params
-from dskit.plan.schema import CalibrateGroup, CalibratePlan, Plan
+from dskit.plan.schema import CalibrateExchange, CalibrateGroup, CalibratePlan, Plan
 
 FILE = "calibration.json"
 #: sizes per op: few enough for a short job, spread enough to separate latency from bandwidth
@@ -39,6 +39,9 @@ WIRE_BYTES = 2
 #: reference was read. A probe at each plan's own shape would compare shapes, not hardware: one H200
 #: ran 234 to 819 TFLOP/s over the presets' shapes.
 PROBE_GEMM = (8192, 2048, 1408)
+#: the cpu profile's GEMM probe (bf16, as CPU ranks train): small enough for a 2-core host, large enough
+#: to time; compared with the CPU reference machine's reading (dskit/calibrate/scales.py)
+PROBE_GEMM_CPU = (1024, 512, 512)
 PROBE_ATTENTION = (2, 16, 4096, 192, 128)
 
 
@@ -74,13 +77,27 @@ def calibrate_plan(
             expected_gbs=expected,
         )
 
-    ring = ("all_gather", "reduce_scatter", "all_reduce")
-    add(links.groups(world, per_node, 1)["dense"], "dense: every rank", 1, ring)
+    on_gpu = h.on_gpu
+    zero = ("all_gather", "reduce_scatter")  # what ZeRO runs; the plan times nothing else on rings
+    add(links.groups(world, per_node, 1)["dense"], "dense: every rank", 1, zero)
+    exchanges = []
+    tokens = _exchange_tokens(p.micro_batch * p.grad_accum, p.seq_len, cfg, on_gpu)
     for ep in search.ep_sizes(cfg["n_routed_experts"], world, per_node):
         g = links.groups(world, per_node, ep)
-        add(g["ep"], f"expert-parallel at EP {ep}", 1, ("all_to_all",))
-        add(g["expert_dp"], f"expert-data-parallel at EP {ep}", ep, ("all_gather", "reduce_scatter"))
-    on_gpu = h.on_gpu
+        add(g["expert_dp"], f"expert-data-parallel at EP {ep}", ep, zero)
+        if g["ep"].size > 1:
+            r = rates.catalog_rate("all_to_all", g["ep"])
+            exchanges.append(
+                CalibrateExchange(
+                    key=g["ep"].key,
+                    ep_size=ep,
+                    tokens=tokens,
+                    top_k=cfg["num_experts_per_tok"],
+                    experts=cfg["n_routed_experts"],
+                    hidden=cfg["hidden_size"],
+                    expected_gbs=None if r is None else round(r.bus_gbs, 3),
+                )
+            )
     layer = WIRE_BYTES * gathered_layer_params(counts, world, p.ep_size)
     dispatch = p.micro_batch * p.seq_len * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
     lo, hi = (MIN_BYTES_GPU, min(MAX_BYTES_GPU, max(MIN_TOP_GPU, layer, dispatch))) if on_gpu else CPU_BYTES
@@ -90,13 +107,28 @@ def calibrate_plan(
         groups=list(shapes.values()),
         sizes_bytes=sizes,
         iters=ITERS_GPU if on_gpu else ITERS_CPU,
-        gemm=PROBE_GEMM if on_gpu else None,
+        gemm=PROBE_GEMM if on_gpu else PROBE_GEMM_CPU,
         attention=PROBE_ATTENTION if on_gpu else None,
         cpu_adam_params=CPU_ADAM_PARAMS_GPU if on_gpu else CPU_ADAM_PARAMS_CPU,
         threads_per_rank=threads_per_rank(cpus_per_node, per_node, gpu.is_cpu),
         fabric=fabric.name,
+        exchanges=exchanges,
     )
     return plan.model_copy(update={"calibrate": section})
+
+
+def _exchange_tokens(per_rank: int, seq_len: int, cfg: dict, on_gpu: bool) -> list[int]:
+    """The token counts a rank routes per micro-step in the candidates the search weighs (every
+    micro-batch that splits its batch), at most SIZES of them from the least to the most, the most
+    capped where one dispatch's copies would pass MAX_BYTES_GPU."""
+    copy = cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+    counts = sorted({m * seq_len for m in search.micro_batches(per_rank, not on_gpu)})
+    cap = max(seq_len, MAX_BYTES_GPU // copy // seq_len * seq_len)
+    counts = sorted({min(t, cap) for t in counts})
+    if len(counts) <= SIZES:
+        return counts
+    step = (len(counts) - 1) / (SIZES - 1)
+    return sorted({counts[round(i * step)] for i in range(SIZES)})
 
 
 def _spread(lo: int, hi: int, n: int, *, multiple: int) -> list[int]:

@@ -2,14 +2,22 @@
 where each comes from (`dskit plan --explain`; the collectives' sources are dskit/plan/links.py's).
 
 Collective rates are used as measured (dskit/plan/links.py). The other fitted constants of
-dskit/plan/speed.py were fitted to whole training steps on the machine the bench ran on, and hold more
-than a probe can see (the non-GEMM kernels in GEMM_EFFICIENCY, DeepSpeed's offload copies in the CPU
-Adam rate), so a probe's reading does not replace them: it scales them by how this cluster compares
-with that machine on the same probe. REFERENCE holds the probes' readings there (`dskit calibrate
-local` on it: the medians of four runs, bench/results/calibration/h200-calibrate-2026-12-04*.json).
+dskit/plan/speed.py were fitted to whole training steps on a reference machine, and hold more than a
+probe can see (the non-GEMM kernels in GEMM_EFFICIENCY, DeepSpeed's offload copies in the CPU Adam
+rate), so a probe's reading does not replace them: it scales them by how this cluster compares with
+that machine on the same probe. There is a reference machine per kind of device: the bench's H200 for
+GPU ranks (`dskit calibrate local` on it: the medians of four runs,
+bench/results/calibration/h200-calibrate-2026-12-04*.json), and this project's 2-core development
+machine for CPU ranks (the cpu profile, whose constants were fitted there: dskit/plan/speed.py "CPU
+ranks"). `REFERENCES` holds their probes' readings.
 
-A probe's reading moves between runs on one machine: over those four runs the GEMM rate stayed within
-2% of the median, the host probe within -13..+27%, CPU Adam within -16..+17%. A ratio inside its
+Terms and their probes: compute by the GEMM probe (GPUs: as shares of each GPU's bf16 peak, since the
+probe runs bf16; CPU ranks, which have no catalog peak, take the measured rate itself as their compute
+rate), attention by the attention probe (GPUs; as shares of peak likewise), the host timeline by the
+host probe, CPU Adam (optimizer offload, a CPU rank's optimizer) by its own.
+
+A probe's reading moves between runs on one machine: over the four H200 runs the GEMM rate stayed
+within 2% of the median, the host probe within -13..+27%, CPU Adam within -16..+17%. A ratio inside its
 probe's SPREAD is not told apart from the reference machine and leaves the term unscaled (the source
 says so); outside it, the term scales by the whole ratio.
 """
@@ -25,15 +33,35 @@ from pathlib import Path
 from dskit import catalog
 from dskit.calibrate.calibration import Calibration
 
-#: the probes' readings on the machine the constants were fitted on (catalog data)
-REFERENCE = Path(__file__).resolve().parent.parent / "catalog" / "calibration-reference.json"
+_CATALOG = Path(__file__).resolve().parent.parent / "catalog"
+#: the probes' readings on the reference machine of each kind of device (catalog data)
+REFERENCES = {
+    "gpu": _CATALOG / "calibration-reference.json",
+    "cpu": _CATALOG / "calibration-reference-cpu.json",
+}
+#: the reference machines, as the sources name them
+MACHINES = {"gpu": "the bench's H200", "cpu": "the CPU reference machine (2 cores)"}
 
 #: a probe's run-to-run spread on one machine (above): ratios within it do not scale
-SPREAD = {"compute": 0.05, "host": 0.30, "cpu_adam": 0.20}
+SPREAD = {"compute": 0.05, "attention": 0.05, "host": 0.30, "cpu_adam": 0.20}
+TERMS = tuple(SPREAD)
 
-FITTED = "fitted on the bench's H200 (dskit/plan/speed.py)"
-SCALED = "fitted on the bench's H200, scaled by this cluster's probe"
-SAME = "fitted on the bench's H200; this cluster's probe is within its run-to-run spread of that machine's"
+
+def fitted(kind: str) -> str:
+    return f"fitted on {MACHINES[kind]} (dskit/plan/speed.py)"
+
+
+def scaled(kind: str) -> str:
+    return f"fitted on {MACHINES[kind]}, scaled by this cluster's probe"
+
+
+def same(kind: str) -> str:
+    return (
+        f"fitted on {MACHINES[kind]}; this cluster's probe is within its run-to-run spread of that machine's"
+    )
+
+
+FITTED, SCALED, SAME = fitted("gpu"), scaled("gpu"), same("gpu")
 
 
 @dataclass(frozen=True)
@@ -41,39 +69,64 @@ class Scales:
     """Factors on the fitted terms: 1.0 where nothing was measured."""
 
     compute: float = 1.0  # the compute term (the reference's achieved GEMM share of peak / this one's)
+    attention: float = 1.0  # the attention FLOPs of it, likewise by the attention probe
     host: float = 1.0  # the host timeline (this host's probe / the reference's)
     cpu_adam: float = 1.0  # CPU Adam's core-seconds per parameter (this node's / the reference's)
     sources: dict[str, str] = field(default_factory=dict)
+    #: the GEMM rate measured here, TFLOP/s: a CPU rank's compute rate (it has no catalog peak)
+    gemm_tflops: float | None = None
+
+
+def kind_of(gpu: str) -> str:
+    return "cpu" if catalog.gpu(gpu).is_cpu else "gpu"
 
 
 @cache
-def reference() -> Calibration:
-    return Calibration.model_validate(json.loads(REFERENCE.read_text()))
+def reference(kind: str = "gpu") -> Calibration:
+    return Calibration.model_validate(json.loads(REFERENCES[kind].read_text()))
 
 
-def factors(cal: Calibration | None) -> Scales:
-    """The factors `cal` implies against REFERENCE, and each term's source. GEMM rates compare as
-    shares of each GPU's bf16 peak (the probe runs bf16)."""
-    src = {"compute": FITTED, "host": FITTED, "cpu_adam": FITTED}
+def factors(cal: Calibration | None, kind: str = "gpu") -> Scales:
+    """The factors `cal` implies against its kind's reference machine, and each term's source (`kind`:
+    the plan's device kind, for the sources where there is no calibration)."""
+    if cal is not None:
+        kind = kind_of(cal.hardware.gpu)
+    src = dict.fromkeys(TERMS, fitted(kind))
     if cal is None:
         return Scales(sources=src)
-    ref = reference()
-    found = {"compute": 1.0, "host": 1.0, "cpu_adam": 1.0}
+    ref = reference(kind)
     here, there = cal.compute, ref.compute
+    found = dict.fromkeys(TERMS, 1.0)
     peak, reference_peak = (catalog.gpu(c.hardware.gpu).peak_tflops_bf16 for c in (cal, ref))
-    if here.gemm_tflops and there.gemm_tflops and peak and reference_peak:
-        found["compute"] = (there.gemm_tflops / reference_peak) / (here.gemm_tflops / peak)
+    for term, probe in (("compute", "gemm_tflops"), ("attention", "attention_tflops")):
+        rate, rate_there = getattr(here, probe), getattr(there, probe)
+        if rate and rate_there:  # shares of each GPU's peak; a CPU's rates compare as they are
+            found[term] = (rate_there / (reference_peak or 1.0)) / (rate / (peak or 1.0))
     if here.host_layer_pass_s and there.host_layer_pass_s:
         found["host"] = here.host_layer_pass_s / there.host_layer_pass_s
     if cal.cpu_adam is not None and ref.cpu_adam is not None:
         found["cpu_adam"] = cal.cpu_adam.core_s_per_bparam / ref.cpu_adam.core_s_per_bparam
-    measured = {"compute": here.gemm_tflops, "host": here.host_layer_pass_s, "cpu_adam": cal.cpu_adam}
+    measured = {
+        "compute": here.gemm_tflops,
+        "attention": here.attention_tflops,
+        "host": here.host_layer_pass_s,
+        "cpu_adam": cal.cpu_adam,
+    }
     for term, ratio in found.items():
         if measured[term] is None:
             continue
         if abs(math.log(ratio)) <= math.log(1 + SPREAD[term]):
             found[term] = 1.0
-            src[term] = f"{SAME} (x{ratio:.2f})"
+            src[term] = f"{same(kind)} (x{ratio:.2f})"
         else:
-            src[term] = f"{SCALED} (x{ratio:.2f})"
-    return Scales(found["compute"], found["host"], found["cpu_adam"], src)
+            src[term] = f"{scaled(kind)} (x{ratio:.2f})"
+    if kind == "cpu" and here.gemm_tflops:
+        src["compute"] = f"measured on this cluster ({here.gemm_tflops * 1e3:.0f} GFLOP/s, the GEMM probe)"
+    return Scales(
+        found["compute"],
+        found["attention"],
+        found["host"],
+        found["cpu_adam"],
+        src,
+        gemm_tflops=here.gemm_tflops,
+    )

@@ -177,10 +177,10 @@ def plan_calibration(
         fabric=fabric.name,
         procs_per_node=hardware.procs_per_node,
     )
-    if hardware.peak_tflops is None:
+    if hardware.peak_tflops is None and not (gpu.is_cpu and cal.compute.gemm_tflops):
         warnings.append(
-            f"hardware.calibration: read and checked, but the {gpu.name} profile predicts no step time, so "
-            "its measured rates rank nothing"
+            f"hardware.calibration: read and checked, but it measured no compute rate and the {gpu.name} "
+            "profile has no peak, so no step time is predicted and its rates rank nothing"
         )
     elif hardware.nodes > 1 and cal.hardware.nodes == 1:
         warnings.append(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dskit.calibrate.calibration import OPS, Calibration
+from dskit.calibrate.calibration import EXCHANGE, OPS, Calibration
 from dskit.catalog import GPU, Fabric
 
 __all__ = ["OPS", "Group", "Links", "Rate", "groups", "moved_share", "ring_latency_s", "ring_steps"]
@@ -151,6 +151,13 @@ class Links:
                 source = f"{MEASURED} on {at}, latency scaled to {g.nodes} nodes by NCCL's ring model"
                 return Rate(fit.bus_gbs, fit.latency_s * scale, source)
         return self.catalog_rate(op, g)
+
+    def exchange(self, g: Group) -> Rate | None:
+        """AutoEP's dispatch-and-combine pair over groups shaped `g` as `dskit calibrate` measured it (its
+        bytes are both directions': dskit/calibrate/job.py `exchange_bytes`), or None where it was not:
+        the step-time model then takes the catalog's all-to-all rate at AutoEP's fitted share."""
+        found = None if self.calibration is None else self.calibration.nearest(EXCHANGE, g.key)
+        return None if found is None else Rate(found[0].bus_gbs, found[0].latency_s, MEASURED)
 
     def catalog_rate(self, op: str, g: Group) -> Rate | None:
         intra = self.intra_gbs

@@ -81,6 +81,39 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
     )
 
 
+def tensor_sizes(cfg: dict[str, Any]) -> dict[str, list[int]]:
+    """Element counts of each parameter tensor, by where it lives: `dense_layer` (one dense decoder
+    layer), `moe_layer` (one MoE layer's attention, norms, shared experts and router), `experts` (one
+    MoE layer's routed experts, as transformers fuses them: gate_up and down, all experts in each) and
+    `outer` (embedding, lm_head, final norm). ZeRO-3 never gathers a tensor below its persistence
+    threshold (it stays whole on every rank): `gathered`."""
+    h, V = cfg["hidden_size"], cfg["vocab_size"]
+    E, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    nh = cfg["num_attention_heads"]
+    if cfg.get("kv_lora_rank"):
+        dqk, dv = head_dims(cfg)
+        rope, kvl, ql = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+        q = [h * ql, ql, ql * nh * dqk] if ql else [h * nh * dqk]
+        attn = [*q, h * (kvl + rope), kvl, kvl * nh * (cfg["qk_nope_head_dim"] + dv), nh * dv * h]
+    else:
+        attn = [h * h] * 4
+    norms = [h, h]
+    shared = [h * mi * (cfg.get("n_shared_experts") or 0)] * 3 if cfg.get("n_shared_experts") else []
+    outer = [V * h, h] + ([] if cfg.get("tie_word_embeddings") else [V * h])
+    return {
+        "dense_layer": [*attn, *norms, *[h * cfg["intermediate_size"]] * 3],
+        "moe_layer": [*attn, *norms, *shared, E * h],
+        "experts": [E * 2 * mi * h, E * h * mi],
+        "outer": outer,
+    }
+
+
+def gathered(sizes: list[int], persistence_threshold: int) -> int:
+    """Elements ZeRO-3 gathers of these tensors: those at or above the threshold (DeepSpeed's
+    `stage3_param_persistence_threshold`: smaller ones are kept whole on every rank)."""
+    return sum(n for n in sizes if n >= persistence_threshold)
+
+
 def flops_per_token(c: ModelCounts) -> float:
     """Training FLOPs per token: 6 x active params (fwd 2, bwd 4; Kaplan et al. 2020) + attention."""
     return 6 * c.active + c.attn_flops_per_token

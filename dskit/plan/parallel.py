@@ -78,7 +78,9 @@ def plan_parallel(
         cpus_per_node=spec.hardware.cpus_per_node,
         calibration=calibration,
     )
-    found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings)
+    # CPU ranks have a step time only where a calibration measured their compute rate (speed._cpu_step)
+    weighs = not gpu.is_cpu or bool(calibration is not None and calibration.compute.gemm_tflops)
+    found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings, weighs=weighs)
     c = found.chosen.candidate
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
     parallel = ParallelPlan(
@@ -250,7 +252,7 @@ def _speed_of(
     world, per_node = hardware.world_size, hardware.procs_per_node
     threads = host_memory.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
     rates = links.Links.of(gpu, fabric, calibration)
-    factors = scales.factors(calibration)
+    factors = scales.factors(calibration, scales.kind_of(gpu.name))
 
     def speed_of(c: fit.Candidate) -> speed.StepTime | None:
         return speed.predict(
@@ -286,11 +288,13 @@ def _search(
     speed_of: search.SpeedOf,
     fabric_name: str,
     warnings: list[str],
+    *,
+    weighs: bool = True,
 ) -> search.Search:
     """The fastest candidate that fits, else SpecError (exit 2). The candidates are `search.axes`';
     overrides pin dimensions of them, and the planner's own pick is still ranked, so a slower forced
     choice is named in a warning."""
-    free = search.axes(shape, per_rank)
+    free = search.axes(shape, per_rank, weighs=weighs)
     if (
         o.zero_stage is not None
         and o.zero_stage not in search.FP8_BASE_STAGES

@@ -1,16 +1,19 @@
-"""ZeRO-3's prefetch limits, chosen so that the overlap the step-time model counts is the overlap the
-rendered DeepSpeed config allows.
+"""ZeRO-3's prefetch limits, and how much of a layer's gather the rendered config lets DeepSpeed fetch
+ahead, behind the compute of the layer before it.
 
-DeepSpeed 0.19.8 prefetches the next modules' parameters only while fewer than
-`stage3_max_live_parameters` are gathered, and at most `stage3_prefetch_bucket_size` of them at a time
+DeepSpeed 0.19.8 prefetches the next modules' parameters at every module it fetches, while fewer than
+`stage3_max_live_parameters` are gathered, at most `stage3_prefetch_bucket_size` of them per fetch
 (runtime/zero/partitioned_param_coordinator.py `fetch_sub_module`: it prefetches
-`min(max_live - available, bucket)`). A layer whose gathered parameters exceed the live limit leaves
-no room while it is computed, so nothing of the next layer is fetched ahead: every gather is exposed.
-At expert parallelism 8, one DeepSeek-V3 layer's local experts are 1.41 B parameters, over DeepSpeed's
-default limit of 1e9. So the limit is raised, where it must be, to the plan's largest gathered layer
-plus one prefetch bucket: the room the default leaves smaller models, with which the overlap was
-fitted (the bucket stays DeepSpeed's default). The memory model holds two gathered layers
-(dskit/plan/memory.py), more than that.
+`min(max_live - available, bucket)`, a tensor at a time, refilled at every module). Over a layer's
+modules the prefetched volume grows to whatever the live limit leaves beside the layer being computed:
+`prefetched_share` of the next layer, which the step-time model (dskit/plan/speed.py) compares, as
+gather time, with the compute it runs behind. At DeepSeek-V3's width one layer's local experts at
+expert parallelism 8 are 1.41 B parameters, over DeepSpeed's default limit of 1e9: with the default,
+nothing of the next layer could be fetched while it is computed. So the limit is raised, where it must
+be, to the plan's largest gathered layer plus one prefetch bucket (the bucket stays DeepSpeed's
+default): a bucket of the next layer ahead, the rest exposed, as the model counts. Smaller models keep
+DeepSpeed's default, with which the one- and two-GPU runs were measured. The memory model holds two
+gathered layers (dskit/plan/memory.py), more than that.
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ def gathered_layer_params(c: ModelCounts, world: int, ep_size: int) -> int:
 
 
 def max_live(layer_params: int) -> int:
-    """The live limit the plan renders: the layer being computed and one bucket of the next."""
+    """The live limit the plan renders: the layer being computed and one bucket of the next, at least
+    DeepSpeed's default."""
     return max(MAX_LIVE_DEFAULT, layer_params + PREFETCH_BUCKET)
 
 
-def prefetches(live_limit: int, bucket: int, layer_params: int) -> bool:
-    """Whether DeepSpeed fetches the next layer ahead while the largest one is gathered: the live
-    limit leaves room for at least one bucket (or the whole next layer, where that is smaller)."""
-    return live_limit - layer_params >= min(bucket, layer_params)
+def prefetched_share(live_limit: int, layer_params: int) -> float:
+    """The share of the next layer DeepSpeed gathers ahead while the largest one is computed: what the
+    live limit leaves beside it, at most all of it. The rest is gathered when the layer starts, with
+    nothing to hide behind."""
+    if layer_params <= 0:
+        return 1.0
+    return max(0.0, min(1.0, (live_limit - layer_params) / layer_params))
 
 
 def zero3_keys(layer_params: int) -> dict[str, Any]:

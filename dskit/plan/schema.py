@@ -161,6 +161,20 @@ class CalibrateGroup(_Frozen):
     expected_gbs: dict[str, float | None]
 
 
+class CalibrateExchange(_Frozen):
+    """AutoEP's dispatch and combine over one expert-parallel group shape, timed as a step runs them: its
+    count exchange, its split sizes read back, its uneven all-to-alls of the routed token copies, at the
+    token counts the plan's candidates dispatch (dskit/calibrate/measures.py)."""
+
+    key: str  # the EP group's shape (a links.Group key)
+    ep_size: int
+    tokens: list[int]  # tokens a rank routes per micro-step, one timing each
+    top_k: int
+    experts: int  # routed experts of a MoE layer, over the whole EP group
+    hidden: int
+    expected_gbs: float | None  # the catalog's all-to-all rate for the shape: the preflight's yardstick
+
+
 class CalibratePlan(_Frozen):
     """A calibration job (`dskit calibrate`): run.yaml's trainer measures instead of training."""
 
@@ -168,7 +182,7 @@ class CalibratePlan(_Frozen):
     groups: list[CalibrateGroup]
     sizes_bytes: list[int]  # whole-tensor sizes each op is timed at
     iters: int  # timed calls per size, after one warm-up
-    #: (tokens, in, out) of the GEMM probe (GPU only; a fixed shape: dskit/calibrate/measures.py PROBE_GEMM)
+    #: (tokens, in, out) of the GEMM probe (a fixed shape per device kind: dskit/calibrate/measures.py)
     gemm: tuple[int, int, int] | None
     #: (batch, heads, seq, qk head dim, v head dim) of the attention probe (GPU only; fixed likewise)
     attention: tuple[int, int, int, int, int] | None
@@ -176,6 +190,8 @@ class CalibratePlan(_Frozen):
     threads_per_rank: int
     #: the spec's fabric (the file names it; a plan on another fabric refuses the file)
     fabric: str
+    #: AutoEP's exchange, per EP size the search weighs (ring collectives are in `groups`)
+    exchanges: list[CalibrateExchange] = []
 
 
 class Plan(_Frozen):

@@ -152,19 +152,20 @@ class Axes:
         ]
 
 
-def axes(shape: fit.Shape, per_rank: int) -> Axes:
-    """Every choice the planner weighs on its own. The cpu profile has no step-time model to weigh EP
-    sizes and stages: there it takes the fit order's first of each, as it always has."""
+def axes(shape: fit.Shape, per_rank: int, *, weighs: bool = True) -> Axes:
+    """Every choice the planner weighs on its own. Where no step time can be predicted (`weighs`
+    False: CPU ranks without a calibration's measured compute rate) there is nothing to weigh EP sizes
+    and stages by: it takes the fit order's first of each."""
     on_cpu = shape.gpu.is_cpu
     eps = ep_sizes(shape.cfg["n_routed_experts"], shape.world, shape.per_node)
     # an FP8 base trains under ZeRO-1/2 only (docs/planner.md "LoRA"): its FP8 layers are not partitioned
     stages = ZERO_STAGES if shape.tuning is None or not shape.tuning.fp8 else FP8_BASE_STAGES
     return Axes(
         offloads=OFFLOADS,
-        eps=tuple(eps[:1] if on_cpu else eps),
+        eps=tuple(eps if weighs else eps[:1]),
         micro_batches=tuple(micro_batches(per_rank, on_cpu)),
         ckpts=CKPT_EVERY_CHOICES,
-        stages=stages[:1] if on_cpu else stages,
+        stages=stages if weighs else stages[:1],
     )
 
 

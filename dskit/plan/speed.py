@@ -51,11 +51,12 @@ from typing import Any
 from dskit.calibrate.scales import FITTED, Scales
 from dskit.catalog import GPU
 from dskit.plan import links as links_
+from dskit.plan import model_math
 from dskit.plan.adapters import Tuning
 from dskit.plan.links import Links
 from dskit.plan.memory import flat_gradients, fused_combine, one_rank_fused
 from dskit.plan.model_math import ModelCounts
-from dskit.plan.prefetch import PREFETCH_BUCKET, gathered_layer_params, max_live, prefetches
+from dskit.plan.prefetch import PERSISTENCE_THRESHOLD, gathered_layer_params, max_live, prefetched_share
 
 # ---- measured: the first four fitted together to the worst relative step-time error of one-GPU runs
 # (bench/plan_bench.py --fit), kept when the optimizer terms were refitted (bench/optimizer_refit.py);
@@ -167,9 +168,6 @@ LORA_LAYER_PASS_FACTOR = 0.55
 FP8_DEQUANT_BYTES_PER_WEIGHT = 33.0
 
 # ---- first principles, cited ----
-#: fraction of ZeRO-3's collective bandwidth time hidden behind compute by its prefetch on a side
-#: stream (DeepSpeed overlap_comm); not separable from SYNC_LAYER_PASS_S on 2 GPUs: half is the middle
-ZERO3_OVERLAP = 0.5
 #: DeepSpeed's CPU Adam, core-seconds per billion parameters: each rank steps its offloaded optimizer on
 #: its own OMP_NUM_THREADS cores (`host.threads_per_rank`), so the rate scales with the cores a rank gets.
 #: Fitted on offloaded runs beside the same runs resident, on one host's cores only: the host's rate is
@@ -198,6 +196,30 @@ COMPILED_COMPUTE_SAVING = 0.10
 COMPILED_ATTENTION_SAVING = 0.035
 #: 16-bit weights and gradients
 WIRE_BYTES = 2
+
+# ---- CPU ranks (the cpu profile: DeepSpeed's CPU accelerator, gloo), `_cpu_step` ----
+# A CPU rank runs its kernels on its own thread, so the host's timeline and the device's add rather than
+# overlap, and nothing hides a collective. Its compute rate is the GEMM probe's measured rate (no catalog
+# peak), so a CPU plan predicts only with a calibration. These constants were fitted on this project's
+# 2-core development machine (the CPU reference machine of dskit/calibrate/scales.py), 2 ranks of the
+# tiny models over loopback, by bench/cpu_fit.py (its runs and errors: docs/planner.md "CPU ranks"),
+# and another host's probes scale them.
+#: achieved share of the GEMM probe's rate on the model's FLOPs (the kernels of a tiny layer are small)
+CPU_COMPUTE_EFFICIENCY = 0.03
+#: host time per layer pass under ZeRO-3 (its module hooks and partitioned-parameter bookkeeping), s
+CPU_HOST_LAYER_PASS_S = 0.009
+#: host time per layer pass under ZeRO-1/2, s
+CPU_HOST_LAYER_PASS_UNHOOKED_S = 0.0045
+#: AutoEP's routing at EP > 1 beyond its measured exchange (permutes by destination and local expert,
+#: its bookkeeping), per MoE layer pass, s
+CPU_EP_LAYER_PASS_S = 0.002
+#: host time per optimizer step besides the update's arithmetic (the engine's step: ZeRO's partition
+#: bookkeeping, gradient clipping's norm, the scheduler), s: ZeRO-3's, and ZeRO-1/2's
+CPU_HOST_OPTIMIZER_STEP_S = 0.064
+CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S = 0.03
+#: a CPU rank's optimizer step (torch's AdamW over its shard, fp32 master and moments), core-seconds per
+#: billion parameters: DeepSpeed's CPU Adam probe reads about this on the CPU reference machine
+CPU_ADAM_CORE_S_PER_BPARAM_CPU = 1.3
 GB = 1e9
 
 
@@ -233,6 +255,8 @@ class StepTime:
     boundary_s: float = 0.0
     #: (term, where its rate comes from: measured on this cluster, fitted on the bench, the catalog)
     sources: tuple[tuple[str, str], ...] = ()
+    #: a device that runs its kernels on the host's thread (CPU ranks): the two timelines add
+    synchronous: bool = False
 
     @property
     def gpu_s(self) -> float:
@@ -240,12 +264,15 @@ class StepTime:
 
     @property
     def bound(self) -> str:
-        """Which timeline sets the pace of the micro-steps."""
+        """Which timeline sets the pace of the micro-steps (both, one after the other, on a CPU rank)."""
+        if self.synchronous:
+            return "host + device"
         return "host" if self.host_s > self.gpu_s else "GPU"
 
     @property
     def step_s(self) -> float:
-        return max(self.gpu_s, self.host_s) + self.optimizer_s + self.boundary_s
+        micro = self.gpu_s + self.host_s if self.synchronous else max(self.gpu_s, self.host_s)
+        return micro + self.optimizer_s + self.boundary_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -298,14 +325,21 @@ def predict(
     host_threads: int = 8,
     scales: Scales | None = None,
 ) -> StepTime | None:
-    """Predicted step time, or None where the GPU has no peak to scale from (the cpu profile).
+    """Predicted step time, or None where nothing gives a compute rate to scale from (a GPU without a
+    catalog peak; CPU ranks without a calibration: `_cpu_step`).
     `offload`: the optimizer stepped on the host's CPU Adam, on `host_threads` cores per rank.
     `peak_tflops`: at the plan's precision. `tuning`: a LoRA run (`flops_per_token` is then its own,
     `Tuning.flops_per_token`); None: full fine-tuning. `links`: the cluster's collective rates
     (dskit/plan/links.py). `scales`: a calibration's factors on the fitted terms (dskit/calibrate/scales.py)."""
+    scales = scales or Scales()
+    if gpu.is_cpu:
+        return _cpu_step(
+            cfg, c, flops_per_token, links=links, layout=layout, micro_batch=micro_batch, grad_accum=grad_accum,
+            seq_len=seq_len, ckpt_every=ckpt_every, zero_stage=zero_stage, tuning=tuning,
+            host_threads=host_threads, scales=scales,
+        )  # fmt: skip
     if peak_tflops is None or gpu.memory_bw_gbs is None:
         return None
-    scales = scales or Scales()
     L = cfg["num_hidden_layers"]
     T = micro_batch * seq_len
     frac = checkpointed_fraction(L, ckpt_every)
@@ -314,12 +348,11 @@ def predict(
 
     attention = compiled_attention and zero_stage < 3  # the plan's compile_attention
     fwd = None if tuning is None else tuning.forward_share(c)
-    compute = scales.compute * _compute_s(
-        T, flops_per_token, frac, peak_tflops * 1e12, compiled, fwd, attention
+    compute = _compute_s(
+        T, _scaled_flops(c, flops_per_token, scales), frac, peak_tflops * 1e12, compiled, fwd, attention
     )
-    groups = _zero_groups(c, layout, tuning)
+    groups = _zero_groups(cfg, c, layout, tuning)
     shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
-    overlap = zero3_overlap(c, layout)
     per_micro, per_step = _collectives_s(
         groups,
         shapes,
@@ -328,7 +361,8 @@ def predict(
         frac,
         passes,
         {"dense": L, "expert_dp": c.moe_layers},
-        overlap,
+        compute_windows(compute, frac, fwd),
+        prefetched(c, layout),
         unknown,
     )
     a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)
@@ -394,15 +428,93 @@ def predict(
     )
 
 
+def _cpu_step(
+    cfg: dict[str, Any],
+    c: ModelCounts,
+    flops_per_token: float,
+    *,
+    links: Links,
+    layout: Layout,
+    micro_batch: int,
+    grad_accum: int,
+    seq_len: int,
+    ckpt_every: int,
+    zero_stage: int,
+    tuning: Tuning | None,
+    host_threads: int,
+    scales: Scales,
+) -> StepTime | None:
+    """A CPU rank's step (the "CPU ranks" constants above): the same terms as a GPU's (compute, layer
+    passes, ZeRO's collectives, AutoEP's exchange, the optimizer, ZeRO-1/2's boundary), but the host
+    and device timelines add and no collective is hidden. None without a measured GEMM rate."""
+    if not scales.gemm_tflops:
+        return None
+    L = cfg["num_hidden_layers"]
+    T = micro_batch * seq_len
+    frac = checkpointed_fraction(L, ckpt_every)
+    passes = L * (2 + frac)
+    unknown: list[str] = []
+    fwd = None if tuning is None else tuning.forward_share(c)
+    compute = _compute_s(
+        T, flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY
+    )
+    shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
+    per_micro, per_step = _collectives_s(
+        _zero_groups(cfg, c, layout, tuning),
+        shapes,
+        links,
+        zero_stage,
+        frac,
+        passes,
+        {"dense": L, "expert_dp": c.moe_layers},
+        (0.0, 0.0, 0.0),  # nothing runs beside a CPU rank's compute to hide them
+        1.0,
+        unknown,
+        sync_layer_pass_s=0.0,  # the calls' latencies are measured, not fitted
+    )
+    a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)
+    hooked = zero_stage == 3
+    host = (CPU_HOST_LAYER_PASS_S if hooked else CPU_HOST_LAYER_PASS_UNHOOKED_S) * passes
+    if layout.ep_size > 1:
+        host += CPU_EP_LAYER_PASS_S * c.moe_layers * (2 + frac)
+    optimized = (c.total if tuning is None else tuning.trainable) / layout.world
+    return StepTime(
+        compute_s=grad_accum * compute,
+        layer_gpu_s=0.0,
+        collectives_s=grad_accum * per_micro,
+        grad_copy_s=0.0,
+        all_to_all_s=grad_accum * a2a,
+        host_s=grad_accum * scales.host * host,
+        optimizer_s=optimized / 1e9 * CPU_ADAM_CORE_S_PER_BPARAM_CPU * scales.cpu_adam / host_threads
+        + scales.host * (CPU_HOST_OPTIMIZER_STEP_S if hooked else CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S),
+        tokens_per_step=grad_accum * T,
+        flops_per_token=flops_per_token,
+        peak_tflops=scales.gemm_tflops,
+        unknown=tuple(dict.fromkeys(unknown)),
+        boundary_s=per_step,
+        sources=(*_link_sources(shapes, links), *scales.sources.items()),
+        synchronous=True,
+    )
+
+
 def _link_sources(shapes: dict[str, links_.Group], links: Links) -> list[tuple[str, str]]:
     """Where each group's collective rate came from: measured on this cluster or the catalog."""
     out = []
-    for name, op in (("dense", "all_gather"), ("expert_dp", "all_gather"), ("ep", "all_to_all")):
+    for name in ("dense", "expert_dp"):
         g = shapes[name]
-        r = links.rate(op, g) if g.size > 1 else None
+        r = links.rate("all_gather", g) if g.size > 1 else None
         if r is not None:
-            extra = f"; AutoEP's share (A2A_EFFICIENCY) {FITTED}" if op == "all_to_all" else ""
-            out.append((f"{name.replace('_', '-')} group ({g.describe()})", r.source + extra))
+            out.append((f"{name.replace('_', '-')} group ({g.describe()})", r.source))
+    g = shapes["ep"]
+    if g.size > 1:
+        measured = links.exchange(g)
+        r = links.rate("all_to_all", g)
+        if measured is not None:
+            out.append((f"ep group ({g.describe()})", f"{measured.source}: AutoEP's dispatch and combine"))
+        elif r is not None:
+            out.append(
+                (f"ep group ({g.describe()})", f"{r.source}; AutoEP's share (A2A_EFFICIENCY) {FITTED}")
+            )
     return out
 
 
@@ -415,6 +527,13 @@ def _trained_grads(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[fl
     return t.trainable - t.routed_adapters, t.routed_adapters / layout.ep_size
 
 
+def _scaled_flops(c: ModelCounts, flops_per_token: float, scales: Scales) -> float:
+    """FLOPs per token, the attention's (scores and values) scaled by the attention probe and the rest
+    by the GEMM probe (dskit/calibrate/scales.py): each at this cluster's rate relative to the reference."""
+    attention = min(c.attn_flops_per_token, flops_per_token)
+    return (flops_per_token - attention) * scales.compute + attention * scales.attention
+
+
 def _compute_s(
     tokens: int,
     flops_per_token: float,
@@ -423,11 +542,13 @@ def _compute_s(
     compiled: bool,
     forward_share: float | None = None,
     attention: bool = False,
+    *,
+    efficiency: float = GEMM_EFFICIENCY,
 ) -> float:
     """One micro-step's FLOPs at GEMM_EFFICIENCY of `peak` FLOP/s, the recomputed forwards included:
     `forward_share` of the FLOPs each (None: a third, full training's forward of fwd 2 + bwd 4)."""
     recompute = 1 + frac / 3 if forward_share is None else 1 + frac * forward_share
-    compute = tokens * flops_per_token * recompute / (peak * GEMM_EFFICIENCY)
+    compute = tokens * flops_per_token * recompute / (peak * efficiency)
     if compiled:
         compute *= 1 - COMPILED_COMPUTE_SAVING
     if attention:
@@ -435,17 +556,34 @@ def _compute_s(
     return compute
 
 
-def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tuple[float, float, str], ...]:
+def _zero_groups(
+    cfg: dict[str, Any], c: ModelCounts, layout: Layout, t: Tuning | None
+) -> tuple[tuple[float, float, str], ...]:
     """ZeRO's traffic per group: (bytes gathered per layer pass under ZeRO-3, bytes reduced per
     micro-step and, under ZeRO-1/2, all-gathered once per step, the group: `links.groups`' name). Experts are sharded
     over the expert-data-parallel group, the rest over all ranks. AutoEP's groups: EP = consecutive
     ranks (inside a node when ep <= per_node); the expert-data-parallel group strides by ep over all
-    ranks, so it spans every node, as the dense group does. A LoRA run (`t`) still gathers every frozen
-    weight per pass under ZeRO-3 (in the base's precision), but reduces only the trainable parameters
-    (the dense group; routed-expert adapters the expert-data-parallel group)."""
+    ranks, so it spans every node, as the dense group does. ZeRO-3 gathers no tensor below its
+    persistence threshold (prefetch.PERSISTENCE_THRESHOLD: kept whole on every rank), though its
+    gradient is reduced like any other. A LoRA run (`t`) still gathers every frozen weight per pass under
+    ZeRO-3 (in the base's precision), but reduces only the trainable parameters (the dense group;
+    routed-expert adapters the expert-data-parallel group)."""
     dense, routed = (WIRE_BYTES * n for n in _trained_grads(c, layout, t))
-    if t is None:  # every weight is trained: gathered and reduced alike
-        return (dense, dense, "dense"), (routed, routed, "expert_dp")
+    if t is None:  # every weight is trained: gathered (what is not persistent) and reduced alike
+        sizes = model_math.tensor_sizes(cfg)
+        kept = PERSISTENCE_THRESHOLD
+        gathered_dense = (
+            c.dense_layers * model_math.gathered(sizes["dense_layer"], kept)
+            + c.moe_layers * model_math.gathered(sizes["moe_layer"], kept)
+            + model_math.gathered(sizes["outer"], kept)
+        )
+        local_experts = [n // layout.ep_size for n in sizes["experts"]]
+        gathered_routed = c.moe_layers * model_math.gathered(local_experts, kept)
+        return (WIRE_BYTES * gathered_dense, dense, "dense"), (
+            WIRE_BYTES * gathered_routed,
+            routed,
+            "expert_dp",
+        )
     trained = dense  # the routed adapters are reduced over the experts' own group
     return (
         (t.other_bytes * t.frozen_other + trained, trained, "dense"),
@@ -453,12 +591,26 @@ def _zero_groups(c: ModelCounts, layout: Layout, t: Tuning | None) -> tuple[tupl
     )
 
 
-def zero3_overlap(c: ModelCounts, layout: Layout) -> float:
-    """The share of ZeRO-3's collective time its prefetch hides: ZERO3_OVERLAP where the rendered
-    config lets DeepSpeed fetch the next layer while the largest one is gathered, else none
-    (dskit/plan/prefetch.py; the config's limits come from the same functions)."""
+def prefetched(c: ModelCounts, layout: Layout) -> float:
+    """The share of a layer ZeRO-3 gathers ahead, behind the compute of the layer before it, under the
+    rendered live-parameter limit (dskit/plan/prefetch.py: the config's limit comes from the same
+    function); the rest is gathered when its layer starts, exposed."""
     layer = gathered_layer_params(c, layout.world, layout.ep_size)
-    return ZERO3_OVERLAP if prefetches(max_live(layer), PREFETCH_BUCKET, layer) else 0.0
+    return prefetched_share(max_live(layer), layer)
+
+
+def compute_windows(compute: float, frac: float, forward_share: float | None) -> tuple[float, float, float]:
+    """One micro-step's compute seconds by pass, (forward, backward, recomputed forwards): what ZeRO's
+    collectives of that pass can run behind. `forward_share`: of a training pass's FLOPs (None: a
+    third, full training's forward of fwd 2 + bwd 4)."""
+    f = 1 / 3 if forward_share is None else forward_share
+    whole = 1 + frac * f
+    return compute * f / whole, compute * (1 - f) / whole, compute * frac * f / whole
+
+
+def _exposed(comm: float, window: float, share: float = 1.0) -> float:
+    """Seconds of `comm` not hidden behind `window` of compute, of which only `share` could start ahead."""
+    return comm * (1 - share) + max(0.0, comm * share - window)
 
 
 def _collectives_s(
@@ -469,15 +621,22 @@ def _collectives_s(
     frac: float,
     passes: float,
     layers: dict[str, int],
-    overlap: float,
+    windows: tuple[float, float, float],
+    share: float,
     unknown: list[str],
+    sync_layer_pass_s: float = SYNC_LAYER_PASS_S,
 ) -> tuple[float, float]:
     """ZeRO's collective seconds (every micro-step, once per optimizer step) for `_zero_groups`' traffic,
     their synchronisation included; a group whose rate is unknown is named in `unknown` and not
     counted. ZeRO-3 gathers each layer once per pass and reduce-scatters each layer's gradients once
     per micro-step (one call each, for the latency), over the layers whose weights the group holds
-    (`layers`: every layer for the dense group, the MoE layers for the expert-data-parallel one)."""
-    per_micro = per_step = 0.0
+    (`layers`: every layer for the dense group, the MoE layers for the expert-data-parallel one). Each
+    pass's collectives, over both groups, run behind that pass's compute (`windows`: `compute_windows`;
+    zeros where nothing runs beside them, a CPU rank), ZeRO-3's gathers only for the `share` its
+    prefetch limits fetch ahead (`prefetched`), ZeRO-2's reduce-scatter behind the backward; what the
+    compute cannot hide is exposed."""
+    per_step = 0.0
+    by_pass = [0.0, 0.0, 0.0]  # (forward, backward, recompute): ZeRO-3's gathers, backward's reduce-scatters
     for gathered, reduced, name in groups:
         g = shapes[name]
 
@@ -488,21 +647,25 @@ def _collectives_s(
             unknown.append(f"ZeRO-{zero_stage} collectives across nodes (fabric bandwidth unknown)")
             continue
         calls = layers[name]  # the layers whose weights the group holds: every layer, or the MoE ones
-        if zero_stage == 3:  # gathers per layer pass and one gradient reduce-scatter, per micro-step
-            exposed = t("all_gather", gathered * (2 + frac), calls * (2 + frac)) + t(
-                "reduce_scatter", reduced, calls
-            )
-            per_micro += exposed * (1 - overlap)
+        if zero_stage == 3:  # a gather per layer and pass, one gradient reduce-scatter per micro-step
+            gather = t("all_gather", gathered, calls)
+            by_pass[0] += gather
+            by_pass[1] += gather + t("reduce_scatter", reduced, calls)
+            by_pass[2] += t("all_gather", gathered * frac, calls * frac) if frac else 0.0
         else:  # the updated weights all-gathered once per step, exposed
             per_step += t("all_gather", reduced)
-            if zero_stage == 2:
-                per_micro += t("reduce_scatter", reduced, calls) * (1 - ZERO3_OVERLAP)
+            if zero_stage == 2:  # reduce-scattered as the backward produces the gradients
+                by_pass[1] += t("reduce_scatter", reduced, calls)
             else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
                 per_step += t("reduce_scatter", reduced)
+    if zero_stage == 3:
+        per_micro = sum(_exposed(comm, w, share) for comm, w in zip(by_pass, windows, strict=True))
+    else:
+        per_micro = _exposed(by_pass[1], windows[1])
     world = shapes["dense"].size
     syncs = world > 1 if zero_stage == 3 else shapes["ep"].size > 1  # AutoEP's count exchange
     if syncs:
-        per_micro += SYNC_LAYER_PASS_S * passes
+        per_micro += sync_layer_pass_s * passes
     return per_micro, per_step
 
 
@@ -517,18 +680,24 @@ def _all_to_all_s(
     unknown: list[str],
 ) -> float:
     """One micro-step's AutoEP dispatch and combine seconds (0 without EP, or where the rate is
-    unknown: then named in `unknown`). AutoEP moves less than its link's rate (A2A_EFFICIENCY): uneven
-    splits, the count exchange before each dispatch."""
+    unknown: then named in `unknown`): a dispatch-and-combine pair per MoE layer and pass (forward,
+    backward, a recomputed forward). Measured by `dskit calibrate` (AutoEP's own exchange: its count
+    exchange, split sizes read back and uneven all-to-alls), the pair takes what was measured; else
+    the catalog's all-to-all rate at AutoEP's fitted share of it (A2A_EFFICIENCY: uneven splits, the
+    count exchange, small messages), which a measurement already holds and is not applied to again."""
     if ep.size == 1:
         return 0.0
+    pairs = c.moe_layers * (2 + frac)
+    both_ways = 2 * tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+    sent = both_ways * links_.moved_share("all_to_all", ep.size)
+    measured = links.exchange(ep)
+    if measured is not None:
+        return pairs * (measured.latency_s + sent / (measured.bus_gbs * GB))
     rate = links.rate("all_to_all", ep)
     if rate is None:
         unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
         return 0.0
-    moe_passes = c.moe_layers * (2 * 2 + 2 * frac)  # dispatch + combine per pass
-    copy_bytes = tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
-    sent = moe_passes * copy_bytes * links_.moved_share("all_to_all", ep.size)
-    return moe_passes * rate.latency_s + sent / (rate.bus_gbs * GB * A2A_EFFICIENCY)
+    return pairs * (2 * rate.latency_s + sent / (rate.bus_gbs * GB * A2A_EFFICIENCY))
 
 
 def _optimizer_s(

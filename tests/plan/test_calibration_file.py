@@ -46,9 +46,7 @@ def _file(tmp: Path, *, cross_node_gbs: float, gpu: str = "h100-80gb", **over) -
             "nccl": None,
             "driver": None,
         },
-        "collectives": {
-            op: dict(shapes) for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-        },
+        "collectives": {op: dict(shapes) for op in calibration.OPS},
         **over,
     }
     p = tmp / "calibration.json"
@@ -123,7 +121,7 @@ def _collectives_of(found, plan) -> float:
     [
         (lambda p: p.unlink(), "does not exist (run `dskit calibrate` first)"),
         (lambda p: p.write_text("{not json"), "is damaged (not JSON"),
-        (lambda p: p.write_text('{"version": 99}'), "calibration version 99, this dskit reads 1"),
+        (lambda p: p.write_text('{"version": 99}'), "calibration version 99, this dskit reads 2"),
         (
             lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "collectives": 3})),
             "is damaged at collectives",

@@ -84,20 +84,33 @@ def _v3(nodes: int, *sets: str):
     return build_plan(load_spec(None, [f"hardware.nodes={nodes}", "model.preset=deepseek-v3", *sets], {}))
 
 
-def test_zero3_may_prefetch_what_the_model_overlaps():
+def test_zero3_prefetches_what_the_rendered_limit_leaves_and_the_model_counts_the_rest():
     """At EP 8 a V3 layer's local experts exceed DeepSpeed's default live-parameter limit (1e9): the
-    plan raises the limit to that layer plus one prefetch bucket, so DeepSpeed can fetch ahead while it
-    is computed, and the model's overlap is the config's."""
+    plan raises the limit to that layer plus one prefetch bucket, so one bucket of the next layer is
+    fetched ahead while a layer is computed and the rest when it starts; the model's share is the
+    config's. Where the default leaves room for a whole layer, all of it is fetched ahead."""
     plan = _v3(32, "overrides.zero_stage=3", "overrides.ep_size=8")
     z = plan.deepspeed["zero_optimization"]
     c = counts(plan.model.config, plan.parallel.seq_len)
     layer = prefetch.gathered_layer_params(c, plan.hardware.world_size, 8)
-    assert layer > prefetch.MAX_LIVE_DEFAULT  # the case the default config could not prefetch
+    assert layer > prefetch.MAX_LIVE_DEFAULT  # the case the default config could not prefetch at all
     assert z["stage3_max_live_parameters"] == layer + prefetch.PREFETCH_BUCKET
-    assert prefetch.prefetches(z["stage3_max_live_parameters"], z["stage3_prefetch_bucket_size"], layer)
-    assert not prefetch.prefetches(prefetch.MAX_LIVE_DEFAULT, prefetch.PREFETCH_BUCKET, layer)
-    layout = speed.Layout(world=256, per_node=8, ep_size=8)
-    assert speed.zero3_overlap(c, layout) == speed.ZERO3_OVERLAP
+    share = prefetch.prefetched_share(z["stage3_max_live_parameters"], layer)
+    assert share == pytest.approx(prefetch.PREFETCH_BUCKET / layer) and share < 0.05
+    assert prefetch.prefetched_share(prefetch.MAX_LIVE_DEFAULT, layer) == 0.0
+    assert speed.prefetched(c, speed.Layout(world=256, per_node=8, ep_size=8)) == share
+    assert prefetch.prefetched_share(prefetch.MAX_LIVE_DEFAULT, 10**8) == 1.0
+
+
+def test_a_gather_longer_than_the_compute_behind_it_is_exposed():
+    """The prefetch term can fail: per pass, what the compute of that pass cannot hide is exposed, and
+    what the live limit does not let start ahead is exposed whole."""
+    windows = speed.compute_windows(0.3, 0.0, None)
+    assert windows == pytest.approx((0.1, 0.2, 0.0))
+    assert speed.compute_windows(0.4, 1.0, None) == pytest.approx((0.1, 0.2, 0.1))
+    assert speed._exposed(0.05, 0.1) == 0.0  # hidden
+    assert speed._exposed(0.3, 0.1) == pytest.approx(0.2)  # three times its window: two thirds exposed
+    assert speed._exposed(0.3, 0.1, share=0.1) == pytest.approx(0.27)  # 0.03 ahead, hidden; 0.27 exposed
 
 
 def test_small_models_keep_deepspeeds_defaults():

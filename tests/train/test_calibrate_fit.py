@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from dskit.calibrate.calibration import EXCHANGE
 from dskit.calibrate.job import PREFLIGHT_SHARE, fit, preflight
-from dskit.plan.schema import CalibrateGroup
+from dskit.plan.schema import CalibrateExchange, CalibrateGroup
 
 
 def test_the_fit_recovers_latency_and_bandwidth():
@@ -31,9 +32,21 @@ def _group(expected: float | None) -> CalibrateGroup:
 
 def test_the_preflight_names_a_group_far_below_its_fabric():
     slow = fit([(2**20, 1e-3), (2**24, 1.6e-2)], 15 / 16)  # about 1 GB/s where 400 are expected
-    lines = preflight([_group(400.0)], {"all_gather": {"8x2": slow}})
+    lines = preflight([_group(400.0)], [], {"all_gather": {"8x2": slow}})
     assert len(lines) == 1 and lines[0].startswith("all_gather over 8x2 (dense: every rank) measured")
     assert "across nodes" in lines[0] and "NCCL" in lines[0]
     fine = fit([(2**20, 1e-5), (2**30, 1e-5 + 2**30 * 15 / 16 / (PREFLIGHT_SHARE * 1.2 * 400e9))], 15 / 16)
-    assert preflight([_group(400.0)], {"all_gather": {"8x2": fine}}) == []
-    assert preflight([_group(None)], {"all_gather": {"8x2": slow}}) == []  # nothing to compare with
+    assert preflight([_group(400.0)], [], {"all_gather": {"8x2": fine}}) == []
+    assert preflight([_group(None)], [], {"all_gather": {"8x2": slow}}) == []  # nothing to compare with
+
+
+def test_the_preflight_names_autoeps_exchange_far_below_the_all_to_all_rate():
+    """AutoEP's dispatch and combine, measured over an EP group, beside the catalog's all-to-all rate for
+    its shape."""
+    x = CalibrateExchange(
+        key="8x1", ep_size=8, tokens=[4096], top_k=8, experts=64, hidden=2048, expected_gbs=450.0
+    )
+    slow = fit([(2**20, 1e-3), (2**24, 1.6e-2)], 7 / 8)
+    lines = preflight([], [x], {EXCHANGE: {"8x1": slow}})
+    assert len(lines) == 1 and lines[0].startswith(f"{EXCHANGE} over 8x1 (expert-parallel at EP 8) measured")
+    assert "inside a node" in lines[0]
