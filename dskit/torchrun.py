@@ -69,9 +69,10 @@ def exit_without_teardown(code: int) -> None:
     are not daemons, run the exit handlers (trackers, logging), flush, then os._exit. Freeing what
     torch, DeepSpeed and transformers loaded took 1.2 s of each trainer rank's exit and 0.3 s of
     torchrun's on 2 cores, at every launch and restart, after the work was done."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's own finalization calls first: the hooks that tell pool workers to leave
+    # (concurrent.futures registers one: inductor's compile pool would otherwise wait on its queue for
+    # ever, as every idle ThreadPoolExecutor worker does), then a join of the threads that are not daemons.
+    threading._shutdown()  # noqa: SLF001
     atexit._run_exitfuncs()  # noqa: SLF001 (what the interpreter would run at exit, in its order)
     logging.shutdown()
     sys.stdout.flush()

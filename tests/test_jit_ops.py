@@ -136,15 +136,19 @@ def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it():
 
 def test_a_process_ended_without_teardown_still_finishes_its_threads_and_exit_handlers(tmp_path):
     """exit_without_teardown skips freeing the modules only: the threads that are not daemons finish,
-    the exit handlers run, buffered output is written, and the code is the process's status."""
+    an idle thread pool's workers are told to leave (a fresh inductor cache leaves one behind: joined
+    alone, its worker waits on its queue for ever), the exit handlers run, buffered output is written,
+    and the code is the process's status."""
     code = f"""
-import atexit, pathlib, threading, time
+import atexit, concurrent.futures, pathlib, threading, time
 from dskit.torchrun import exit_without_teardown
 out = pathlib.Path({str(tmp_path)!r})
 def late():
     time.sleep(0.5)
     (out / "thread").write_text("done")
 threading.Thread(target=late).start()
+idle_pool = concurrent.futures.ThreadPoolExecutor(1)
+idle_pool.submit(int).result()
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 print("buffered", end="")
 exit_without_teardown(3)

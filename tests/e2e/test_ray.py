@@ -19,6 +19,7 @@ import pytest
 from dskit.calibrate import calibration
 from dskit.checkpoint_layout import newest_verified_tag
 from dskit.errors import EXIT_BAD_INPUT
+from dskit.plan import links
 from dskit.plan.schema import load_plan
 from dskit.status.run_status import read_jobs
 from dskit.train.entry import LAUNCH_ENV_FILE
@@ -225,4 +226,4 @@ def test_ray_runs_the_calibration_job(ray_cluster, tmp_path):
     cal = calibration.load(
         plan.calibrate.file, field="f", gpu="cpu", fabric=plan.launch.fabric, procs_per_node=2
     )
-    assert cal.hardware.procs_per_node == 2 and "2x1" in cal.collectives["all_to_all"]
+    assert cal.hardware.procs_per_node == 2 and all("2x1" in cal.collectives[op] for op in links.OPS)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dskit.calibrate import calibration
+from dskit.plan import links
 from tests.conftest import TINY_SETS, dskit
 
 pytestmark = pytest.mark.train
@@ -56,16 +57,18 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     assert f"calibration: {out}" in r.stdout
     cal = calibration.load(out, field="f", gpu="cpu", fabric="tcp", procs_per_node=2)
     assert cal.hardware.backend == "gloo" and cal.hardware.nodes == 1
-    for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
+    assert set(cal.collectives) == set(links.OPS)
+    for op in links.OPS:
         fit = cal.collectives[op]["2x1"]
         assert fit.bus_gbs > 0 and len(fit.points) >= 3
-    assert cal.compute.gemm_tflops is None  # a GPU probe: not on the cpu profile
+    assert cal.compute.gemm_tflops > 0  # the GEMM probe, run on the CPU
+    assert cal.compute.attention_tflops is None  # FlashAttention's probe: a GPU's only
     assert cal.compute.host_layer_pass_s > 0
     assert cal.cpu_adam is not None and cal.cpu_adam.ranks == 2
     assert len(cal.candidates) == 2 and len({c.candidate for c in cal.candidates}) == 2
     for c in cal.candidates:
         assert c.measured_tokens_per_s > 0 and c.measured_peak_gib > 0 and c.steps == 8
-        assert c.predicted_tokens_per_s is None  # the cpu profile has no peak to predict from
+        assert c.predicted_tokens_per_s > 0  # predicted from this calibration's own probes
         assert c.candidate in r.stdout
     plan = dskit("plan", *SPEC, "--calibration", str(out), check=True)
     assert plan.returncode == 0
