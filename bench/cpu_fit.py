@@ -141,7 +141,10 @@ def fit(data: dict) -> tuple[dict[str, float], list[dict]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         cal_file = Path(tmp) / "calibration.json"
-        cal_file.write_text(json.dumps(data["calibration"]))
+        # the runs of 2026-12-05 were recorded when the file still held an (empty) list of candidate
+        # records, which now live in their own report: not a measurement, left out
+        cal = {k: v for k, v in data["calibration"].items() if k != "candidates"}
+        cal_file.write_text(json.dumps(cal))
         parts = [terms(r, cal_file) for r in data["rows"]]
     y = np.array([r["measured_step_s"] for r in data["rows"]])
     base = np.array([b for b, _ in parts])

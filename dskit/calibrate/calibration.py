@@ -79,17 +79,6 @@ class Compute(_Frozen):
     host_layer_pass_s: float | None = Field(None, gt=0)  # the host probe (dskit/calibrate/job.py)
 
 
-class CandidateRun(_Frozen):
-    """One of the plan's candidates trained for a few steps after calibrating (`--candidates`)."""
-
-    candidate: str
-    predicted_tokens_per_s: int | None  # None: the profile has no peak to predict from (cpu)
-    measured_tokens_per_s: int
-    predicted_gib: float
-    measured_peak_gib: float
-    steps: int
-
-
 class Calibration(_Frozen):
     version: int
     dskit: str
@@ -101,8 +90,6 @@ class Calibration(_Frozen):
     cpu_adam: CpuAdam | None = None
     #: the preflight's findings: a group far below what its fabric should give
     warnings: list[str] = []  # echoed through `_echo` by the reader (`warning_lines`)
-    #: `dskit calibrate local --candidates N`: what the plan's top candidates measured (not read by the plan)
-    candidates: list[CandidateRun] = []
 
     def nearest(self, op: str, key: str) -> tuple[Fit, str] | None:
         """The fit of `op` measured over groups shaped `key`, with `key`; for a ring across another number

@@ -1,11 +1,13 @@
 """`dskit calibrate local --candidates N`: train the plan's top N candidates for a few steps each on this
 machine, once the calibration is written, and record what each measured beside what the plan (now
-calibrated) predicted, in the same calibration file.
+calibrated) predicted, in `candidates.json` beside the calibration.
 
 Each candidate is the user's spec with its configuration pinned through `overrides.*` (the way a user
 would force it), a short run without checkpoints, rendered and started like any local run. Its speed is
-the median of the steps after a warm-up; its memory the peak the trainer logged. The plan does not
-read these records: they are the user's evidence of how far to trust the prediction on their hardware.
+the median of the steps after a warm-up; its memory the peak the trainer logged. The records are the
+user's evidence of how far to trust the prediction on their hardware, a report the plan does not read:
+they hold for one model, sequence and batch, while the calibration holds for every plan of its hardware,
+so they live in their own file, not in the calibration (which holds only what the plan uses).
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from dskit import bounded_read
-from dskit.calibrate import calibration
-from dskit.calibrate.calibration import CandidateRun
+from dskit.atomic import write_file
 from dskit.calibrate.measures import job_name
 from dskit.plan.build import build_plan_searched
 from dskit.spec import Spec
@@ -24,6 +27,32 @@ from dskit.status.report import MAX_METRICS_LINE, METRICS_FILE
 
 #: steps per candidate, of which the first WARMUP are not timed (compilation, allocator growth)
 STEPS, WARMUP = 8, 3
+#: the report's name, beside the calibration file
+REPORT = "candidates.json"
+
+
+class CandidateRun(BaseModel):
+    """One of the plan's candidates trained for a few steps after calibrating."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    candidate: str
+    predicted_tokens_per_s: int | None  # None: the plan predicted no speed for it
+    measured_tokens_per_s: int
+    predicted_gib: float
+    measured_peak_gib: float
+    steps: int
+
+
+class Report(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    calibration: str  # the calibration the predictions were made with
+    candidates: list[CandidateRun]
+
+
+def report_path(cal_file: Path) -> Path:
+    return Path(cal_file).with_name(REPORT)
 
 
 def pins(c) -> list[str]:
@@ -47,8 +76,8 @@ class CandidateFailed(Exception):
 
 def measure(spec_with: Callable[..., Spec], cal_file: Path, n: int, out_root: Path) -> list[CandidateRun]:
     """Train the top `n` fitting candidates of the calibrated plan; `spec_with(extra_sets, name=None)`
-    is the user's spec with more `--set` values (and another run name). Adds the records to `cal_file`
-    (atomically) and returns them."""
+    is the user's spec with more `--set` values (and another run name). Writes the records to
+    `report_path(cal_file)` (atomically, after each candidate) and returns them."""
     from dskit.render.run_dir import render_run
     from dskit.train.local import run_local
 
@@ -67,11 +96,11 @@ def measure(spec_with: Callable[..., Spec], cal_file: Path, n: int, out_root: Pa
         if code != 0:
             raise CandidateFailed(
                 f"candidate {i + 1} ({c.describe()}) exited with {code} (its log is above); "
-                f"{len(records)} record(s) before it are in {cal_file}"
+                f"{len(records)} record(s) before it are in {report_path(cal_file)}"
             )
         records.append(_record(row, _records(metrics)[before:]))
-        cal = calibration.read(cal_file)
-        calibration.write(cal_file, cal.model_copy(update={"candidates": records}))
+        report = Report(calibration=str(cal_file), candidates=records)
+        write_file(report_path(cal_file), report.model_dump_json(indent=1) + "\n")
     return records
 
 

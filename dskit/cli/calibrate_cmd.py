@@ -56,6 +56,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             sys.stderr.write(f"dskit: calibrate: {e}\n")
             return 1
         print(candidate_runs.table(records))
+        print(f"candidates: {candidate_runs.report_path(Path(c.file))}")
     print(f"calibration: {c.file}")
     print(f"next: dskit plan SPEC --calibration {c.file} --explain")
     return 0
@@ -69,11 +70,13 @@ def add_calibrate(sub: Subparsers) -> None:
         "calibrate",
         help="measure this cluster's collectives, GEMM and CPU Adam rates for the plan (a short job)",
         description="Render (and with `local`, run) a short job, launched like a training run of the same "
-        "spec, that times what the plan's step-time model depends on, on your hardware: all-gather, "
-        "reduce-scatter, all-reduce and all-to-all over every process-group shape a plan of this size forms "
-        "(inside a node, across nodes, each EP size's expert-parallel and expert-data-parallel groups), at "
-        "sizes around the plan's messages; the GPU's GEMM and attention rates; the host's cost per layer "
-        "pass; DeepSpeed's CPU Adam with every rank of a node stepping at once. Rank 0 writes "
+        "spec, that times what the plan's step-time model depends on, on your hardware: all-gather and "
+        "reduce-scatter over every process-group shape a plan of this size forms (inside a node, across "
+        "nodes, each EP size's expert-data-parallel groups), at sizes around the plan's messages; AutoEP's "
+        "own dispatch and combine over each EP group (its count exchange and uneven all-to-alls) at the "
+        "token counts the candidates route; the GEMM rate (GPUs and CPU ranks) and the attention rate "
+        "(GPUs); the host's cost per layer pass; DeepSpeed's CPU Adam with every rank of a node stepping at "
+        "once. Rank 0 writes "
         "calibration.json to the run's output dir (atomically: a killed job leaves none). Give it to "
         "`dskit plan`/`render` with --calibration FILE (spec: hardware.calibration); `--explain` then "
         "names each term's source. A group measuring far below its fabric (NCCL on TCP sockets, a missing "
@@ -94,6 +97,7 @@ def add_calibrate(sub: Subparsers) -> None:
         default=0,
         metavar="N",
         help=f"with {LOCAL}: then train the calibrated plan's top N candidates for a few steps each and "
-        "record their measured tokens/s and peak memory beside the predictions in the calibration file",
+        "record their measured tokens/s and peak memory beside the predictions in candidates.json, beside "
+        "the calibration file (a report for you; the plan reads only the calibration)",
     )
     s.set_defaults(func=cmd_calibrate)

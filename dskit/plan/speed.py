@@ -22,8 +22,9 @@ side by side, because the host enqueues kernels ahead of the GPU:
   4-layer V2-Lite take as long as 8192-token ones), large ones GPU-bound.
 - collectives: all-gathers of the 16-bit weights (forward, backward, recompute) and the gradient
   reduce-scatter, each over its process group's shape (dskit/plan/links.py: NCCL's ring over the node's
-  link inside a node, over the NICs the group's local ranks own across nodes), of which ZeRO-3's
-  prefetch hides ZERO3_OVERLAP where the rendered config lets it prefetch (dskit/plan/prefetch.py);
+  link inside a node, over the NICs the group's local ranks own across nodes); each pass's
+  transfers run behind that pass's compute (`compute_windows`), and only the share of the next layer the
+  rendered live limit lets DeepSpeed gather ahead starts early (dskit/plan/prefetch.py);
   plus a measured synchronisation cost per layer pass.
 - ZeRO-1 and 2 (`zero_stage`) keep the 16-bit weights on every rank: no per-layer gathers and no
   module hooks. Stage 2 reduce-scatters the gradients every micro-step, overlapped with the backward
@@ -207,16 +208,16 @@ WIRE_BYTES = 2
 #: achieved share of the GEMM probe's rate on the model's FLOPs (the kernels of a tiny layer are small)
 CPU_COMPUTE_EFFICIENCY = 0.03
 #: host time per layer pass under ZeRO-3 (its module hooks and partitioned-parameter bookkeeping), s
-CPU_HOST_LAYER_PASS_S = 0.009
+CPU_HOST_LAYER_PASS_S = 0.008
 #: host time per layer pass under ZeRO-1/2, s
 CPU_HOST_LAYER_PASS_UNHOOKED_S = 0.0045
 #: AutoEP's routing at EP > 1 beyond its measured exchange (permutes by destination and local expert,
 #: its bookkeeping), per MoE layer pass, s
-CPU_EP_LAYER_PASS_S = 0.002
+CPU_EP_LAYER_PASS_S = 0.0015
 #: host time per optimizer step besides the update's arithmetic (the engine's step: ZeRO's partition
 #: bookkeeping, gradient clipping's norm, the scheduler), s: ZeRO-3's, and ZeRO-1/2's
-CPU_HOST_OPTIMIZER_STEP_S = 0.064
-CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S = 0.03
+CPU_HOST_OPTIMIZER_STEP_S = 0.059
+CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S = 0.0275
 #: a CPU rank's optimizer step (torch's AdamW over its shard, fp32 master and moments), core-seconds per
 #: billion parameters: DeepSpeed's CPU Adam probe reads about this on the CPU reference machine
 CPU_ADAM_CORE_S_PER_BPARAM_CPU = 1.3

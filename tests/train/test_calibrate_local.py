@@ -4,6 +4,7 @@ when it is killed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.calibrate import calibration
+from dskit.calibrate import calibration, candidates
 from dskit.plan import links
 from tests.conftest import TINY_SETS, dskit
 
@@ -49,7 +50,7 @@ def _args(tmp: Path, name: str) -> list[str]:
 
 def test_calibrate_writes_what_the_plan_reads(tmp_path):
     """With --candidates 2 it then trains the plan's two first candidates for a few steps each and
-    records them beside their predictions."""
+    records them beside their predictions, in a report of their own beside the calibration."""
     r = dskit(*_args(tmp_path, "cal"), "--candidates", "2", check=True)
     out = tmp_path / "storage" / "cal-calibrate" / "outputs" / "calibration.json"
     steps = [line for line in r.stdout.splitlines() if line.startswith("dskit: calibrate [")]
@@ -65,8 +66,11 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     assert cal.compute.attention_tflops is None  # FlashAttention's probe: a GPU's only
     assert cal.compute.host_layer_pass_s > 0
     assert cal.cpu_adam is not None and cal.cpu_adam.ranks == 2
-    assert len(cal.candidates) == 2 and len({c.candidate for c in cal.candidates}) == 2
-    for c in cal.candidates:
+    assert "candidates" not in json.loads(out.read_text())  # the calibration holds what the plan reads
+    report = candidates.Report.model_validate_json((out.parent / "candidates.json").read_text())
+    assert report.calibration == str(out) and f"candidates: {out.parent / 'candidates.json'}" in r.stdout
+    assert len(report.candidates) == 2 and len({c.candidate for c in report.candidates}) == 2
+    for c in report.candidates:
         assert c.measured_tokens_per_s > 0 and c.measured_peak_gib > 0 and c.steps == 8
         assert c.predicted_tokens_per_s > 0  # predicted from this calibration's own probes
         assert c.candidate in r.stdout
