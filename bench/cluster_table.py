@@ -1,90 +1,134 @@
-"""The plan at cluster scale under today's step-time model beside the one before it, and DeepSeek-V3's
-communication terms worked from first principles (no GPU: `dskit plan`'s own models only).
-
-Commit 304388f timed each collective over its process group's shape (dskit/plan/links.py: NCCL's ring
-bus bandwidth min(NVLink, r x the fabric's per-GPU rate) across nodes, ring latency per inter-node
-step, the all-to-all split between the NICs and NVLink) where the model before it (5935f17) timed every
-group that spans nodes at one NIC's rate; it also counts ZeRO-3's prefetch overlap only where the
-rendered config lets DeepSpeed prefetch (dskit/plan/prefetch.py) and takes optimizer offload only when
-it is predicted more than 15% faster (search.offload_wins).
+"""The plan at cluster scale, and DeepSeek-V3's communication terms worked from first principles (no GPU:
+`dskit plan`'s own models only).
 
 For DeepSeek-V2-Lite, V2 and V3 at 8, 64 and 256 GPUs (8 per node, InfiniBand) of H100 and H200, with
-the default spec, it prints a markdown table and writes JSON (`--out`) with each model's pick,
-predicted tokens/s/GPU and communication terms (collectives_s, all_to_all_s, boundary_s). Each
-model runs as a subprocess of this script with PYTHONPATH at its code: today's from `--now` (default:
-this checkout), the previous one from a `git worktree` of BEFORE_COMMIT that is added under /tmp and
-removed at the end (or `--before DIR`, kept). For V3 on 32 x 8 H100 it then works each communication
-term of the pick by hand (bytes per pass over the group's bandwidth) beside the model's term.
+the default spec, it prints a markdown table and writes JSON (`--out`) with each model's pick, predicted
+tokens/s/GPU and communication terms (collectives_s, all_to_all_s, boundary_s).
 
-    python bench/cluster_table.py --out bench/results/scale/model-cluster-table-2026-12-04.json
-    python bench/cluster_table.py --now /tmp/dskit-head    # today's terms from a clean checkout
+For DeepSeek-V3 on 32 x 8 H100 it then works each communication term of the pick by hand: the bytes a
+rank moves per step in each process group (the dense ZeRO group, the expert-data-parallel group, the EP
+all-to-all), NCCL's ring factor (g-1)/g, the bus rate, NCCL's ring latency per call, and the share
+ZeRO-3's prefetch hides (each layer's gather against the compute it can run behind) - beside the step-time
+model's own term for the same traffic (dskit/plan/speed.py's internals, and the plan's `speed`), with the
+ratio model / arithmetic, flagged outside GOAL. It does this with the catalog's rates (no calibration),
+and with a calibration file written here from NCCL's published achievable rates
+(`published_calibration`), passed as `hardware.calibration` as a user's `dskit calibrate` output is;
+where the calibration moves the pick, a third time with the catalog's pick held (overrides.*), so that
+the same traffic is compared under both sets of rates.
+
+    python bench/cluster_table.py --out bench/results/scale/model-cluster-table-2026-12-05.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script from anywhere: this checkout's dskit
+    sys.path.insert(0, str(REPO))
 
 MODELS = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 GPUS = ("h100-80gb", "h200-141gb")
 WORLDS = (8, 64, 256)
 PER_NODE = 8
 FABRIC = "infiniband"
-#: the model before commit 304388f (plan per process group)
-BEFORE_COMMIT = "5935f17"
 #: the worked example: DeepSeek-V3 on 32 x 8 H100
 ARITH = ("deepseek-v3", "h100-80gb", 256)
-#: how far the model's term may be from the first-principles arithmetic (the brief's goal)
+#: how far the model's term may be from the first-principles arithmetic (the issue's goal)
 GOAL = 0.30
 COMM_TERMS = ("collectives_s", "all_to_all_s", "boundary_s")
+GB = 1e9
+US = 1e-6
+
+# ---- NCCL's ring latency, by hand (NVIDIA/nccl src/graph/tuning.cc, protocol Simple: `baseLat` per
+# call, `hwLat` per ring step by the link it crosses); the same constants links.py documents ----
+NCCL_BASE_US = 8.4
+NCCL_NVLINK_STEP_US = 3.4
+NCCL_NET_STEP_US = 9.6
+
+# ---- the published rates the calibration file is written from (`published_calibration`) ----
+#: NCCL's achievable all_gather / reduce_scatter bus bandwidth over NVLink 4 on 8 H100: "360 GB/s is
+#: exactly what we'd expect on H100" (NCCL maintainer sjeaugey, NVIDIA/nccl-tests issue #326,
+#: 2025-06-24); "450GB/s is the line rate. With the protocol overhead (~20%) NCCL can get an effective
+#: NVLink bandwidth of 370GB/s" (same, NVIDIA/nccl-tests issue #212, 2024-05-06). A ring across nodes
+#: also crosses NVLink inside every node, so it is the ceiling there too.
+NVLINK_RING_GBS = 360.0
+#: NCCL's rate per NDR 400 Gb/s NIC (one ConnectX-7 per GPU): 96% of the 50 GB/s line rate, NCCL's
+#: maintainers' figure (NVIDIA/nccl-tests issue #119, the number fabrics.yaml `bus_gbs_per_gpu` cites);
+#: "For NDR @ 400Gbps you should see 46-48GB/s per NIC" (AddyLaddy, NVIDIA/nccl-tests issue #290).
+#: A ring with r ranks per node leaves each node over r NICs (links.py).
+NIC_BUS_GBS = 48.0
+#: ASSUMPTION, no published figure: AutoEP's dispatch and combine (its count exchange, the split sizes
+#: read back to the host, uneven splits) reach 0.8 of NCCL's rates, over NVLink (an all-to-all inside a
+#: node taken at the ring's NVLINK_RING_GBS: no published H100 all-to-all figure is used) and over the
+#: NICs. An
+#: all-to-all across nodes is bound by its network share at one NIC per GPU: "Alltoall cannot aggregate
+#: the bandwidth of multiple NICs" (sjeaugey, NVIDIA/nccl-tests issue #267); "the portion that's going
+#: through the network will determine the global time" (sjeaugey, NVIDIA/nccl-tests issue #130).
+EXCHANGE_SHARE = 0.8
+#: ASSUMPTION: a dispatch-and-combine pair's fixed cost is three NCCL calls (the count exchange, the
+#: dispatch, the combine), each NCCL's base latency plus one step over the link it crosses
+EXCHANGE_CALLS = 3
 
 
-def _sets(model: str, gpu: str, world: int) -> list[str]:
-    return [
+def _sets(
+    model: str, gpu: str, world: int, calibration: Path | None = None, extra: list[str] | None = None
+) -> list[str]:
+    sets = [
         f"model.preset={model}",
         f"hardware.gpu={gpu}",
         f"hardware.gpus_per_node={PER_NODE}",
         f"hardware.nodes={world // PER_NODE}",
         f"network.fabric={FABRIC}",
     ]
+    if calibration is not None:
+        sets.append(f"hardware.calibration={calibration}")
+    return sets + (extra or [])
 
 
-def _plan(model: str, gpu: str, world: int):
+def _plan(
+    model: str, gpu: str, world: int, calibration: Path | None = None, extra: list[str] | None = None
+) -> Any:
     from dskit.plan.build import build_plan_searched
     from dskit.spec import load_spec
 
-    return build_plan_searched(load_spec(None, _sets(model, gpu, world), {}))[0]
+    return build_plan_searched(load_spec(None, _sets(model, gpu, world, calibration, extra), {}))[0]
 
 
-# ---- run inside the subprocess, with the code under test on PYTHONPATH ----
+def _pick_of(p: Any) -> str:
+    ck = {0: "no ckpt", 1: "ckpt"}.get(p.activation_checkpointing, f"ckpt/{p.activation_checkpointing}")
+    off = ", offload" if p.offload_optimizer else ""
+    return f"ZeRO-{p.zero_stage} EP {p.ep_size} mb {p.micro_batch}x{p.grad_accum} {ck}{off}"
 
 
-def rows_here() -> dict:
-    """Every cell under the dskit that PYTHONPATH gives (the subprocess's half)."""
-    import dskit
+# ---- the table ----
+
+
+def rows() -> list[dict[str, Any]]:
+    """Every cell's pick and communication terms, with the catalog's rates."""
     from dskit.errors import SpecError
 
-    rows = []
+    out = []
     for model in MODELS:
         for gpu in GPUS:
             for world in WORLDS:
-                row: dict = {"model": model, "gpu": gpu, "gpus": world}
+                row: dict[str, Any] = {"model": model, "gpu": gpu, "gpus": world}
                 try:
                     plan = _plan(model, gpu, world)
                 except SpecError as e:
                     row["refused"] = f"{e.field}: {e.message}".splitlines()[0]
-                    rows.append(row)
+                    out.append(row)
                     continue
                 p, s = plan.parallel, plan.speed or {}
                 row.update(
+                    pick=_pick_of(p),
                     zero_stage=p.zero_stage,
                     ep_size=p.ep_size,
                     micro_batch=p.micro_batch,
@@ -97,287 +141,513 @@ def rows_here() -> dict:
                     **{k: s.get(k, 0.0) for k in COMM_TERMS},
                     sources=s.get("sources", {}),
                 )
-                rows.append(row)
-    return {"dskit": str(Path(dskit.__file__).resolve().parent.parent), "rows": rows}
+                out.append(row)
+    return out
 
 
-def arithmetic_here() -> dict:
-    """DeepSeek-V3 on 32 x 8 H100: each communication term of the pick from first principles (bytes
-    per pass over the group's bandwidth), beside the model's own term (today's code only)."""
+def markdown(table: list[dict[str, Any]]) -> str:
+    lines = [
+        "| model | GPUs | pick | tok/s/GPU | collectives / a2a / boundary s |",
+        "|---|---|---|---|---|",
+    ]
+    for r in table:
+        gpus = f"{r['gpus']} x {r['gpu'].split('-')[0].upper()}"
+        if "refused" in r:
+            lines.append(f"| {r['model']} | {gpus} | does not fit | - | - |")
+            continue
+        comm = " / ".join(f"{r[k]:.2f}" for k in COMM_TERMS)
+        lines.append(f"| {r['model']} | {gpus} | {r['pick']} | {r['tokens_per_s_per_gpu']:,} | {comm} |")
+    return "\n".join(lines)
+
+
+# ---- the calibration file from NCCL's published rates ----
+
+
+def _ring_latency_us(g: Any) -> float:
+    """NCCL's latency of one all-gather or reduce-scatter over a ring shaped `g`: the base per call, one
+    NVLink step per step inside a node, one network step per step that crosses nodes (tuning.cc)."""
+    steps, inter = g.size - 1, g.nodes - 1
+    return NCCL_BASE_US + (steps - inter) * NCCL_NVLINK_STEP_US + inter * NCCL_NET_STEP_US
+
+
+def _published_ring_gbs(g: Any) -> float:
+    return NVLINK_RING_GBS if not g.spans_nodes else min(NVLINK_RING_GBS, g.ranks_per_node * NIC_BUS_GBS)
+
+
+def _published_exchange_gbs(g: Any) -> float:
+    """AutoEP's exchange over `g` at EXCHANGE_SHARE of NCCL's rates: inside a node NVLink's; across nodes
+    the network share (g-r)/g at one NIC per GPU and the node share (r-1)/g over NVLink, both at once
+    (the bus rate, as the calibration fits it, is bytes sent per second: (g-1)/g of the whole)."""
+    nvlink, nic = EXCHANGE_SHARE * NVLINK_RING_GBS, EXCHANGE_SHARE * NIC_BUS_GBS
+    if not g.spans_nodes:
+        return nvlink
+    net = (g.size - g.ranks_per_node) / g.size / nic
+    node = (g.ranks_per_node - 1) / g.size / nvlink
+    return (g.size - 1) / g.size / max(net, node)
+
+
+def published_calibration(path: Path) -> dict[str, Any]:
+    """Write a version-2 calibration for V3's cluster (32 x 8 H100, InfiniBand) from the published
+    rates above, at the group shapes and sizes the plan's own calibration job would time
+    (dskit/calibrate/measures.py `calibrate_plan`), plus the in-node 8x1 ring the rest derive from.
+    Each fit's points lie on its line: latency + bytes x share / bus rate."""
+    import dskit
+    from dskit.calibrate import calibration
+    from dskit.calibrate.calibration import Calibration
+    from dskit.calibrate.job import exchange_bytes
+    from dskit.plan.build import build_calibration_plan
+    from dskit.plan.links import Group
+    from dskit.spec import load_spec
+
+    model, gpu, world = ARITH
+    job = build_calibration_plan(load_spec(None, _sets(model, gpu, world), {})).calibrate
+    rings = {g.key: g.moved_share for g in job.groups}
+    rings.setdefault("8x1", {op: 7 / 8 for op in calibration.RING_OPS})
+    collectives: dict[str, dict[str, Any]] = {op: {} for op in calibration.OPS}
+    for key, shares in rings.items():
+        g = Group(*(int(x) for x in key.split("x")))
+        bus, latency = _published_ring_gbs(g), _ring_latency_us(g) * US
+        for op, share in shares.items():
+            points = [(float(b), latency + b * share / (bus * GB)) for b in job.sizes_bytes]
+            collectives[op][key] = {"bus_gbs": bus, "latency_s": latency, "points": points}
+    for x in job.exchanges:
+        g = Group(*(int(v) for v in x.key.split("x")))
+        bus = _published_exchange_gbs(g)
+        latency = (
+            EXCHANGE_CALLS
+            * (NCCL_BASE_US + (NCCL_NET_STEP_US if g.spans_nodes else NCCL_NVLINK_STEP_US))
+            * US
+        )
+        share = (x.ep_size - 1) / x.ep_size
+        points = [
+            (float(b), latency + b * share / (bus * GB)) for b in (exchange_bytes(x, t) for t in x.tokens)
+        ]
+        collectives[calibration.EXCHANGE][x.key] = {"bus_gbs": bus, "latency_s": latency, "points": points}
+    data = {
+        "version": calibration.VERSION,
+        "dskit": dskit.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hardware": {
+            "gpu": gpu,
+            "fabric": FABRIC,
+            "nodes": world // PER_NODE,
+            "procs_per_node": PER_NODE,
+            "device": "NVIDIA H100 80GB HBM3",
+            "backend": "nccl",
+            "torch": "none: written by bench/cluster_table.py from NCCL's published rates",
+            "nccl": None,
+            "driver": None,
+        },
+        "collectives": collectives,
+        # no probes: the fitted compute, host and CPU Adam terms stay unscaled, so only the rates move
+        "compute": {},
+        "warnings": [],
+    }
+    calibration.write(path, Calibration.model_validate(data))
+    calibration.read(path)  # the plan's own reader accepts it
+    return data
+
+
+# ---- DeepSeek-V3 on 32 x 8 H100, term by term ----
+
+
+def _term(term: str, group: str, arithmetic: str, fp: float, model: float, note: str) -> dict[str, Any]:
+    # both nothing (a one-rank group) agree; the model something where the arithmetic has nothing: no ratio
+    ratio = model / fp if fp else (1.0 if not model else None)
+    return {
+        "term": term,
+        "group": group,
+        "arithmetic": arithmetic,
+        "first_principles_s": round(fp, 4),
+        "model_s": round(model, 4),
+        "ratio": None if ratio is None else round(ratio, 3),
+        "within_goal": ratio is not None and abs(ratio - 1) <= GOAL,
+        "model_note": note,
+    }
+
+
+def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> dict[str, Any]:
+    """V3 on 32 x 8 H100 (ARITH): each communication term of the pick from first principles beside the
+    model's, with the catalog's rates (None) or the calibration at `calibration_path`; `pin`: a pick to
+    hold (overrides.*), else the plan's own."""
     from dskit import catalog
+    from dskit.calibrate import calibration, scales
     from dskit.plan import links as links_
     from dskit.plan import speed
     from dskit.plan.model_math import counts
+    from dskit.plan.prefetch import gathered_layer_params
 
     model, gpu_name, world = ARITH
-    plan = _plan(model, gpu_name, world)
+    extra = [f"overrides.{k}={v}" for k, v in (pin or {}).items()]
+    plan = _plan(model, gpu_name, world, calibration_path, extra)
     p, s = plan.parallel, plan.speed
+    if p.zero_stage != 3:  # the arithmetic below is ZeRO-3's (per-layer gathers)
+        raise SystemExit(f"{model} on {world} {gpu_name}: the pick is ZeRO-{p.zero_stage}, not ZeRO-3")
     cfg = plan.model.config
     c = counts(cfg, p.seq_len)
-    gpu = catalog.gpu(gpu_name)
-    nvlink = gpu.interconnect_gbs
-    nic = catalog.fabric(FABRIC).gbs_per_gpu
-    L = cfg["num_hidden_layers"]
-    frac = speed.checkpointed_fraction(L, p.activation_checkpointing)
-    gathers_per_layer = 2 + frac  # forward, backward, and the recompute's forward
-    tokens = p.micro_batch * p.seq_len
-    accum = p.grad_accum
-    experts = c.experts_per_layer * c.moe_layers
-    non_expert = c.total - experts
-    local_experts = experts / p.ep_size
-    shapes = links_.groups(world, PER_NODE, p.ep_size)
-    GB = 1e9
-
-    def ring_gbs(g: links_.Group) -> float:
-        return nvlink if not g.spans_nodes else min(nvlink, g.ranks_per_node * nic)
-
-    terms = []
-    # the model's own split of collectives_s: each group alone through speed._collectives_s, the
-    # overlap left out (1.0 - 0) and put back below; sync counted once for the whole
-    links = links_.Links(nvlink, nic)
+    gpu, fabric = catalog.gpu(gpu_name), catalog.fabric(FABRIC)
+    cal = None if calibration_path is None else calibration.read(calibration_path)
+    rates = links_.Links.of(gpu, fabric, cal)
     layout = speed.Layout(world, PER_NODE, p.ep_size)
-    overlap = speed.zero3_overlap(c, layout)
-    passes = L * gathers_per_layer
-    model_exposed = {}
-    for group, params in (("dense", non_expert), ("expert_dp", local_experts)):
-        g = shapes[group]
-        share = (g.size - 1) / g.size
-        gbs = ring_gbs(g)
-        gather_b = speed.WIRE_BYTES * params * gathers_per_layer
-        reduce_b = speed.WIRE_BYTES * params
-        fp = accum * (gather_b + reduce_b) * share / (gbs * GB)
-        traffic = ((reduce_b, reduce_b, group),)  # _zero_groups' form: bytes per gather pass, per reduce
-        unknown: list[str] = []
-        per_micro, _ = speed._collectives_s(
-            traffic,
-            shapes,
-            links,
-            p.zero_stage,
-            frac,
-            passes,
-            {"dense": L, "expert_dp": c.moe_layers},
-            0.0,
-            unknown,
-        )
-        sync = speed.SYNC_LAYER_PASS_S * passes
-        modelled = accum * (per_micro - sync)
-        model_exposed[group] = modelled
-        terms.append(
-            {
-                "term": f"ZeRO-3 {group.replace('_', '-')} gathers + reduce-scatter",
-                "group": g.describe(),
-                "params_per_rank_b": round(params / 1e9, 3),
-                "arithmetic": (
-                    f"2 B x {params / 1e9:.2f} B params x ({gathers_per_layer:g} gathers + 1 reduce-scatter)"
-                    f" x {accum} micro-steps x ({g.size - 1}/{g.size}) / {gbs:g} GB/s"
-                    + (f" (min({nvlink:g}, {g.ranks_per_node} x {nic:g}))" if g.spans_nodes else " (NVLink)")
-                ),
-                "first_principles_s": round(fp, 4),
-                "model_s": round(modelled, 4),
-                "ratio": round(modelled / fp, 3),
-                "model_note": "links.seconds: the same bytes at the same bus bandwidth plus NCCL's ring latency "
-                "per call, before ZeRO-3's prefetch overlap",
-            }
-        )
-    # the all-to-all: k copies of each token's hidden state, dispatch and combine in every pass of a MoE
-    # layer; each rank sends (g-r)/g of its bytes through its NIC share and (r-1)/g over NVLink
-    ep = shapes["ep"]
-    if ep.size > 1:
-        copies = tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"] * speed.WIRE_BYTES
-        ops = c.moe_layers * 2 * gathers_per_layer
-        per_rank = accum * ops * copies
-        net_b = per_rank * (ep.size - ep.ranks_per_node) / ep.size
-        node_b = per_rank * (ep.ranks_per_node - 1) / ep.size
-        fp = max(net_b / (nic * GB), node_b / (nvlink * GB))
-        modelled = s["all_to_all_s"]
-        terms.append(
-            {
-                "term": "AutoEP all-to-all (dispatch + combine)",
-                "group": ep.describe(),
-                "arithmetic": (
-                    f"{tokens} tokens x k {cfg['num_experts_per_tok']} x hidden {cfg['hidden_size']} x 2 B"
-                    f" x {ops:g} all-to-alls ({c.moe_layers} MoE layers x 2 x {gathers_per_layer:g} passes)"
-                    f" x {accum} micro-steps = {per_rank / GB:.1f} GB per rank: {net_b / GB:.1f} GB over"
-                    f" the NIC share at {nic:g} GB/s, {node_b / GB:.1f} GB over NVLink at {nvlink:g} GB/s"
-                ),
-                "first_principles_s": round(fp, 4),
-                "model_s": round(modelled, 4),
-                "ratio": round(modelled / fp, 3),
-                "model_note": f"the same bytes at A2A_EFFICIENCY = {speed.A2A_EFFICIENCY} of the link "
-                "(fitted on 2 x H200 EP 2 beside EP 1)",
-            }
-        )
-    sync = accum * speed.SYNC_LAYER_PASS_S * passes
-    whole_fp = sum(t["first_principles_s"] for t in terms if t["term"].startswith("ZeRO"))
-    whole = {
-        "first_principles_exposed_s": round(whole_fp, 4),
-        "model_exposed_s": round(sum(model_exposed.values()), 4),
-        "overlap": overlap,
-        "sync_s": round(sync, 4),
-        "model_collectives_s": s["collectives_s"],
-        "check": round((1 - overlap) * sum(model_exposed.values()) + sync, 4),
+    shapes = links_.groups(world, PER_NODE, p.ep_size)
+    L, moe, dense_n = cfg["num_hidden_layers"], c.moe_layers, c.dense_layers
+    frac = speed.checkpointed_fraction(L, p.activation_checkpointing)
+    accum, tokens = p.grad_accum, p.micro_batch * p.seq_len
+    h, k, V = cfg["hidden_size"], cfg["num_experts_per_tok"], cfg["vocab_size"]
+    W = speed.WIRE_BYTES  # bf16 weights, gradients and routed activations on the wire
+
+    # parameters, counted from the config (model_math.counts): what each group moves
+    experts = c.experts_per_layer * moe
+    non_expert = c.total - experts  # sharded over every rank (the dense group)
+    vocab = V * h  # the embedding; the head is as large (not tied in V3)
+    outer = vocab * (1 if cfg.get("tie_word_embeddings") else 2) + h  # embedding, head, final norm
+    in_layers = non_expert - outer  # every layer's attention, norms, dense MLPs, shared experts, routers
+    local = experts / p.ep_size  # this rank's EP shard, sharded over the expert-data-parallel group
+    dense_layer = (in_layers - moe * c.moe_layer_non_expert) / max(1, dense_n)
+    # a layer's parameters in each group (a one-rank group gathers nothing: the whole tensor is there)
+    sharded = shapes["expert_dp"].size > 1
+    layer_params = {
+        "dense": {"moe": c.moe_layer_non_expert, "dense": dense_layer},
+        "expert_dp": {"moe": c.experts_per_layer / p.ep_size, "dense": 0.0},
     }
-    for t in terms:
-        t["within_goal"] = abs(t["ratio"] - 1) <= GOAL
-    pick = (
-        f"ZeRO-{p.zero_stage} EP {p.ep_size} mb {p.micro_batch}x{p.grad_accum} "
-        f"ckpt/{p.activation_checkpointing}{', offload' if p.offload_optimizer else ''}"
+
+    def ring(g: Any) -> tuple[float, str, float, str]:
+        """(bus GB/s, where from, latency s per call, where from) of a ring over `g`, by hand."""
+        if cal is not None and g.key in cal.collectives.get("all_gather", {}):
+            fit = cal.collectives["all_gather"][g.key]
+            lat = f"{fit.latency_s * 1e6:.1f} us (the file's)"
+            return fit.bus_gbs, f"{fit.bus_gbs:g} GB/s (the file's {g.key} ring)", fit.latency_s, lat
+        nvlink, nic = gpu.interconnect_gbs, fabric.bus_gbs_per_gpu
+        steps, inter = g.size - 1, g.nodes - 1
+        lat = f"({NCCL_BASE_US:g} + {steps - inter} x {NCCL_NVLINK_STEP_US:g}" + (
+            f" + {inter} x {NCCL_NET_STEP_US:g}" if inter else ""
+        )
+        lat = f"{lat} = {_ring_latency_us(g):.1f} us)"
+        if not g.spans_nodes:
+            return nvlink, f"NVLink {nvlink:g} GB/s", _ring_latency_us(g) * US, lat
+        bus = min(nvlink, g.ranks_per_node * nic)
+        how = f"min(NVLink {nvlink:g}, {g.ranks_per_node} x NIC {nic:g}) = {bus:g} GB/s"
+        return bus, how, _ring_latency_us(g) * US, lat
+
+    # ---- 1, 2: each ZeRO-3 group's traffic per step, before anything hides it ----
+    # per micro-step: a gather per layer in the forward, the backward and the recomputed forward (the
+    # embedding and head are gathered in the forward and backward, not recomputed), and one gradient
+    # reduce-scatter; one NCCL call per layer and pass (DeepSpeed issues one per fetched module,
+    # partitioned_param_coordinator.py, so the latency here is a lower bound, as the model's is)
+    layers = {"dense": L, "expert_dp": moe}
+    gathered = {"dense": 2 * non_expert + frac * in_layers, "expert_dp": (2 + frac) * local}
+    reduced = {"dense": non_expert, "expert_dp": local}
+    # the model's own bytes (speed._zero_groups: tensors under the persistence threshold not gathered) at
+    # the model's rates (links.seconds), composed as speed._collectives_s composes them
+    zero = {name: (gb, rb) for gb, rb, name in speed._zero_groups(cfg, c, layout, None)}
+    out = []
+    transfer = {}
+    one_layer: dict[str, dict[str, float]] = {}  # a layer's gather (= its reduce-scatter) per group, s
+    for name, label in (("dense", "dense ZeRO group"), ("expert_dp", "expert-data-parallel ZeRO group")):
+        g = shapes[name]
+        gb, rb = zero[name]
+        n = layers[name]
+        modelled = accum * (
+            2 * (rates.seconds("all_gather", g, gb, n) or 0.0)
+            + ((rates.seconds("all_gather", g, gb * frac, n * frac) or 0.0) if frac else 0.0)
+            + (rates.seconds("reduce_scatter", g, rb, n) or 0.0)
+        )
+        params = non_expert if name == "dense" else local
+        if g.size == 1:  # nothing to gather or reduce: every rank holds these parameters whole
+            one_layer[name] = {"moe": 0.0, "dense": 0.0}
+            transfer[name] = 0.0
+            out.append(
+                _term(
+                    f"ZeRO-3 {label}: gathers + reduce-scatter",
+                    g.describe(),
+                    f"one rank: its {params / 1e9:.2f} B parameters are whole on it, nothing moves",
+                    0.0,
+                    modelled,
+                    "links.seconds: a group of one rank moves nothing",
+                )
+            )
+            continue
+        share = (g.size - 1) / g.size
+        bus, bus_how, lat, lat_how = ring(g)
+        calls = n * (2 + frac) + n  # gathers (forward, backward, recompute) + reduce-scatter
+        nbytes = accum * W * (gathered[name] + reduced[name])
+        fp = nbytes * share / (bus * GB) + accum * calls * lat
+        transfer[name] = fp
+        passes = (
+            f"({2 + frac:g} x {params / 1e9:.2f} B - {frac:g} x {outer / 1e9:.2f} B embedding and head not"
+            f" recomputed + 1 x {params / 1e9:.2f} B reduce-scatter)"
+            if name == "dense"
+            else f"({2 + frac:g} gathers + 1 reduce-scatter) x {params / 1e9:.2f} B"
+        )
+        out.append(
+            _term(
+                f"ZeRO-3 {label}: gathers + reduce-scatter",
+                g.describe(),
+                f"2 B x {passes} x {accum} micro-step(s) = {nbytes / GB:.1f} GB; x ({g.size - 1}/{g.size})"
+                f" / {bus_how} = {nbytes * share / (bus * GB):.3f} s; + {accum * calls:g} calls x {lat_how}"
+                f" = {accum * calls * lat:.3f} s",
+                fp,
+                modelled,
+                "speed._zero_groups' bytes at links.seconds (bus rate and NCCL ring latency of the group's "
+                "shape), before any overlap",
+            )
+        )
+        one_layer[name] = {
+            kind: (W * n_ * share / (bus * GB) + lat if n_ else 0.0)
+            for kind, n_ in layer_params[name].items()
+        }
+
+    # ---- 3: what ZeRO-3's prefetch hides, layer by layer ----
+    # DeepSpeed prefetches the next modules while fewer than stage3_max_live_parameters are gathered
+    # (prefetch.py): beside a layer being computed, the rendered live limit leaves (live - that layer) for
+    # the next one, so that share of the next layer's gather can run behind this layer's compute (if the
+    # compute is long enough); the rest starts when its layer does, exposed. Runs of like layers (3 dense,
+    # then 58 MoE) are taken as each prefetching its own kind. A layer's reduce-scatter runs on DeepSpeed's
+    # reduce stream (stage3.py reduce_and_partition_stream; overlap_comm is on in the rendered config),
+    # behind the backward compute that follows its gradients: room there after the prefetched gather;
+    # the first layer's, and the embedding's, come last, with nothing left to hide them.
+    zo = plan.deepspeed["zero_optimization"]
+    live, bucket = zo["stage3_max_live_parameters"], zo["stage3_prefetch_bucket_size"]
+    fl = speed._scaled_flops(c, plan.model.flops_per_token, scales.factors(cal, "gpu"))
+    compute = speed._compute_s(
+        tokens, fl, frac, plan.hardware.peak_tflops * 1e12, p.compile_regions, None, False
     )
+    windows = speed.compute_windows(compute, frac, None)
+    fwd_w, bwd_w = windows[0] / L, windows[1] / L  # one layer's share of its pass (layers taken as equal)
+    gathered_layer = {
+        kind: layer_params["dense"][kind] + (layer_params["expert_dp"][kind] if sharded else 0.0)
+        for kind in ("moe", "dense")
+    }
+    ahead = {kind: max(0.0, min(1.0, (live - n_) / n_)) if n_ else 1.0 for kind, n_ in gathered_layer.items()}
+    gather = {kind: one_layer["dense"][kind] + one_layer["expert_dp"][kind] for kind in ("moe", "dense")}
+    count = {"moe": moe, "dense": dense_n}
+    exposed = 0.0
+    reduce_left = {}
+    for kind in ("moe", "dense"):
+        gth, a = gather[kind], ahead[kind]
+        fwd = gth - min(a * gth, fwd_w)
+        bwd = gth - min(a * gth, bwd_w)
+        reduce_left[kind] = max(0.0, gth - max(0.0, bwd_w - min(a * gth, bwd_w)))
+        exposed += count[kind] * ((1 + frac) * fwd + bwd + reduce_left[kind])  # fwd, recomputed fwd, bwd
+    first = "dense" if dense_n else "moe"
+    exposed += gather[first] - reduce_left[first]  # the first layer's reduce-scatter: nothing after it
+    d = shapes["dense"]
+    vocab_s = W * vocab * (d.size - 1) / d.size / (ring(d)[0] * GB) if d.size > 1 else 0.0
+    # the embedding and head (inside the first and last layers' calls): the embedding's forward gather and
+    # the head's backward one start a pass with nothing before them; the head's forward gather follows the
+    # last layer, the embedding's backward one the first, with what the live limit leaves beside those
+    last = "moe" if moe else "dense"
+    follows = sum(
+        min(max(0.0, min(1.0, (live - gathered_layer[kind]) / vocab)) * vocab_s, fwd_w)
+        for kind in (last, first)
+    )
+    exposed += 4 * vocab_s - follows + vocab_s  # + the embedding's reduce-scatter, the backward's last
+    exposed *= accum
+    whole = sum(transfer.values())
+    groups = speed._zero_groups(cfg, c, layout, None)
+    share_model = speed.prefetched(c, layout)
+    largest_model = gathered_layer_params(c, world, p.ep_size)
+    args = (groups, shapes, rates, 3, frac, L * (2 + frac), layers, windows, share_model, [])
+    model_exposed = accum * speed._collectives_s(*args, sync_layer_pass_s=0.0)[0]
+    model_whole = sum(t["model_s"] for t in out)
+    # the model's reduce-scatter alone, and what of it the model leaves exposed (all but the prefetched
+    # share, where the pass's window holds that share, as it does here)
+    model_reduce = accum * sum(
+        rates.seconds("reduce_scatter", shapes[name], rb, layers[name]) or 0.0
+        for name, (_, rb) in zero.items()
+    )
+    m, a = gather["moe"], ahead["moe"]
+    out.append(
+        _term(
+            "ZeRO-3 exposed after prefetch (both groups)",
+            "dense + expert-data-parallel",
+            f"a MoE layer gathers {gathered_layer['moe'] / 1e9:.3f} B params in {m * 1e3:.1f} ms"
+            f" ({one_layer['dense']['moe'] * 1e3:.1f} dense + {one_layer['expert_dp']['moe'] * 1e3:.1f} expert);"
+            f" the live limit {live:.4g} leaves {max(0.0, live - gathered_layer['moe']):.3g} params beside it"
+            f" (prefetch bucket {bucket:.3g}): {a:.1%} of the next one ({a * m * 1e3:.1f} ms) runs behind its"
+            f" compute ({fwd_w * 1e3:.0f} ms forward, {bwd_w * 1e3:.0f} ms backward), the rest is exposed; its"
+            f" reduce-scatter ({m * 1e3:.1f} ms) runs behind the backward's remaining"
+            f" {max(0.0, bwd_w - min(a * m, bwd_w)) * 1e3:.0f} ms: {reduce_left['moe'] * 1e3:.1f} ms exposed."
+            f" {moe} MoE + {dense_n} dense layers (a dense layer {gathered_layer['dense'] / 1e9:.3f} B,"
+            f" {ahead['dense']:.0%} ahead), the embedding and head, x {2 + frac:g} passes x {accum} micro-step(s):"
+            f" {1 - exposed / whole if whole else 1:.1%} of {whole:.2f} s hidden",
+            exposed,
+            model_exposed,
+            f"speed._collectives_s without its fitted sync: each pass's collectives behind that pass's compute, "
+            f"of which only the prefetched share {share_model:.1%} = (live - {largest_model:.4g}) /"
+            f" {largest_model:.4g}, the largest gathered unit (prefetch.gathered_layer_params), may start ahead,"
+            f" for every layer and for the backward's reduce-scatter too ({model_reduce:.2f} s, of which"
+            f" {model_reduce * (1 - share_model):.2f} s exposed): {1 - model_exposed / model_whole:.1%}"
+            f" of {model_whole:.2f} s hidden",
+        )
+    )
+    out[-1]["model_reduce_scatter_s"] = round(model_reduce, 4)
+    out[-1]["model_reduce_scatter_exposed_s"] = round(model_reduce * (1 - share_model), 4)
+    sync = accum * speed.SYNC_LAYER_PASS_S * L * (2 + frac)
+    out.append(
+        _term(
+            "collectives_s (exposed + synchronisation)",
+            "dense + expert-data-parallel",
+            f"{exposed:.3f} s exposed + {speed.SYNC_LAYER_PASS_S * 1e3:g} ms x {L * (2 + frac):g} layer passes"
+            f" x {accum} (SYNC_LAYER_PASS_S, fitted: not derived here) = {exposed + sync:.3f} s",
+            exposed + sync,
+            s["collectives_s"],
+            "the plan's speed.collectives_s",
+        )
+    )
+
+    # ---- 4: AutoEP's all-to-all ----
+    ep = shapes["ep"]
+    pairs = moe * (2 + frac)  # a dispatch and a combine per MoE layer and pass
+    nbytes = accum * pairs * 2 * tokens * k * h * W
+    sent = nbytes * (ep.size - 1) / ep.size
+    net = nbytes * (ep.size - ep.ranks_per_node) / ep.size
+    node = nbytes * (ep.ranks_per_node - 1) / ep.size
+    measured = None if cal is None else cal.collectives.get(calibration.EXCHANGE, {}).get(ep.key)
+    head = (
+        f"{tokens} tokens x k {k} x hidden {h} x 2 B x 2 (dispatch, combine) x {pairs:g} pairs ({moe} MoE"
+        f" layers x {2 + frac:g} passes) x {accum} micro-step(s) = {nbytes / GB:.1f} GB; x"
+        f" ({ep.size - 1}/{ep.size}) sent = {sent / GB:.1f} GB"
+    )
+    if ep.size == 1:
+        fp, how = 0.0, "EP 1: no exchange"
+    elif measured is not None:
+        fp = sent / (measured.bus_gbs * GB) + accum * pairs * measured.latency_s
+        how = (
+            f"{head} / {measured.bus_gbs:.4g} GB/s (the file's {ep.key} exchange) + {accum * pairs:g} pairs x"
+            f" {measured.latency_s * 1e6:.1f} us"
+        )
+    else:
+        nvlink, nic = gpu.interconnect_gbs, fabric.bus_gbs_per_gpu
+        lat = NCCL_BASE_US + (NCCL_NET_STEP_US if ep.spans_nodes else NCCL_NVLINK_STEP_US)
+        fp = max(net / (nic * GB), node / (nvlink * GB)) + accum * pairs * 2 * lat * US
+        how = (
+            f"{head}: {net / GB:.1f} GB over the NICs at {nic:g} GB/s and {node / GB:.1f} GB over NVLink at"
+            f" {nvlink:g} GB/s, at once; + {2 * accum * pairs:g} calls x ({NCCL_BASE_US:g} base + 1 step)"
+            f" = {lat:.1f} us"
+        )
+    a2a_model = accum * speed._all_to_all_s(cfg, c, layout, ep, rates, tokens, frac, [])
+    note = (
+        "the measured exchange as it is (links.exchange), no A2A_EFFICIENCY"
+        if measured is not None
+        else f"the catalog rate x A2A_EFFICIENCY = {speed.A2A_EFFICIENCY} (fitted on 2 x H200, EP 2 beside EP 1)"
+    )
+    out.append(
+        _term("AutoEP all-to-all (dispatch + combine)", ep.describe(), how, fp, s["all_to_all_s"], note)
+    )
+
+    # the model's pieces recomposed must be the plan's own terms, or the comparison above is not of them
+    check = {
+        "collectives_s": (model_exposed + sync, s["collectives_s"]),
+        "all_to_all_s": (a2a_model, s["all_to_all_s"]),
+    }
+    for key, (mine, plans) in check.items():
+        if abs(mine - plans) > 1e-3 * max(1.0, plans):
+            raise SystemExit(
+                f"{key}: speed's internals give {mine:.4f}, the plan {plans}: this script is stale"
+            )
     return {
         "case": f"{model} on {world // PER_NODE} x {PER_NODE} {gpu_name}, {FABRIC}",
-        "pick": pick,
+        "calibration": None if cal is None else "NCCL's published rates (published_calibration)",
+        "pinned": pin,
+        "pick": _pick_of(p),
+        # the pick as overrides, to hold it under another calibration
+        "as_overrides": {
+            "zero_stage": p.zero_stage,
+            "ep_size": p.ep_size,
+            "micro_batch": p.micro_batch,
+            "activation_checkpointing": p.activation_checkpointing,
+            "offload_optimizer": "cpu" if p.offload_optimizer else "none",
+        },
+        "tokens_per_s_per_gpu": s["tokens_per_s_per_gpu"],
+        "step_s": s["step_s"],
+        "sources": s.get("sources", {}),
         "non_expert_params_b": round(non_expert / 1e9, 3),
         "expert_params_b": round(experts / 1e9, 3),
-        "terms": terms,
-        "collectives": whole,
+        "local_expert_params_b": round(local / 1e9, 3),
+        "groups": {name: g.describe() for name, g in shapes.items()},
+        "prefetched_share": {
+            "arithmetic_moe_layer": round(ahead["moe"], 4),
+            "arithmetic_dense_layer": round(ahead["dense"], 4),
+            "model_every_layer": round(share_model, 4),
+        },
+        "terms": out,
+        "outside_goal": [t["term"] for t in out if not t["within_goal"]],
         "goal": GOAL,
     }
 
 
-# ---- the parent: runs both models and prints ----
-
-
-def _run(code: Path, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=code,
-    )
-    if proc.returncode != 0:
-        raise SystemExit(f"{code}: {' '.join(args)} failed\n{proc.stderr[-3000:]}")
-    out = json.loads(proc.stdout)
-    if "dskit" in out and Path(out["dskit"]) != code.resolve():
-        raise SystemExit(f"the subprocess imported dskit from {out['dskit']}, not {code}")
-    return out
-
-
-def _pick(r: dict | None) -> str:
-    if r is None:
-        return "-"
-    if "refused" in r:
-        return "does not fit"
-    ck = {0: "no ckpt", 1: "ckpt"}.get(r["activation_checkpointing"], f"ckpt/{r['activation_checkpointing']}")
-    off = ", offload" if r["offload_optimizer"] else ""
-    return f"ZeRO-{r['zero_stage']} EP {r['ep_size']} mb {r['micro_batch']}x{r['grad_accum']} {ck}{off}"
-
-
-def _num(r: dict | None, key: str, fmt: str = "{:.2f}") -> str:
-    if r is None or "refused" in r or r.get(key) is None:
-        return "-"
-    return fmt.format(r[key])
-
-
-def markdown(rows: list[dict]) -> str:
-    head = (
-        "| model | GPUs | pick (today) | tok/s/GPU | collectives / a2a / boundary s | pick (before) | tok/s/GPU "
-        "| collectives / a2a / boundary s |\n|---|---|---|---|---|---|---|---|"
-    )
-    lines = [head]
-    for r in rows:
-        now, before = r["now"], r["before"]
-
-        def comm(c: dict | None) -> str:
-            if c is None or "refused" in c:
-                return "-"
-            return " / ".join(f"{c[k]:.2f}" for k in COMM_TERMS)
-
-        lines.append(
-            f"| {r['model']} | {r['gpus']} x {r['gpu'].split('-')[0].upper()} | {_pick(now)} "
-            f"| {_num(now, 'tokens_per_s_per_gpu', '{:,}')} | {comm(now)} | {_pick(before)} "
-            f"| {_num(before, 'tokens_per_s_per_gpu', '{:,}')} | {comm(before)} |"
-        )
-    return "\n".join(lines)
-
-
-def arithmetic_markdown(a: dict) -> str:
+def terms_markdown(a: dict[str, Any]) -> str:
     lines = [
-        f"{a['case']}, pick {a['pick']}: {a['non_expert_params_b']} B non-expert parameters, "
-        f"{a['expert_params_b']} B routed-expert parameters",
+        f"{a['case']}, {'calibrated: ' + a['calibration'] if a['calibration'] else 'catalog rates'}: "
+        f"{'the catalog pick held' if a['pinned'] else 'pick'} {a['pick']}, {a['tokens_per_s_per_gpu']:,} tokens/s/GPU; {a['non_expert_params_b']} B non-expert "
+        f"parameters, {a['expert_params_b']} B routed-expert ({a['local_expert_params_b']} B per EP rank)",
         "",
         "| term | group | first principles | s | model s | model / arithmetic |",
         "|---|---|---|---|---|---|",
     ]
     for t in a["terms"]:
         flag = "" if t["within_goal"] else f" (outside {a['goal']:.0%})"
+        ratio = (
+            "-"
+            if t["ratio"] is None or not (t["first_principles_s"] or t["model_s"])
+            else f"{t['ratio']:.2f}"
+        )
         lines.append(
             f"| {t['term']} | {t['group']} | {t['arithmetic']} | {t['first_principles_s']:.3f} "
-            f"| {t['model_s']:.3f} | {t['ratio']:.2f}{flag} |"
+            f"| {t['model_s']:.3f} | {ratio}{flag} |"
         )
-    w = a["collectives"]
-    lines.append(
-        f"\ncollectives_s = (1 - overlap {w['overlap']:g}) x {w['model_exposed_s']:.3f} s exposed + sync "
-        f"{w['sync_s']:.3f} s = {w['check']:.3f} s (the plan says {w['model_collectives_s']:.3f} s); "
-        f"first principles with no overlap: {w['first_principles_exposed_s']:.3f} s"
-    )
     return "\n".join(lines)
+
+
+def _commit() -> dict[str, Any]:
+    """This checkout's commit, and what of the code it ran is not committed."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True).stdout.strip()
+
+    dirty = [line[3:] for line in git("status", "--porcelain").splitlines() if line[3:].startswith("dskit/")]
+    return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_dskit": dirty}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="JSON file to write")
-    ap.add_argument("--now", type=Path, default=REPO, help="today's code (default: this checkout)")
-    ap.add_argument(
-        "--before", type=Path, help=f"the previous model's checkout (default: a worktree of {BEFORE_COMMIT})"
-    )
-    ap.add_argument("--_rows", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--_arithmetic", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a._rows:
-        json.dump(rows_here(), sys.stdout)
-        return
-    if a._arithmetic:
-        json.dump(arithmetic_here(), sys.stdout)
-        return
 
-    now = _run(a.now, "--_rows")
-    arithmetic = _run(a.now, "--_arithmetic")
-    worktree = None
-    before_dir = a.before
-    if before_dir is None:
-        worktree = Path(tempfile.mkdtemp(prefix="dskit-old-")) / "tree"
-        subprocess.run(
-            ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(worktree), BEFORE_COMMIT],
-            check=True,
-        )
-        before_dir = worktree
-    try:
-        before = _run(before_dir, "--_rows")
-    finally:
-        if worktree is not None:
-            subprocess.run(
-                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(worktree)], check=True
-            )
-            worktree.parent.rmdir()
-    key = lambda r: (r["model"], r["gpu"], r["gpus"])  # noqa: E731
-    old = {key(r): r for r in before["rows"]}
-    rows = [
-        {"model": r["model"], "gpu": r["gpu"], "gpus": r["gpus"], "now": r, "before": old.get(key(r))}
-        for r in now["rows"]
-    ]
-    for r in rows:
-        for side in ("now", "before"):
-            if r[side]:
-                for k in ("model", "gpu", "gpus"):
-                    r[side].pop(k, None)
-    print(markdown(rows))
-    print()
-    print(arithmetic_markdown(arithmetic))
+    table = rows()
+    with tempfile.TemporaryDirectory(prefix="dskit-cluster-table-") as tmp:
+        path = Path(tmp) / "calibration.json"
+        cal = published_calibration(path)
+        cases = {"catalog": terms(None), "calibrated": terms(path)}
+        # where the calibration moves the pick, the catalog's pick held too: the same traffic, both rates
+        held = cases["catalog"]["as_overrides"]
+        if cases["calibrated"]["as_overrides"] != held:
+            cases["calibrated_catalog_pick"] = terms(path, held)
+    print(markdown(table))
+    for case in cases.values():
+        print()
+        print(terms_markdown(case))
     if a.out:
         head = {
             "command": " ".join(["python", *sys.argv]),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "hardware": "none: dskit plan's memory and step-time models only",
-            "now_code": str(a.now),
-            "before_code": f"git worktree of {BEFORE_COMMIT}" if a.before is None else str(a.before),
+            **_commit(),
             "per_node": PER_NODE,
             "fabric": FABRIC,
         }
         a.out.write_text(
             json.dumps(
-                {**head, "rows": rows, "markdown": markdown(rows), "v3_arithmetic": arithmetic}, indent=1
+                {
+                    **head,
+                    "rows": table,
+                    "markdown": markdown(table),
+                    "published_calibration": cal,
+                    "v3_terms": cases,
+                    "v3_markdown": {name: terms_markdown(case) for name, case in cases.items()},
+                },
+                indent=1,
             )
             + "\n"
         )
