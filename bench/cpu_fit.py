@@ -141,10 +141,7 @@ def fit(data: dict) -> tuple[dict[str, float], list[dict]]:
 
     with tempfile.TemporaryDirectory() as tmp:
         cal_file = Path(tmp) / "calibration.json"
-        # the runs of 2026-12-05 were recorded when the file still held an (empty) list of candidate
-        # records, which now live in their own report: not a measurement, left out
-        cal = {k: v for k, v in data["calibration"].items() if k != "candidates"}
-        cal_file.write_text(json.dumps(cal))
+        cal_file.write_text(json.dumps(data["calibration"]))
         parts = [terms(r, cal_file) for r in data["rows"]]
     y = np.array([r["measured_step_s"] for r in data["rows"]])
     base = np.array([b for b, _ in parts])
