@@ -275,7 +275,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     from dskit.plan import links as links_
     from dskit.plan import speed
     from dskit.plan.model_math import counts
-    from dskit.plan.prefetch import gathered_layer_params
+    from dskit.plan.prefetch import gathered_layer_params, max_live, prefetched_share
 
     model, gpu_name, world = ARITH
     extra = [f"overrides.{k}={v}" for k, v in (pin or {}).items()]
@@ -445,17 +445,38 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     exposed *= accum
     whole = sum(transfer.values())
     groups = speed._zero_groups(cfg, c, layout, None)
-    share_model = speed.prefetched(c, layout)
+    # the model's prefetched share (speed.prefetched): the live limit the largest gathered unit sets
+    # (prefetch.gathered_layer_params, max_live), and the share of a MoE layer's gathered parameters it
+    # leaves room for beside the layer being computed, taken for every layer and pass
     largest_model = gathered_layer_params(c, world, p.ep_size)
+    live_model = max_live(largest_model)
+    unit_model = (
+        c.moe_layer_non_expert + (c.experts_per_layer // p.ep_size if sharded else 0)
+        if moe
+        else c.largest_layer
+    )
+    share_model = prefetched_share(live_model, unit_model)
     args = (groups, shapes, rates, 3, frac, L * (2 + frac), layers, windows, share_model, [])
     model_exposed = accum * speed._collectives_s(*args, sync_layer_pass_s=0.0)[0]
     model_whole = sum(t["model_s"] for t in out)
-    # the model's reduce-scatter alone, and what of it the model leaves exposed (all but the prefetched
-    # share, where the pass's window holds that share, as it does here)
-    model_reduce = accum * sum(
-        rates.seconds("reduce_scatter", shapes[name], rb, layers[name]) or 0.0
-        for name, (_, rb) in zero.items()
-    )
+    # the same, piece by piece: each pass's gathers (both groups) with `share_model` of them free to start
+    # ahead behind that pass's compute, and the backward's reduce-scatters (DeepSpeed's reduce stream,
+    # overlap_comm) behind the backward's compute whole, in the room its prefetched gathers leave
+    model_pass = [0.0, 0.0, 0.0]  # gathers: forward, backward, recompute (one micro-step)
+    model_rs = 0.0  # reduce-scatters (one micro-step)
+    for name, (gb, rb) in zero.items():
+        g, n = shapes[name], layers[name]
+        gth = rates.seconds("all_gather", g, gb, n) or 0.0
+        model_pass[0] += gth
+        model_pass[1] += gth
+        model_pass[2] += (rates.seconds("all_gather", g, gb * frac, n * frac) or 0.0) if frac else 0.0
+        model_rs += rates.seconds("reduce_scatter", g, rb, n) or 0.0
+    ahead_pass = [share_model * x for x in model_pass]
+    gathers_exposed = sum(x - min(a, w) for x, a, w in zip(model_pass, ahead_pass, windows, strict=True))
+    room = max(0.0, windows[1] - ahead_pass[1])  # the backward's compute beside its prefetched gathers
+    rs_exposed = max(0.0, model_rs - room)
+    model_reduce, model_reduce_exposed = accum * model_rs, accum * rs_exposed
+    model_pieces = accum * (gathers_exposed + rs_exposed)
     m, a = gather["moe"], ahead["moe"]
     out.append(
         _term(
@@ -473,16 +494,20 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
             f" {1 - exposed / whole if whole else 1:.1%} of {whole:.2f} s hidden",
             exposed,
             model_exposed,
-            f"speed._collectives_s without its fitted sync: each pass's collectives behind that pass's compute, "
-            f"of which only the prefetched share {share_model:.1%} = (live - {largest_model:.4g}) /"
-            f" {largest_model:.4g}, the largest gathered unit (prefetch.gathered_layer_params), may start ahead,"
-            f" for every layer and for the backward's reduce-scatter too ({model_reduce:.2f} s, of which"
-            f" {model_reduce * (1 - share_model):.2f} s exposed): {1 - model_exposed / model_whole:.1%}"
-            f" of {model_whole:.2f} s hidden",
+            f"speed._collectives_s without its fitted sync: each pass's gathers behind that pass's compute"
+            f" ({windows[0] * accum:.2f} s forward, {windows[1] * accum:.2f} s backward,"
+            f" {windows[2] * accum:.2f} s recomputed), of which only the prefetched share {share_model:.1%}"
+            f" may start ahead, for every layer (speed.prefetched: (live {live_model:.4g} -"
+            f" {unit_model:.4g}) / {unit_model:.4g}, a MoE layer's gathered parameters under the live limit"
+            f" the largest gathered unit, {largest_model:.4g}, sets): {accum * gathers_exposed:.2f} s of"
+            f" {accum * sum(model_pass):.2f} s exposed; the backward's reduce-scatters ({model_reduce:.2f} s)"
+            f" on DeepSpeed's reduce stream, whole, in the {accum * room:.2f} s of backward compute its"
+            f" prefetched gathers leave: {model_reduce_exposed:.2f} s exposed."
+            f" {1 - model_exposed / model_whole:.1%} of {model_whole:.2f} s hidden",
         )
     )
     out[-1]["model_reduce_scatter_s"] = round(model_reduce, 4)
-    out[-1]["model_reduce_scatter_exposed_s"] = round(model_reduce * (1 - share_model), 4)
+    out[-1]["model_reduce_scatter_exposed_s"] = round(model_reduce_exposed, 4)
     sync = accum * speed.SYNC_LAYER_PASS_S * L * (2 + frac)
     out.append(
         _term(
@@ -539,6 +564,9 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     # the model's pieces recomposed must be the plan's own terms, or the comparison above is not of them
     check = {
         "collectives_s": (model_exposed + sync, s["collectives_s"]),
+        "collectives_s by piece": (model_pieces + sync, s["collectives_s"]),
+        "prefetched share": (share_model, speed.prefetched(c, layout)),
+        "live limit": (live_model, live),
         "all_to_all_s": (a2a_model, s["all_to_all_s"]),
     }
     for key, (mine, plans) in check.items():

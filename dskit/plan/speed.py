@@ -593,11 +593,16 @@ def _zero_groups(
 
 
 def prefetched(c: ModelCounts, layout: Layout) -> float:
-    """The share of a layer ZeRO-3 gathers ahead, behind the compute of the layer before it, under the
-    rendered live-parameter limit (dskit/plan/prefetch.py: the config's limit comes from the same
-    function); the rest is gathered when its layer starts, exposed."""
-    layer = gathered_layer_params(c, layout.world, layout.ep_size)
-    return prefetched_share(max_live(layer), layer)
+    """The share of a MoE layer ZeRO-3 gathers ahead, behind the compute of the layer before it, under
+    the rendered live-parameter limit (dskit/plan/prefetch.py: the config's limit comes from the same
+    function, sized by the largest gathered unit); the rest is gathered when its layer starts, exposed.
+    The MoE layers are the passes that repeat: where the largest unit is another (the embedding, at an
+    EP size that leaves no expert gathered), the limit it sets leaves a MoE layer more room, not less."""
+    live = max_live(gathered_layer_params(c, layout.world, layout.ep_size))
+    if c.moe_layers == 0:
+        return prefetched_share(live, c.largest_layer)
+    routed = c.experts_per_layer // layout.ep_size if layout.world // layout.ep_size > 1 else 0
+    return prefetched_share(live, c.moe_layer_non_expert + routed)
 
 
 def compute_windows(compute: float, frac: float, forward_share: float | None) -> tuple[float, float, float]:
@@ -609,9 +614,10 @@ def compute_windows(compute: float, frac: float, forward_share: float | None) ->
     return compute * f / whole, compute * (1 - f) / whole, compute * frac * f / whole
 
 
-def _exposed(comm: float, window: float, share: float = 1.0) -> float:
-    """Seconds of `comm` not hidden behind `window` of compute, of which only `share` could start ahead."""
-    return comm * (1 - share) + max(0.0, comm * share - window)
+def _exposed(comm: float, window: float, share: float = 1.0, free: float = 0.0) -> float:
+    """Seconds of `comm` and `free` not hidden behind `window` of compute: of `comm` only `share` could
+    start ahead (a gather the live limit holds back waits for its layer), `free` whenever it is ready."""
+    return comm * (1 - share) + max(0.0, comm * share + free - window)
 
 
 def _collectives_s(
@@ -634,10 +640,12 @@ def _collectives_s(
     (`layers`: every layer for the dense group, the MoE layers for the expert-data-parallel one). Each
     pass's collectives, over both groups, run behind that pass's compute (`windows`: `compute_windows`;
     zeros where nothing runs beside them, a CPU rank), ZeRO-3's gathers only for the `share` its
-    prefetch limits fetch ahead (`prefetched`), ZeRO-2's reduce-scatter behind the backward; what the
-    compute cannot hide is exposed."""
+    prefetch limits fetch ahead (`prefetched`); the reduce-scatters (ZeRO-2's and ZeRO-3's) behind the
+    backward, whole: DeepSpeed issues them on its reduce stream as the gradients come (`overlap_comm`),
+    which no live limit holds back. What the compute cannot hide is exposed."""
     per_step = 0.0
-    by_pass = [0.0, 0.0, 0.0]  # (forward, backward, recompute): ZeRO-3's gathers, backward's reduce-scatters
+    by_pass = [0.0, 0.0, 0.0]  # ZeRO-3's gathers by pass: forward, backward, recompute
+    reduce = 0.0  # the backward's reduce-scatters
     for gathered, reduced, name in groups:
         g = shapes[name]
 
@@ -651,18 +659,19 @@ def _collectives_s(
         if zero_stage == 3:  # a gather per layer and pass, one gradient reduce-scatter per micro-step
             gather = t("all_gather", gathered, calls)
             by_pass[0] += gather
-            by_pass[1] += gather + t("reduce_scatter", reduced, calls)
+            by_pass[1] += gather
             by_pass[2] += t("all_gather", gathered * frac, calls * frac) if frac else 0.0
+            reduce += t("reduce_scatter", reduced, calls)
         else:  # the updated weights all-gathered once per step, exposed
             per_step += t("all_gather", reduced)
             if zero_stage == 2:  # reduce-scattered as the backward produces the gradients
-                by_pass[1] += t("reduce_scatter", reduced, calls)
+                reduce += t("reduce_scatter", reduced, calls)
             else:  # stage 1 reduces at the accumulation boundary, after the backward: exposed
                 per_step += t("reduce_scatter", reduced)
-    if zero_stage == 3:
-        per_micro = sum(_exposed(comm, w, share) for comm, w in zip(by_pass, windows, strict=True))
-    else:
-        per_micro = _exposed(by_pass[1], windows[1])
+    frees = (0.0, reduce, 0.0)
+    per_micro = sum(
+        _exposed(comm, w, share, free) for comm, w, free in zip(by_pass, windows, frees, strict=True)
+    )
     world = shapes["dense"].size
     syncs = world > 1 if zero_stage == 3 else shapes["ep"].size > 1  # AutoEP's count exchange
     if syncs:

@@ -102,6 +102,28 @@ def test_zero3_prefetches_what_the_rendered_limit_leaves_and_the_model_counts_th
     assert prefetch.prefetched_share(prefetch.MAX_LIVE_DEFAULT, 10**8) == 1.0
 
 
+def test_a_moe_layer_is_prefetched_under_the_limit_the_largest_unit_sets():
+    """At EP 256 no expert is gathered, and the largest gathered unit is the embedding (0.93 B): the
+    rendered limit is DeepSpeed's 1e9, which leaves a MoE layer's 0.23 B room for the whole next layer,
+    not the 8% it leaves beside the embedding."""
+    plan = _v3(32, "overrides.zero_stage=3", "overrides.ep_size=256")
+    c = counts(plan.model.config, plan.parallel.seq_len)
+    largest = prefetch.gathered_layer_params(c, 256, 256)
+    live = plan.deepspeed["zero_optimization"]["stage3_max_live_parameters"]
+    assert largest == c.largest_layer > 3 * c.moe_layer_non_expert and live == prefetch.MAX_LIVE_DEFAULT
+    assert prefetch.prefetched_share(live, largest) < 0.1
+    assert speed.prefetched(c, speed.Layout(world=256, per_node=8, ep_size=256)) == 1.0
+
+
+def test_zero3s_reduce_scatter_runs_behind_the_backward_whatever_the_live_limit():
+    """DeepSpeed reduce-scatters ZeRO-3's gradients on its reduce stream as they come: the live limit
+    holds back only the gathers. Nothing prefetched: the backward's gather is exposed whole, its
+    reduce-scatter hidden by the backward's compute; all prefetched: both share that compute."""
+    assert speed._exposed(1.0, 2.0, share=0.0, free=1.5) == pytest.approx(1.0)
+    assert speed._exposed(1.0, 2.0, share=1.0, free=1.5) == pytest.approx(0.5)
+    assert speed._exposed(0.0, 2.0, free=2.5) == pytest.approx(0.5)  # ZeRO-2's: the reduce-scatter alone
+
+
 def test_a_gather_longer_than_the_compute_behind_it_is_exposed():
     """The prefetch term can fail: per pass, what the compute of that pass cannot hide is exposed, and
     what the live limit does not let start ahead is exposed whole."""

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Rendered by dskit 0.1.0. Plan: deepseek-v2-lite on 2x8 h100-80gb: world 16, ZeRO-3, EP 1, micro-batch 16, grad accum 1, activation checkpointing, bf16, torch.compile regions, ~46.69 GiB/GPU, predicted 17,692 tokens/s/GPU (29% MFU)
+# Rendered by dskit 0.1.0. Plan: deepseek-v2-lite on 2x8 h100-80gb: world 16, ZeRO-3, EP 1, micro-batch 16, grad accum 1, activation checkpointing, bf16, torch.compile regions, ~46.69 GiB/GPU, predicted 17,804 tokens/s/GPU (30% MFU)
 # Submits this directory as the job's working_dir to a Ray cluster (RAY_ADDRESS, default the local head's
 # dashboard) and follows its logs; the exit code is the job's. Arguments go to `ray job submit` (e.g.
 # --no-wait). The submission id is chosen here and appended with the address to the jobs file, one
