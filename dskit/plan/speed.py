@@ -206,18 +206,18 @@ WIRE_BYTES = 2
 # tiny models over loopback, by bench/cpu_fit.py (its runs and errors: docs/planner.md "CPU ranks"),
 # and another host's probes scale them.
 #: achieved share of the GEMM probe's rate on the model's FLOPs (the kernels of a tiny layer are small)
-CPU_COMPUTE_EFFICIENCY = 0.03
+CPU_COMPUTE_EFFICIENCY = 0.015
 #: host time per layer pass under ZeRO-3 (its module hooks and partitioned-parameter bookkeeping), s
 CPU_HOST_LAYER_PASS_S = 0.008
 #: host time per layer pass under ZeRO-1/2, s
-CPU_HOST_LAYER_PASS_UNHOOKED_S = 0.0045
+CPU_HOST_LAYER_PASS_UNHOOKED_S = 0.0025
 #: AutoEP's routing at EP > 1 beyond its measured exchange (permutes by destination and local expert,
 #: its bookkeeping), per MoE layer pass, s
-CPU_EP_LAYER_PASS_S = 0.0015
+CPU_EP_LAYER_PASS_S = 0.002
 #: host time per optimizer step besides the update's arithmetic (the engine's step: ZeRO's partition
 #: bookkeeping, gradient clipping's norm, the scheduler), s: ZeRO-3's, and ZeRO-1/2's
-CPU_HOST_OPTIMIZER_STEP_S = 0.059
-CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S = 0.0275
+CPU_HOST_OPTIMIZER_STEP_S = 0.0255
+CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S = 0.011
 #: a CPU rank's optimizer step (torch's AdamW over its shard, fp32 master and moments), core-seconds per
 #: billion parameters: DeepSpeed's CPU Adam probe reads about this on the CPU reference machine
 CPU_ADAM_CORE_S_PER_BPARAM_CPU = 1.3

@@ -1,7 +1,7 @@
 """CPU ranks (the cpu profile) get a step time like any GPU's (dskit/plan/speed.py "CPU ranks"), from what
 `dskit calibrate` measured on them: without a calibration there is no compute rate and the plan keeps
 the fit order, with one it weighs every EP size and ZeRO stage. The constants are the fit of the
-committed runs (bench/cpu_fit.py; bench/results/cpu/cpu-fit-2026-12-05.json), which also holds the
+committed runs (bench/cpu_fit.py; bench/results/cpu/cpu-fit-2026-12-05b.json), which also holds the
 calibration those runs were predicted with."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dskit.plan.build import build_plan_searched
 from dskit.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
-FIT = REPO / "bench" / "results" / "cpu" / "cpu-fit-2026-12-05.json"
+FIT = REPO / "bench" / "results" / "cpu" / "cpu-fit-2026-12-05b.json"
 SETS = ["training.seq_len=128", "training.global_batch=8"]
 HW = {"hardware.gpu": "cpu", "hardware.gpus_per_node": 2, "model.preset": "tiny-v2-experts"}
 
