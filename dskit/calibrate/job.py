@@ -117,9 +117,8 @@ def _join(g: Any, rank: int, world: int) -> Any:
 
 
 def _timed(op: str, group: Any, size: int, nbytes: int, device: Any, iters: int) -> float:
-    """Seconds per call of `op` moving a whole tensor of `nbytes`: after a warm-up, BLOCKS blocks of
-    `iters` calls, each block's time the slowest rank's; the quickest block (a busy host only ever
-    adds time)."""
+    """Seconds per call of ring `op` (all_gather, reduce_scatter) moving a whole tensor of `nbytes`
+    (`_quickest_block`)."""
     import torch
     import torch.distributed as dist
 
@@ -127,16 +126,21 @@ def _timed(op: str, group: Any, size: int, nbytes: int, device: Any, iters: int)
     n = max(size, nbytes // torch.tensor([], dtype=dtype).element_size() // size * size)
     whole = torch.zeros(n, dtype=dtype, device=device)
     part = torch.zeros(n // size, dtype=dtype, device=device)
-    other = torch.zeros(n, dtype=dtype, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     calls = {
         "all_gather": lambda: gather(whole, part, group=group),
         "reduce_scatter": lambda: scatter(part, whole, group=group),
-        "all_reduce": lambda: dist.all_reduce(whole, group=group),
-        "all_to_all": lambda: dist.all_to_all_single(other, whole, group=group),
     }
-    call = calls[op]
+    return _quickest_block(calls[op], device, iters)
+
+
+def _quickest_block(call: Any, device: Any, iters: int) -> float:
+    """Seconds per call of `call`: BLOCKS blocks of `iters` calls after a warm-up, every rank starting
+    each block at once; each block's time is the slowest rank's, and the quickest block counts (a busy
+    host only ever adds time)."""
+    import torch.distributed as dist
+
     call()
     _sync(device)
     best = float("inf")
@@ -178,17 +182,7 @@ def _exchange_s(x: Any, tokens: int, group: Any, device: Any, iters: int, rank: 
         back = torch.empty_like(rows)
         dist.all_to_all_single(back, routed, split.input_splits, split.output_splits, group=group)
 
-    pair()
-    _sync(device)
-    best = float("inf")
-    for _ in range(BLOCKS):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            pair()
-        _sync(device)
-        best = min(best, _slowest((time.perf_counter() - t0) / iters))
-    return best
+    return _quickest_block(pair, device, iters)
 
 
 #: bytes of a routed token copy's element on the wire (AutoEP exchanges bf16 activations)
