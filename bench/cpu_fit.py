@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from dskit.atomic import write_file  # noqa: E402
 from dskit.plan import speed  # noqa: E402
 
 import runs  # noqa: E402
@@ -173,7 +174,11 @@ def fit(data: dict) -> tuple[dict[str, float], list[dict]]:
             break
         free = [i for i in free if i not in neg]
     names = list(ROUND)
-    values = {"CPU_COMPUTE_EFFICIENCY": 1 / x[0] if x[0] > 0 else float("inf")}
+    if x[0] <= 0:  # compute explained nothing: no efficiency to write, and the runs say why
+        raise SystemExit(
+            "cpu_fit: the runs fit no compute term (its coefficient came out <= 0): measure again"
+        )
+    values = {"CPU_COMPUTE_EFFICIENCY": 1 / x[0]}
     values.update({n: float(v) for n, v in zip(names[1:], x[1:], strict=True)})
     fitted = {n: round(round(v / ROUND[n]) * ROUND[n], 6) for n, v in values.items()}
     units = np.array([1 / fitted["CPU_COMPUTE_EFFICIENCY"], *(fitted[n] for n in names[1:])])
@@ -214,7 +219,7 @@ def main() -> int:
     out = a.out or a.refit
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({**data, "fit": fitted, "rows": rows}, indent=1) + "\n")
+        write_file(Path(out), json.dumps({**data, "fit": fitted, "rows": rows}, indent=1) + "\n")
     return 1 if bad and a.check else 0
 
 

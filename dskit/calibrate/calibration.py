@@ -94,8 +94,8 @@ class Calibration(_Frozen):
     def nearest(self, op: str, key: str) -> tuple[Fit, str] | None:
         """The fit of `op` measured over groups shaped `key`, with `key`; for a ring across another number
         of nodes, the ring measured with as many ranks per node across the nearest number of nodes (the
-        wider of two as near), with that shape's key, for the plan to scale (dskit/plan/links.py). An
-        all-to-all is no ring: only its own shape. None: nothing measured that serves."""
+        wider of two as near), with that shape's key, for the plan to scale (dskit/plan/links.py).
+        AutoEP's exchange is no ring: only its own shape. None: nothing measured that serves."""
         fits = self.collectives.get(op, {})
         if key in fits:
             return fits[key], key

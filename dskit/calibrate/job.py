@@ -7,9 +7,12 @@ since a collective ends when its last rank does. Rank 0 prints progress and writ
 after the last measurement, so a killed job leaves no file, or the previous one.
 
 Measured:
-- each listed group shape, every group of that shape at once (as a step runs them): the listed
-  collectives at each size; latency and bus bandwidth fitted by least squares;
-- on GPUs, the achieved bf16 GEMM rate at the plan's expert GEMM and SDPA's rate at its attention;
+- each listed group shape, every group of that shape at once (as a step runs them): all-gather and
+  reduce-scatter at each size; latency and bus bandwidth fitted by least squares;
+- each listed EP group: AutoEP's dispatch and combine (`_exchange_s`) at the candidates' token counts,
+  fitted the same way;
+- the achieved bf16 GEMM rate at the plan's expert GEMM (GPUs and CPU ranks) and, on GPUs, SDPA's rate
+  at its attention;
 - the host's time per layer pass of a small eager stack (`host_probe`): the launch and autograd cost
   the host pays per layer, whatever the GPU;
 - DeepSpeed's CPU Adam (optimizer offload) with every rank of a node stepping at once, on each rank's

@@ -2,11 +2,12 @@
 (dskit/calibrate/job.py) only times what run.yaml lists.
 
 It times the process groups a plan of this size forms, for every EP size the search weighs (not only
-the pick's: the pick may change once the rates are measured): the dense group (every rank), each EP
-size's expert-parallel group (all-to-all) and its expert-data-parallel group (all-gather and
-reduce-scatter). Groups of one shape are timed once, all of them at the same moment, as a training
-step runs them. Sizes are spread around the plan's own messages (a layer's gathered weights, a
-micro-step's dispatched tokens) so the fitted latency and bandwidth hold where the plan uses them.
+the pick's: the pick may change once the rates are measured): all-gather and reduce-scatter over the
+dense group (every rank) and each EP size's expert-data-parallel group, at sizes spread around a
+layer's gathered weights so the fitted latency and bandwidth hold where the plan uses them; and
+AutoEP's own dispatch and combine over each EP size's expert-parallel group, at the token counts the
+candidates route (`_exchange_tokens`). Groups of one shape are timed once, all of them at the same
+moment, as a training step runs them.
 """
 
 from __future__ import annotations
@@ -99,8 +100,7 @@ def calibrate_plan(
                 )
             )
     layer = WIRE_BYTES * gathered_layer_params(counts, world, p.ep_size)
-    dispatch = p.micro_batch * p.seq_len * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
-    lo, hi = (MIN_BYTES_GPU, min(MAX_BYTES_GPU, max(MIN_TOP_GPU, layer, dispatch))) if on_gpu else CPU_BYTES
+    lo, hi = (MIN_BYTES_GPU, min(MAX_BYTES_GPU, max(MIN_TOP_GPU, layer))) if on_gpu else CPU_BYTES
     sizes = _spread(lo, hi, SIZES, multiple=world * 64)
     section = CalibratePlan(
         file=str(Path(plan.run.output_dir) / FILE),

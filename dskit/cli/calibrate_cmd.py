@@ -29,21 +29,24 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     c = run.plan.calibrate
     assert c is not None  # build_calibration_plan always adds it
     shapes = ", ".join(f"{g.key} ({g.role})" for g in c.groups) or "none (one rank)"
+    exchanges = ", ".join(f"{x.key} (EP {x.ep_size})" for x in c.exchanges) or "none"
     print(
         f"wrote {run.out}: a calibration job for {run.plan.hardware.nodes}x{run.plan.hardware.procs_per_node} "
-        f"{run.plan.hardware.gpu}; groups: {shapes}"
+        f"{run.plan.hardware.gpu}; groups: {shapes}; AutoEP exchanges: {exchanges}"
     )
     if a.target != LOCAL:
         print(f"next: {run.next_step()}")
         print(f"then: dskit plan SPEC --calibration {c.file} --explain")
         return 0
+    from dskit.calibrate import candidates as candidate_runs
     from dskit.train.local import run_local
 
+    # a report left by an earlier calibration there describes that one: gone before this one is measured
+    candidate_runs.report_path(Path(c.file)).unlink(missing_ok=True)
     code = run_local(str(run.out))
     if code != 0:
         return code
     if a.candidates:
-        from dskit.calibrate import candidates as candidate_runs
 
         def spec_with(extra: list[str], name: str | None = None):
             # the name through its flag: --job-name, where given, takes precedence over --set name=

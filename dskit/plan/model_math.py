@@ -109,9 +109,10 @@ def tensor_sizes(cfg: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def gathered(sizes: list[int], persistence_threshold: int) -> int:
-    """Elements ZeRO-3 gathers of these tensors: those at or above the threshold (DeepSpeed's
-    `stage3_param_persistence_threshold`: smaller ones are kept whole on every rank)."""
-    return sum(n for n in sizes if n >= persistence_threshold)
+    """Elements ZeRO-3 gathers of these tensors: those above the threshold (DeepSpeed's
+    `stage3_param_persistence_threshold`: a tensor of at most that many elements is kept whole on every
+    rank, parameter_offload.py's `ds_numel <= param_threshold`)."""
+    return sum(n for n in sizes if n > persistence_threshold)
 
 
 def flops_per_token(c: ModelCounts) -> float:

@@ -20,7 +20,7 @@ Checkpointing every 2nd layer is searched because it measured faster than every 
 predicted accuracy; every 3rd and beyond are not searched (not measured); a user may set any N
 (`overrides.activation_checkpointing`).
 
-Where no step time can be predicted (the cpu profile has no peak), or a fitting candidate has a term
+Where no step time can be predicted (the cpu profile without a calibration's GEMM rate), or a fitting candidate has a term
 left out for an unknown bandwidth (multi-node on `network.fabric: tcp`, uncalibrated), the order is the
 fit order: ZeRO-3, no offload, the largest EP inside a node, the largest micro-batch, no checkpointing.
 """

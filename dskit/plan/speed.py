@@ -352,6 +352,8 @@ def predict(
     compute = _compute_s(
         T, _scaled_flops(c, flops_per_token, scales), frac, peak_tflops * 1e12, compiled, fwd, attention
     )
+    if tuning is not None:  # before the windows ZeRO's transfers hide behind: LoRA's compute is longer
+        compute *= LORA_COMPUTE_FACTOR
     groups = _zero_groups(cfg, c, layout, tuning)
     shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
     per_micro, per_step = _collectives_s(
@@ -393,7 +395,6 @@ def predict(
         else:  # after the last backward, with nothing left to hide it behind: exposed, as its reduce
             per_step += copy
     if tuning is not None:
-        compute *= LORA_COMPUTE_FACTOR
         gpu_pass *= LORA_LAYER_PASS_FACTOR
         weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
         dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)

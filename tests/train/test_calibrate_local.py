@@ -79,6 +79,9 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     # the run.yaml the job ran: a training run's, plus the calibrate section
     run_yaml = (tmp_path / "cal" / "run.yaml").read_text()
     assert "calibrate:" in run_yaml and str(out) in run_yaml
+    # calibrated again without --candidates: the report of the earlier calibration is not left beside it
+    dskit(*_args(tmp_path, "cal"), "--force", check=True)
+    assert out.is_file() and not (out.parent / "candidates.json").exists()
 
 
 def test_candidates_are_trained_here_only(tmp_path):
