@@ -14,11 +14,11 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dskit import bounded_read
+from dskit import bounded_read, catalog
 from dskit.atomic import write_file
 from dskit.errors import SpecError
 
@@ -36,6 +36,25 @@ OPS = (*RING_OPS, EXCHANGE)
 #: the longest text of the file that is echoed (warnings, names in refusals)
 ECHO_CHARS = 300
 
+# Physical bounds of what a calibration can hold: each spans every machine that trains by orders of
+# magnitude, so a value outside is damage, and each keeps the step-time model's arithmetic finite (a
+# GEMM rate of 5e-324 TFLOP/s or a host pass of 1e308 s passed a bare "positive" check, then divided by
+# zero in the plan). A measured GPU rate is also held under the catalog's peak (`load`).
+#: bus bandwidth, GB/s: 1 kB/s (a link nothing trains over) to 100 TB/s (beyond any NVLink domain)
+BUS_GBS = (1e-6, 1e5)
+#: a collective's fitted latency, s: at most 10 s (NCCL's slowest rings are milliseconds)
+LATENCY_S = 10.0
+#: a timed point: bytes up to 1 PiB, seconds up to an hour
+POINT_BYTES, POINT_S = 2.0**50, 3600.0
+#: a probe's rate, TFLOP/s: 0.1 GFLOP/s (below any core's) to 10 PFLOP/s (beyond any one device's)
+TFLOPS = (1e-4, 1e4)
+#: the host's time per layer pass, s: 100 ns to 1 s (the probes read 50-170 us)
+HOST_LAYER_S = (1e-7, 1.0)
+#: DeepSpeed CPU Adam, core-seconds per billion parameters (the probes read 1.3-2.4)
+CPU_ADAM_S = (1e-3, 1e4)
+#: a measured GPU rate may exceed the catalog's bf16 peak by this much (a probe's timing noise) and no more
+PEAK_MARGIN = 1.1
+
 
 class _Frozen(BaseModel):
     # a number that is not finite is damage, never a rate (json.loads reads NaN and Infinity)
@@ -47,8 +66,8 @@ class Hardware(_Frozen):
 
     gpu: str  # the catalog profile the calibration job was planned for
     fabric: str
-    nodes: int = Field(ge=1)
-    procs_per_node: int = Field(ge=1)
+    nodes: int = Field(ge=1, le=100_000)
+    procs_per_node: int = Field(ge=1, le=1024)
     device: str  # torch's device name ("NVIDIA H200", "cpu")
     backend: str  # nccl, gloo
     torch: str
@@ -60,23 +79,28 @@ class Fit(_Frozen):
     """One collective over one group shape: latency + bytes sent / bus bandwidth, fitted by least
     squares to the timed points (whole-tensor bytes, seconds)."""
 
-    bus_gbs: float = Field(gt=0)
-    latency_s: float = Field(ge=0)
-    points: list[tuple[float, float]]
+    bus_gbs: float = Field(ge=BUS_GBS[0], le=BUS_GBS[1])
+    latency_s: float = Field(ge=0, le=LATENCY_S)
+    points: list[
+        tuple[Annotated[float, Field(ge=1, le=POINT_BYTES)], Annotated[float, Field(gt=0, le=POINT_S)]]
+    ]
 
 
 class CpuAdam(_Frozen):
-    core_s_per_bparam: float = Field(gt=0)  # DeepSpeed's CPU Adam with every rank of a node stepping
-    ranks: int = Field(ge=1)
-    threads_per_rank: int = Field(ge=1)
+    # DeepSpeed's CPU Adam with every rank of a node stepping
+    core_s_per_bparam: float = Field(ge=CPU_ADAM_S[0], le=CPU_ADAM_S[1])
+    ranks: int = Field(ge=1, le=1024)
+    threads_per_rank: int = Field(ge=1, le=4096)
 
 
 class Compute(_Frozen):
     """The probes, at fixed shapes so that clusters compare (dskit/calibrate/measures.py)."""
 
-    gemm_tflops: float | None = Field(None, gt=0)  # bf16 matmul
-    attention_tflops: float | None = Field(None, gt=0)  # SDPA forward + backward, MLA's head dims
-    host_layer_pass_s: float | None = Field(None, gt=0)  # the host probe (dskit/calibrate/job.py)
+    gemm_tflops: float | None = Field(None, ge=TFLOPS[0], le=TFLOPS[1])  # bf16 matmul
+    # SDPA forward + backward, MLA's head dims
+    attention_tflops: float | None = Field(None, ge=TFLOPS[0], le=TFLOPS[1])
+    # the host probe (dskit/calibrate/job.py)
+    host_layer_pass_s: float | None = Field(None, ge=HOST_LAYER_S[0], le=HOST_LAYER_S[1])
 
 
 class Calibration(_Frozen):
@@ -125,6 +149,17 @@ def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node:
                 field,
                 f"{p} was measured with {name} {_echo(repr(theirs))}, this plan has {ours!r}: "
                 "calibrate this hardware",
+            )
+    peak = catalog.gpu(gpu, field).peak_tflops_bf16  # the probes run bf16
+    for name, rate in (
+        ("gemm_tflops", cal.compute.gemm_tflops),
+        ("attention_tflops", cal.compute.attention_tflops),
+    ):
+        if peak is not None and rate is not None and rate > peak * PEAK_MARGIN:
+            raise SpecError(
+                field,
+                f"{p} is damaged at compute.{name}: {rate:.6g} TFLOP/s is above the {gpu} bf16 peak "
+                f"({peak:g}, allowed up to {PEAK_MARGIN:g}x for timing noise)",
             )
     return cal
 
