@@ -33,7 +33,7 @@ from typing import Any
 
 from dskit import __version__
 from dskit.calibrate import calibration
-from dskit.calibrate.calibration import Calibration, Compute, CpuAdam, Fit, Hardware
+from dskit.calibrate.calibration import BUS_GBS, Calibration, Compute, CpuAdam, Fit, Hardware
 
 #: timed blocks per size (the quickest counts)
 BLOCKS = 3
@@ -229,7 +229,9 @@ def fit(points: list[tuple[int, float]], share: float) -> Fit:
     latency = (st - slope * sx) / sw
     if latency < 0 or slope <= 0:
         latency, slope = 0.0, sxt / sxx
-    return Fit(bus_gbs=1 / slope / 1e9, latency_s=latency, points=[(float(b), t) for b, t in points])
+    # a slope too small to tell from zero is a rate beyond what the sizes can measure: the file's ceiling
+    bus_gbs = min(1 / slope / 1e9, BUS_GBS[1])
+    return Fit(bus_gbs=bus_gbs, latency_s=latency, points=[(float(b), t) for b, t in points])
 
 
 def preflight(groups: list[Any], exchanges: list[Any], collectives: dict[str, dict[str, Fit]]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dskit.calibrate.calibration import EXCHANGE
+from dskit.calibrate.calibration import BUS_GBS, EXCHANGE
 from dskit.calibrate.job import PREFLIGHT_SHARE, fit, preflight
 from dskit.plan.schema import CalibrateExchange, CalibrateGroup
 
@@ -21,6 +21,13 @@ def test_noise_that_makes_the_latency_negative_fits_through_the_origin():
     points = [(1_000_000, 0.0001), (2_000_000, 0.0003), (4_000_000, 0.0007)]
     f = fit(points, 1.0)
     assert f.latency_s == 0 and f.bus_gbs > 0
+
+
+def test_times_that_do_not_grow_with_size_fit_the_files_ceiling_not_a_rate_it_refuses():
+    """Latency-bound points (the same time at every size, to the last bit): no measurable bandwidth, so
+    the file's ceiling, which the plan reads as free transfers, never a value its reader refuses."""
+    f = fit([(2**10, 1e-4), (2**12, 1e-4), (2**14, 1e-4 + 1e-18)], 1.0)
+    assert f.bus_gbs == BUS_GBS[1] and f.latency_s == pytest.approx(1e-4)
 
 
 def _group(expected: float | None) -> CalibrateGroup:
