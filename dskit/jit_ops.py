@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         "into torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), with this "
         "environment's ninja. Exit 1 on an orphaned build lock or a failed build.",
     ).parse_args(argv)
+    from dskit.extras import refused
+
+    if (code := refused("python -m dskit.jit_ops", "train")) is not None:
+        return code
     import torch
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 

@@ -1,13 +1,11 @@
 """What several commands share: integer and fraction flag types, the spec flags (`--set` and the
-SPEC_FLAGS shortcuts), and the one-line error for a missing extra."""
+SPEC_FLAGS shortcuts)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 from typing import Any
-
-from dskit.errors import SpecError
 
 # what add_subparsers() returns; argparse names no public type for it
 Subparsers = argparse._SubParsersAction
@@ -69,6 +67,3 @@ def spec_from_args(a: argparse.Namespace):
     flags = {key: getattr(a, dest) for dest, (key, _, _) in SPEC_FLAGS.items()}
     return load_spec(a.spec, a.set, flags)
 
-
-def needs_extra(command: str, extra: str, e: ModuleNotFoundError) -> SpecError:
-    return SpecError(command, f"needs the {extra} extra (missing {e.name}): pip install 'dskit[{extra}]'")

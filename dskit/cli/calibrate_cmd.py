@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args
 from dskit.errors import SpecError
+from dskit.extras import require
 
 LOCAL = "local"
 
@@ -16,6 +17,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
     from dskit.plan.build import build_calibration_plan
     from dskit.render.run_dir import render_run
 
+    if a.target == LOCAL:  # it trains here: refused before its run directory is written
+        require("calibrate local", "train")
     if a.candidates and a.target != LOCAL:
         raise SpecError(
             "--candidates",

@@ -5,14 +5,21 @@ from __future__ import annotations
 import argparse
 import os
 
-from dskit.cli.args import Subparsers, count, fraction, needs_extra
+from dskit.cli.args import Subparsers, count, fraction
 from dskit.errors import SpecError
+from dskit.extras import MODULES, missing, require
+
+#: what `data prepare` imports of the train extra: no torch (a tokenizer directory adds transformers)
+PREPARE_NEEDS = ("numpy", "tqdm")
 
 
 def cmd_data(a: argparse.Namespace) -> int:
     from dskit.atomic import check_replaceable
 
     tokenizer_dir = None if a.tokenizer == "byte" else a.tokenizer
+    require(
+        "data prepare", "train", PREPARE_NEEDS if tokenizer_dir is None else (*PREPARE_NEEDS, "transformers")
+    )
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if not 1 <= a.workers <= cpus:
         raise SpecError("--workers", f"{a.workers}: give 1 to {cpus} (this machine's CPUs)")
@@ -29,9 +36,11 @@ def cmd_data(a: argparse.Namespace) -> int:
             text_field=a.text_field,
             workers=a.workers,
         )
-    except ModuleNotFoundError as e:  # numpy/tqdm, transformers for a tokenizer dir; pyarrow, zstandard
-        extra = "data" if e.name in ("pyarrow", "zstandard") else "train"
-        raise needs_extra("data prepare", extra, e) from None
+    except ModuleNotFoundError as e:
+        # the data extra only where an input needs it (Parquet, Arrow, .zst), found as the inputs are read
+        if e.name not in MODULES["data"]:
+            raise
+        raise missing("data prepare", "data", e.name) from None
     return 0
 
 

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dskit.cli.args import Subparsers, add_spec_args, needs_extra, spec_from_args
+from dskit.cli.args import Subparsers, add_spec_args, spec_from_args
 from dskit.errors import SpecError
+from dskit.extras import require
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
@@ -26,10 +27,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         parent = target.resolve().parent
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise SpecError("--plot", f"{parent} is not a writable directory")
-        try:
-            import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
-        except ModuleNotFoundError as e:
-            raise needs_extra("plan --plot", "report", e) from None
+        require("plan --plot", "report")
     plan, found = build_plan_searched(spec_from_args(a))
     if a.plot:  # first: a plot that cannot be written fails before anything is printed
         from dskit.status.explain import plot

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dskit.cli.args import Subparsers, count, needs_extra
+from dskit.cli.args import Subparsers, count
 from dskit.errors import SpecError
+from dskit.extras import require
 
 
 def cmd_train(a: argparse.Namespace) -> int:
+    require("train", "train")
     from dskit.train.local import run_local
 
     if not a.local:
@@ -38,6 +40,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     from dskit.contract import RUN_YAML
     from dskit.plan.schema import load_plan
 
+    require("export", "train")
     run_yaml = Path(a.run) / RUN_YAML if Path(a.run).is_dir() else Path(a.run)
     # export reads the run dir, its run.yaml and the checkpoints: -o --force must not replace them
     inputs: list[str | Path] = [run_yaml]
@@ -46,19 +49,16 @@ def cmd_export(a: argparse.Namespace) -> int:
     check_replaceable(a.output, force=a.force, kind="export", inputs=inputs)
     if a.shard_mib < 1:
         raise SpecError("--shard-mib", f"must be a positive number of MiB, got {a.shard_mib}")
-    try:
-        from dskit.train.export import export
+    from dskit.train.export import export
 
-        export(
-            a.run,
-            a.output,
-            force=a.force,
-            verify=not a.no_verify,
-            shard_bytes=a.shard_mib * 2**20,
-            adapter_only=a.adapter_only,
-        )
-    except ModuleNotFoundError as e:
-        raise needs_extra("export", "train", e) from None
+    export(
+        a.run,
+        a.output,
+        force=a.force,
+        verify=not a.no_verify,
+        shard_bytes=a.shard_mib * 2**20,
+        adapter_only=a.adapter_only,
+    )
     return 0
 
 
@@ -133,10 +133,7 @@ def add_status(sub: Subparsers) -> None:
 
 
 def cmd_report(a: argparse.Namespace) -> int:
-    try:
-        import matplotlib  # noqa: F401  (checked first: the one-line error names the extra)
-    except ModuleNotFoundError as e:
-        raise needs_extra("report", "report", e) from None
+    require("report", "report")
     from dskit.status.report import report
 
     files = report(a.run, a.output)

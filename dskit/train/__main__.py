@@ -7,9 +7,12 @@ stops them. An exception ends the usual way too, with its traceback."""
 import sys
 
 from dskit.errors import EXIT_BAD_INPUT
+from dskit.extras import refused
 from dskit.torchrun import exit_without_teardown
 from dskit.train.entry import main
 
+if (refusal := refused("python -m dskit.train", "train")) is not None:
+    sys.exit(refusal)
 code = main()
 if code == EXIT_BAD_INPUT:
     sys.exit(code)
