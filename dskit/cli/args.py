@@ -66,4 +66,3 @@ def spec_from_args(a: argparse.Namespace):
 
     flags = {key: getattr(a, dest) for dest, (key, _, _) in SPEC_FLAGS.items()}
     return load_spec(a.spec, a.set, flags)
-
