@@ -89,6 +89,10 @@ def deepspeed_config(
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
+        # DeepSpeed's ThroughputTimer synchronises the device at each micro-step's start and end (3-4
+        # cudaDeviceSynchronize a step, 13.8 ms blocked at seq 2048, micro-batch 1 on an H200:
+        # bench/JOURNAL.md); it only feeds steps_per_print's log, which dskit never prints
+        "timers": {"throughput": {"enabled": False, "synchronized": False}},
     }
     if not on_gpu and not offload_optimizer:
         # FusedAdam is a CUDA op; on the CPU accelerator use torch's AdamW. DeepSpeed reads the switch

@@ -69,8 +69,11 @@ class StopRequest:
         return True
 
     def requested(self) -> bool:
-        """Collective: every rank must call it at the same step. (`.item()` syncs the GPU once a step.)"""
+        """Collective: every rank must call it at the same step. (`.item()` syncs the GPU once a step,
+        where there are ranks to agree with: one rank decides alone, without a device round trip.)"""
         local = self.flag or (self.rank == 0 and self._file_requested())
+        if dist.get_world_size() == 1:
+            return local
         t = torch.tensor([1 if local else 0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
