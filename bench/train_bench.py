@@ -149,6 +149,18 @@ SIDE_BY_SIDE: dict[str, tuple[list[str], dict]] = {
     "dskit, plan default (reference shape)": ([], {}),
     "dskit, gb16 plan choice": (GB16, {}),
 }
+# Issue 62 (--host-sync): the host-bound shapes (layers, seq, global batch on one GPU) with DeepSpeed's
+# ThroughputTimer back on as it was before (a device synchronisation at each micro-step's start and end),
+# beside the plan default without it.
+TIMER_ON = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}
+HOST_SYNC: dict[str, tuple[list[str], dict]] = {
+    f"L{layers} s{seq} gb{gb}, {side}": (
+        [f"model.num_layers={layers}", f"training.seq_len={seq}", f"training.global_batch={gb}"],
+        patch,
+    )
+    for layers, seq, gb in ((6, 1024, 2), (3, 4096, 1), (8, 2048, 1), (4, 2048, 2))
+    for side, patch in (("plan default", {}), ("ThroughputTimer synchronised (before)", TIMER_ON))
+}
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
     "profile: plan default": (["training.profile_steps=3"], {}),
@@ -290,6 +302,9 @@ def main() -> None:
     ap.add_argument("--side-by-side", action="store_true", help="run only SIDE_BY_SIDE (and the baseline)")
     ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (issue 25's probes)")
     ap.add_argument("--attention", action="store_true", help="run only ATTENTION (FA4 against cuDNN SDPA)")
+    ap.add_argument(
+        "--host-sync", action="store_true", help="run only HOST_SYNC (issue 62: the timer's syncs)"
+    )
     a = ap.parse_args()
     import torch
 
@@ -318,6 +333,7 @@ def main() -> None:
         "side_by_side": SIDE_BY_SIDE,
         "small_batch": SMALL_BATCH,
         "attention": ATTENTION,
+        "host_sync": HOST_SYNC,
     }
     chosen = [g for g in groups if getattr(a, g)]
     if len(chosen) > 1:
