@@ -11,6 +11,7 @@ import sys
 
 from dskit import stdout
 from dskit.cli import calibrate_cmd, data_cmd, host_cmd, plan_cmd, run_cmd, spec_cmd
+from dskit.cli.args import refuse_empty_values
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
+    refuse_empty_values(p)
     return p
 
 

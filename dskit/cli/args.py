@@ -66,3 +66,33 @@ def spec_from_args(a: argparse.Namespace):
 
     flags = {key: getattr(a, dest) for dest, (key, _, _) in SPEC_FLAGS.items()}
     return load_spec(a.spec, a.set, flags)
+
+
+def refuse_empty_values(parser: argparse.ArgumentParser) -> None:
+    """Every argument of `parser` and its sub-commands that takes a value refuses an empty or blank one,
+    naming itself (argparse's `argument -o/--output: ...`), as every spec field does (BLANK in
+    dskit/spec/values.py): it is a slip (`--tag "$TAG"` with TAG unset), never a choice, and taken as
+    given it meant the default (`calibrate slurm -o ''` wrote runs/NAME-calibrate-slurm) or an odd
+    refusal far from the flag. Wraps each one's type: checked as argparse reads the value, before any
+    command starts."""
+    for action in parser._actions:
+        if isinstance(action, Subparsers):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                refuse_empty_values(sub)
+        elif action.nargs != 0:
+            action.type = _non_empty(
+                action.type, optional=bool(action.option_strings) and not action.required
+            )
+
+
+def _non_empty(typ: Any, *, optional: bool) -> Any:
+    hint = "give a value, or leave the flag out for its default" if optional else "give a value"
+
+    def convert(text: str) -> Any:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"is empty; {hint}")
+        return text if typ is None else typ(text)
+
+    # argparse names the type in "invalid <type> value" when it raises ValueError
+    convert.__name__ = getattr(typ, "__name__", "str")
+    return convert

@@ -17,8 +17,6 @@ def cmd_init(a: argparse.Namespace) -> int:
     from dskit.atomic import write_file
     from dskit.spec import starter_yaml
 
-    if not a.output:
-        raise SpecError("--output", "is empty; give a file name")
     if a.output == "-":  # the usual convention: to stdout, e.g. to pipe or diff
         print(starter_yaml(), end="")
         return 0
