@@ -51,6 +51,11 @@ def job_name(name: str, suffix: str) -> str:
     return f"{name[: 52 - len(suffix) - 1].rstrip('-')}-{suffix}"
 
 
+def calibration_suffix(job: str) -> str:
+    """What job_name added to the run's name to name its calibration job `job`: '-calibrate...'."""
+    return job[job.rindex("-calibrate") :]
+
+
 def calibrate_plan(
     plan: Plan, counts: ModelCounts, gpu: GPU, fabric: Fabric, cpus_per_node: int | None
 ) -> Plan:

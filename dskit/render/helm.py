@@ -77,13 +77,21 @@ def _group_name(plan: Plan) -> None:
         return
     longest = f"{plan.name}-{REPLICATED_JOB}-0-{plan.hardware.nodes - 1}-xxxxx"
     room = DNS_LABEL_MAX - (len(longest) - len(plan.name))
-    if len(longest) > DNS_LABEL_MAX or not plan.name[0].isalpha():
-        raise SpecError(
-            "name",
-            f"{plan.name!r} cannot name a {plan.kubernetes.workload}: its pods are {longest!r}, which must "
-            f"start with a letter and fit {DNS_LABEL_MAX} characters: a name of at most {room} characters "
-            "starting with a letter",
-        )
+    if len(longest) <= DNS_LABEL_MAX and plan.name[0].isalpha():
+        return
+    which, give = repr(plan.name), f"a name of at most {room} characters starting with a letter"
+    if plan.calibrate is not None:
+        # the calibration job is named after the run: the name to change, and its limit, are the run's
+        from dskit.calibrate.measures import calibration_suffix
+
+        suffix = calibration_suffix(plan.name)
+        which = f"the calibration job's name {plan.name!r} (the run's name and {suffix!r})"
+        give = f"give the run a name of at most {room - len(suffix)} characters starting with a letter"
+    raise SpecError(
+        "name",
+        f"{which} cannot name a {plan.kubernetes.workload}: its pods are {longest!r}, which must start "
+        f"with a letter and fit {DNS_LABEL_MAX} characters: {give}",
+    )
 
 
 def _kueue(plan: Plan) -> Kueue:
