@@ -175,6 +175,8 @@ BASE = [
     "checkpoint.final=false",
 ]
 WARMUP_STEPS = 3
+#: the catalog profile of the GPU the rows run on (--gpu)
+GPU = "h200-141gb"
 
 
 def spec_for(name: str, sets: list[str], work: Path, gpus: int):
@@ -182,7 +184,7 @@ def spec_for(name: str, sets: list[str], work: Path, gpus: int):
     from dskit.spec import load_spec
 
     flags = {
-        "hardware.gpu": "h200-141gb",
+        "hardware.gpu": GPU,
         "hardware.gpus_per_node": gpus,
         "model.preset": "deepseek-v2-lite",
         "runtime.kind": "none",
@@ -290,6 +292,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="JSON file to write (rewritten after every variant)")
     ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
     ap.add_argument("--work", type=Path, help="keep run dirs and logs here (default: a temporary dir)")
+    ap.add_argument("--gpu", default=GPU, help=f"the GPU's catalog profile (default {GPU})")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of this machine to use (EP = this)")
     ap.add_argument("--only", help="run only variants whose name contains this text")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
@@ -306,6 +309,8 @@ def main() -> None:
         "--host-sync", action="store_true", help="run only HOST_SYNC (issue 62: the timer's syncs)"
     )
     a = ap.parse_args()
+    global GPU
+    GPU = a.gpu
     import torch
 
     result = {
