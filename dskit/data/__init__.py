@@ -10,6 +10,7 @@ Offline, `dskit data prepare` (outside the container's trainer):
 At run time (the trainer imports only these):
 - `shards`: the shard format, written (`ShardWriter`) and read (`TokenData`).
 - `sampler`: `Sampler`, `Mixture`, `sample_index`, `DataPosition`: which samples a step reads.
+- `packing`: which whole chat samples share a row (`best_fit`).
 - `tokenizers`, `corpus`: the byte tokenizer and the embedded corpus, tokenized at start when a run
   gives no data (and the Hugging Face tokenizer, for prepare).
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dskit.data import IGNORE_INDEX, MIXTURE_BLOCK
+from dskit.data.packing import Packer, best_fit, one_per_row
 from dskit.data.shards import Shard, TokenData
 from dskit.errors import SpecError
 
@@ -54,11 +55,16 @@ class Sampler:
     Sample g of the run is unit perm_e[g mod U] with e = g // U: any rank can compute its samples for
     any step without state, so resume is exact and ranks never overlap. A unit is a window of seq_len+1
     tokens (text; windows stay inside one shard, losing under seq_len tokens per 256M-token shard) or a
-    pack of whole samples (chat: the samples in a seeded order, filled greedily into rows of seq_len).
+    pack of whole samples (chat: the samples in a seeded order, packed into rows of seq_len by best fit
+    over a bounded window of that order, dskit/data/packing.py; built once, so also a function of the
+    seed).
     """
 
-    def __init__(self, data: TokenData, seq_len: int, seed: int, *, packing: str = "pack"):
+    def __init__(
+        self, data: TokenData, seq_len: int, seed: int, *, packing: str = "pack", packer: Packer = best_fit
+    ):
         self.data, self.seq_len, self.seed, self.packing = data, seq_len, seed, packing
+        self.packer = packer  # which samples share a row (`packing: pack`); dskit/data/packing.py
         self.chat = data.kind == "chat"
         self.truncated = 0  # chat samples cut to seq_len+1 (text windows cut nothing)
         if self.chat:
@@ -82,7 +88,8 @@ class Sampler:
     def _build_packs(self, packing: str) -> None:
         """Chat packs, once: document d spans tokens [start, end) of its shard and takes L-1 row slots
         (its inputs are tokens[:-1], its labels tokens[1:]); one longer than seq_len+1 is cut to that
-        (counted and logged by the caller through `truncated`). `packing='pad'`: one sample per row."""
+        (counted and logged by the caller through `truncated`). `packing='pad'`: one sample per row;
+        `pack`: the rows `self.packer` makes of the seeded order."""
         starts, ends, shard_of = [], [], []
         for i, s in enumerate(self.data.shards):
             e = s.ends.astype(np.int64)
@@ -95,17 +102,9 @@ class Sampler:
         self.truncated = int(((self._ends - self._starts) > self.seq_len + 1).sum())
         order = np.random.default_rng([self.seed, 0xDA7A]).permutation(len(lengths))
         order = order[lengths[order] >= 2]  # one token predicts nothing
-        first, used = [0], 0
-        for j, d in enumerate(order):
-            need = int(lengths[d]) - 1
-            if used and (packing == "pad" or used + need > self.seq_len):
-                first.append(j)
-                used = 0
-            used += need
-        if len(order):
-            first.append(len(order))
-        self._order = order
-        self._pack_first = np.asarray(first if len(order) else [0], dtype=np.int64)
+        packer = one_per_row if packing == "pad" else self.packer
+        within, self._pack_first = packer(lengths[order] - 1, self.seq_len)
+        self._order = order[within]
 
     def _unit(self, g: int) -> int:
         epoch, i = divmod(g, self.windows)
