@@ -1,15 +1,29 @@
 """Chat fine-tuning against plain text on one GPU: real (non-pad) tokens/s, per attention backend.
 
 Issue 31's goal: packed chat SFT at >= 0.97x the real-token throughput of plain text at the same shape
-(4-layer V2-Lite, seq 4096, global batch 16, the plan's pick). The chat set is generated here as the
-issue describes it (6,000 records, prompts of 20-200 words, answers of 50-600, from a 3,000-word
-vocabulary), tokenized by a byte-level BPE trained on it and prepared with `dskit data prepare`, so
-the run is reproducible without a download. Each variant is one `dskit train --local` run
-(bench/train_bench.py run_dskit); the figures are the medians after the warm-up steps of its
-metrics.jsonl: `real_tokens_per_s_per_gpu` (what the goal compares), `packing_efficiency`, and the
-plan-shape `tokens_per_s_per_gpu` (row capacity). Prints a table and writes JSON:
+(4-layer V2-Lite, global batch 16, the plan's pick; seq 4096 unless --seq-len). Two generated chat sets,
+so the run is reproducible without a download (--data):
+- `issue31` (default): 6,000 records, prompts of 20-200 words, answers of 50-600, from a 3,000-word
+  vocabulary, tokenized by a byte-level BPE trained on it and prepared with `dskit data prepare`;
+- `long-tail` (issue 61): 9,000 chats of 1-3 turns, 214 tokens on average, long-tailed to 1,800
+  (tests/support/chat_data.py `long_tail_chats`), byte tokens of the embedded corpus that plain text
+  trains on.
+Each variant is one `dskit train --local` run (bench/train_bench.py run_dskit); the figures are the
+medians after the warm-up steps of its metrics.jsonl: `real_tokens_per_s_per_gpu` (what the goal
+compares), `packing_efficiency`, and the plan-shape `tokens_per_s_per_gpu` (row capacity). The trainer
+packs with `best_fit` (dskit/data/packing.py); the JSON also records, per seq, both packers' packing
+efficiency on the same data. Prints a table and writes JSON:
 
     python bench/chat_bench.py --out bench/results/attention/h200-chat-2026-12-02.json
+    python bench/chat_bench.py --data long-tail --seq-len 2048,4096 --backends flash_attention_4 \
+        --out $OUT/h200-chat-long-tail-DATE.json --work /tmp/cw
+
+`--packing` (CPU, no training): the packing efficiency of the packer before issue 61 (`next_fit`, kept
+for this comparison only) and of the trainer's (`best_fit`) side by side on the same generated data,
+one row per seq; a table and JSON:
+
+    python bench/chat_bench.py --packing --data long-tail --seq-len 2048,4096,8192 \
+        --out bench/results/attention/RESULT.json
 """
 
 from __future__ import annotations
@@ -27,11 +41,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO / "tests"))
 
-from train_bench import GB16, WARMUP_STEPS, run_dskit  # noqa: E402
+from train_bench import BASE, GB16, WARMUP_STEPS, run_dskit  # noqa: E402
 
 RECORDS, SEED = 6000, 0
+DEFAULT_SEQ = next(int(s.split("=")[1]) for s in BASE if s.startswith("training.seq_len="))
 
 
 def chat_records(n: int = RECORDS, seed: int = SEED) -> list[dict]:
@@ -54,8 +68,8 @@ def chat_records(n: int = RECORDS, seed: int = SEED) -> list[dict]:
 
 
 def prepare(work: Path) -> Path:
-    """The chat set as a shard directory (and its tokenizer beside it)."""
-    from chat_data import make_tokenizer_from  # tests/support/chat_data.py
+    """Issue 31's chat set as a shard directory (and its tokenizer beside it)."""
+    from tests.support.chat_data import make_tokenizer_from
 
     records = chat_records()
     src = work / "chat.jsonl"
@@ -80,16 +94,76 @@ def prepare(work: Path) -> Path:
     return shards
 
 
-def variants(shards: Path, backends: list[str], checkpointing: bool = False) -> dict[str, list[str]]:
+def prepare_long_tail(work: Path) -> Path:
+    """Issue 61's long-tailed chat set as a shard directory (byte tokens: no tokenizer to train)."""
+    from tests.support.chat_data import write_long_tail_shards
+
+    return write_long_tail_shards(work / "long-tail-shards")
+
+
+DATA = {"issue31": ("chat-shards", prepare), "long-tail": ("long-tail-shards", prepare_long_tail)}
+
+
+def shards_of(data: str, work: Path) -> Path:
+    name, make = DATA[data]
+    return work / name if (work / name).is_dir() else make(work)
+
+
+def packing_rows(shards: Path, seq_lens: list[int]) -> list[dict]:
+    """Per seq, the packing efficiency the trainer would log over an epoch, with the packer before
+    issue 61 and with the trainer's, on the same shards."""
+    from dskit.data.packing import best_fit, next_fit
+    from dskit.data.sampler import Sampler
+    from dskit.data.shards import TokenData
+    from tests.support.chat_data import epoch_packing_efficiency
+
+    data = TokenData.open(str(shards))
+    rows = []
+    for seq in seq_lens:
+        row: dict = {
+            "seq_len": seq,
+            "samples": sum(len(s.ends) for s in data.shards),
+            "tokens": data.n_tokens,
+        }
+        for packer in (next_fit, best_fit):
+            sampler = Sampler(data, seq, SEED, packer=packer)
+            row[packer.__name__] = {
+                "rows": sampler.windows,
+                "packing_efficiency": round(epoch_packing_efficiency(sampler), 4),
+            }
+        rows.append(row)
+    return rows
+
+
+def print_packing(rows: list[dict]) -> None:
+    print(
+        "\n| seq | samples | next_fit rows | next_fit packing eff. | best_fit rows | best_fit packing eff. |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        old, new = r["next_fit"], r["best_fit"]
+        print(
+            f"| {r['seq_len']} | {r['samples']:,} | {old['rows']:,} | {old['packing_efficiency']:.4f} "
+            f"| {new['rows']:,} | {new['packing_efficiency']:.4f} |"
+        )
+
+
+def variants(
+    shards: Path, backends: list[str], seq_lens: list[int], checkpointing: bool = False
+) -> dict[str, tuple[list[str], dict]]:
+    """name -> (spec sets, what the row is: kind, backend, seq) for plain text and packed chat."""
     chat = [f"data.path={shards}", "data.packing=pack"]
     out = {}
-    for b in backends:
-        # checkpointing: attention is recomputed in the backward, on the autograd engine's device thread
-        pin = [f"overrides.attention={b}"] + (
-            ["overrides.activation_checkpointing=1"] if checkpointing else []
-        )
-        out[f"plain text, {b}"] = [*GB16, *pin]
-        out[f"chat packed, {b}"] = [*GB16, *pin, *chat]
+    for seq in seq_lens:
+        at = f", seq {seq}" if seq != DEFAULT_SEQ else ""
+        for b in backends:
+            # checkpointing: attention is recomputed in the backward, on the autograd engine's device thread
+            pin = [f"training.seq_len={seq}", f"overrides.attention={b}"] + (
+                ["overrides.activation_checkpointing=1"] if checkpointing else []
+            )
+            what = {"backend": b, "seq_len": seq}
+            out[f"plain text, {b}{at}"] = ([*GB16, *pin], {**what, "kind": "plain"})
+            out[f"chat packed, {b}{at}"] = ([*GB16, *pin, *chat], {**what, "kind": "chat"})
     return out
 
 
@@ -102,22 +176,36 @@ def main() -> None:
         default="flash_attention_4,sdpa_cudnn",
         help="comma-separated overrides.attention values",
     )
+    ap.add_argument("--data", choices=sorted(DATA), default="issue31", help="the generated chat set")
+    ap.add_argument(
+        "--seq-len",
+        default=str(DEFAULT_SEQ),
+        help=f"comma-separated training.seq_len values (default {DEFAULT_SEQ})",
+    )
     ap.add_argument("--only", help="run only variants whose name contains this text")
     ap.add_argument("--checkpointing", action="store_true", help="every layer checkpointed (recomputed)")
+    ap.add_argument(
+        "--packing",
+        action="store_true",
+        help="CPU only: both packers' packing efficiency on the chat set, per seq; no training",
+    )
     args = ap.parse_args()
+    try:
+        seq_lens = [int(x) for x in args.seq_len.split(",")]
+    except ValueError:
+        ap.error(f"--seq-len: {args.seq_len!r} is not comma-separated integers, e.g. 2048,4096")
     work = args.work or Path(tempfile.mkdtemp(prefix="chat-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    shards = work / "chat-shards"
-    if not shards.is_dir():
-        shards = prepare(work)
-    rows: list[dict] = []
-    meta = {
-        "command": " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d"),
-        "host": platform.node(),
-        "chat_records": RECORDS,
-        "warmup_steps": WARMUP_STEPS,
-    }
+    shards = shards_of(args.data, work)
+    data = {"data": args.data, "chat_records": _documents(shards), "packing": packing_rows(shards, seq_lens)}
+    if args.packing:
+        import runs
+
+        Path(args.out).write_text(json.dumps({**runs.header(), **data}, indent=1) + "\n")
+        print_packing(data["packing"])
+        return
+    meta = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "host": platform.node(), **data}
+    meta["warmup_steps"] = WARMUP_STEPS
     try:
         import torch
 
@@ -125,21 +213,23 @@ def main() -> None:
         meta["torch"] = torch.__version__
     except Exception as e:  # the table still says where it ran
         meta["gpu"] = f"unknown ({e})"
-    for name, sets in variants(shards, args.backends.split(","), args.checkpointing).items():
+    rows: list[dict] = []
+    for name, (sets, what) in variants(
+        shards, args.backends.split(","), seq_lens, args.checkpointing
+    ).items():
         if args.only and args.only not in name:
             continue
-        row = run_dskit(name, sets, {}, work / "runs", 1)
+        row = {**run_dskit(name, sets, {}, work / "runs", 1), **what}
         rows.append(row)
         Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
         print(_line(row), flush=True)
-    plain = {
-        r["variant"].split(", ")[1]: r for r in rows if r["variant"].startswith("plain") and "error" not in r
-    }
+    plain = {(r["backend"], r["seq_len"]): r for r in rows if r["kind"] == "plain" and "error" not in r}
     for r in rows:
-        b = r["variant"].split(", ")[1]
-        if r["variant"].startswith("chat") and "error" not in r and b in plain:
-            r["real_vs_plain"] = round(r["real_tok_s_gpu"] / plain[b]["real_tok_s_gpu"], 3)
+        base = plain.get((r["backend"], r["seq_len"]))
+        if r["kind"] == "chat" and "error" not in r and base:
+            r["real_vs_plain"] = round(r["real_tok_s_gpu"] / base["real_tok_s_gpu"], 3)
     Path(args.out).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    print_packing(meta["packing"])
     print(
         "\n| variant | real tok/s/GPU | packing eff. | row tok/s/GPU | step s | peak reserved GiB | x plain |"
     )
@@ -152,6 +242,10 @@ def main() -> None:
             f"| {r['variant']} | {r['real_tok_s_gpu']:,} | {r['packing_efficiency']:.3f} | {r['tok_s_gpu']:,} "
             f"| {r['step_s']} | {r['peak_reserved_gb']} | {r.get('real_vs_plain', '')} |"
         )
+
+
+def _documents(shards: Path) -> int:
+    return int(json.loads((shards / "index.json").read_text())["documents"])
 
 
 def _line(r: dict) -> str:
