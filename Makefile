@@ -34,6 +34,7 @@ demo: ops
 	  --set training.steps=150 --set training.lr=3e-3 --set training.log_every=10 --set checkpoint.every=50
 	rm -rf runs/storage/demo
 	$(BIN)/dskit train --local $(DEMO)
+	$(BIN)/dskit status $(DEMO)
 	$(BIN)/dskit export $(DEMO) -o runs/demo-hf --force
 
 # Everything (what CI's .ci/run runs after `make lint`): one pytest over the whole suite on two workers.

@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(argv))
     except SignalException as e:  # torchrun stopped its workers first (srun ending the step, a kill)
-        sys.stderr.write(f"dskit: torchrun on {socket.gethostname()} stopped by {_signal_name(e.sigval)}\n")
+        sys.stderr.write(f"dskit: torchrun on {socket.gethostname()} stopped by {signal_name(e.sigval)}\n")
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         for rank, f in sorted(e.failures.items()):
-            how = f"killed by {_signal_name(-f.exitcode)}" if f.exitcode < 0 else f"exited with {f.exitcode}"
+            how = f"killed by {signal_name(-f.exitcode)}" if f.exitcode < 0 else f"exited with {f.exitcode}"
             sys.stderr.write(f"dskit: rank {rank} (pid {f.pid} on {socket.gethostname()}) {how}\n")
         return 1  # torchrun's own status for failed workers
     return 0
@@ -80,7 +80,7 @@ def exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
-def _signal_name(num: int) -> str:
+def signal_name(num: int) -> str:
     try:
         return signal.Signals(num).name
     except ValueError:

@@ -10,7 +10,8 @@ finished job, MinJobAge, through `sacct` where accounting is configured, else th
 as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.status.k8s, the
 release named like the run). Step, loss, throughput, ETA and the last checkpoint come from the run's
 own files: OUTPUT_DIR/metrics.jsonl, read with `dskit report`'s reader, and the checkpoint dir's
-complete tags.
+complete tags. A run dir trained on this machine (`dskit train --local`) has no job to ask about: its
+state comes from the record the local launcher keeps in it (dskit/local_run.py).
 
 No torch, and nothing beyond dskit's core dependencies (plus ray's client for a Ray run, the
 kubernetes client for a Helm run): it runs on a login node without the train extra.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dskit import bounded_read
+from dskit import bounded_read, local_run
 from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
 from dskit.contract import COMPLETE_FILE, JOBS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
@@ -415,11 +416,20 @@ class RecordedJobs:
 
         plan = load_plan(run_dir / RUN_YAML)
         entries = read_jobs(run_dir)
+        local = local_run.read(run_dir)
+        if not entries and local is not None:  # trained on this machine only (`dskit train --local`)
+            return format_table(
+                [
+                    ("run", f"{plan.name} ({target}, trained locally) {run_dir}"),
+                    ("state", local.text()),
+                    *progress_rows(plan, run_dir, running=local.running),
+                ]
+            )
         if not entries:
             raise SpecError(
                 str(run_dir),
                 f"not submitted yet (no job in {JOBS_FILE}) — run bash {run_dir / self.submit} "
-                f"({self.unrecorded})",
+                f"({self.unrecorded}), or train it here: dskit train --local {run_dir}",
             )
         jobs, current, attempts = self.ask(entries, query)
         state = f"{current.state}: job {current.id}" + (f", {current.detail}" if current.detail else "")
@@ -428,6 +438,7 @@ class RecordedJobs:
             ("state", state),
             ("jobs", _jobs_cell(jobs)),
             ("attempts", attempts),
+            *(() if local is None else [("local run", local.text())]),
             *progress_rows(plan, run_dir, running=current.state in ACTIVE),
         ]
         if current.log:

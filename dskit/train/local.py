@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dskit import local_run
 from dskit.contract import EXIT_DIR_ENV, RUN_YAML, STOP_FILE, Env, exit_verdict, read_exit_codes
 from dskit.errors import SpecError
 from dskit.torchrun import torchrun_words
@@ -44,6 +45,18 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
     env = {**os.environ, **plan.env, Env.RUN_FILE.value: str(run_file)}
     cmd = torchrun_words(sys.executable, nproc_per_node=world)
     print("+ " + " ".join(cmd), flush=True)
+    record = local_run.start(run_file.parent)  # what `dskit status RUN_DIR` reads of a run started here
+    try:
+        code = _torchrun(cmd, env, stop)
+    except BaseException as e:
+        local_run.end(record, None, interrupted=type(e).__name__)
+        raise
+    local_run.end(record, code)
+    return code
+
+
+def _torchrun(cmd: list[str], env: dict[str, str], stop: Path) -> int:
+    """torchrun's run of the ranks, with their own exit codes relayed (`relayed_exit`)."""
     with tempfile.TemporaryDirectory(prefix="dskit-local-") as tmp:
         exit_dir = Path(tmp, "exit-codes")
         exit_dir.mkdir()

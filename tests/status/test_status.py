@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dskit import local_run
 from dskit.contract import JOBS_FILE, TARGET_FILE
 from dskit.errors import SpecError
 from dskit.status import run_status
@@ -146,6 +148,8 @@ def test_a_forgotten_job_with_accounting_comes_from_sacct(tmp_path):
         (lambda rd: (rd / JOBS_FILE).write_text("12\n"), "scontrol not found: run this where"),
         (lambda rd: (rd / JOBS_FILE).write_text("12; rm -rf /\n"), "not a job record"),
         (lambda rd: (rd / TARGET_FILE).write_text("lsf\n"), "names an unknown target 'lsf'"),
+        (lambda rd: (rd / local_run.RECORD).write_text("{"), "local-run.json: unreadable"),
+        (lambda rd: (rd / local_run.RECORD).write_text('{"pid": "7"}'), "is not a record of dskit train"),
     ],
 )
 def test_errors_are_one_line_exit_2(tmp_path, setup, words):
@@ -155,6 +159,73 @@ def test_errors_are_one_line_exit_2(tmp_path, setup, words):
     assert r.returncode == 2 and r.stdout == "", r
     (line,) = r.stderr.splitlines()
     assert line.startswith("dskit: error: ") and words in line, line
+
+
+def test_a_run_dir_neither_submitted_nor_trained_here_says_both_ways(tmp_path):
+    rd = render_tiny(tmp_path, name="new", steps=4)
+    r = dskit("status", str(rd))
+    assert r.returncode == 2 and r.stderr.rstrip().endswith(f"or train it here: dskit train --local {rd}")
+
+
+def _status_rows(rd: Path, capsys) -> dict[str, str]:
+    """`dskit status RUN_DIR` in this process (a lock this process holds is seen as another's would be:
+    flock locks belong to the open file, not to the process)."""
+    from dskit.cli import main
+
+    assert main(["status", str(rd)]) == 0, capsys.readouterr().err
+    return table(capsys.readouterr().out)
+
+
+def test_a_local_runs_end_is_its_state(tmp_path, capsys):
+    """What `dskit train --local` records at its end (dskit/local_run.py), as `dskit status` shows it:
+    the trainer's exit codes by their meaning (dskit/contract.py), a signal by its name."""
+    rd = render_tiny(tmp_path, name="loc", steps=4)
+    ends = [
+        (0, None, "finished: dskit train --local, exit 0, ran "),
+        (
+            75,
+            None,
+            "stopped: dskit train --local, checkpointed on request (exit 75); the same command resumes",
+        ),
+        (2, None, "failed: dskit train --local, bad input (exit 2)"),
+        (74, None, "failed: dskit train --local, checkpoint disk full (exit 74)"),
+        (1, None, "failed: dskit train --local, exit 1: its output says why"),
+        (-9, None, "failed: dskit train --local, torchrun was killed by SIGKILL"),
+        (143, None, "failed: dskit train --local, torchrun was stopped by SIGTERM (exit 143)"),
+        (
+            None,
+            "KeyboardInterrupt",
+            "failed: dskit train --local, the launcher was interrupted (KeyboardInterrupt)",
+        ),
+    ]
+    for code, interrupted, state in ends:
+        local_run.end(local_run.start(rd), code, interrupted)
+        rows = _status_rows(rd, capsys)
+        assert rows["run"] == f"loc (slurm, trained locally) {rd}"
+        assert rows["state"].startswith(state) and rows["state"].endswith("s ago"), (code, rows["state"])
+        assert rows["step"].startswith("- / 4 (no metrics in") and rows["last checkpoint"].startswith(
+            "none yet"
+        )
+    assert [p.name for p in rd.glob(f"*{local_run.RECORD}*")] == [local_run.RECORD]  # no temporary left
+
+
+def test_a_local_run_is_running_while_its_launcher_holds_the_record(tmp_path, capsys):
+    """The record's lock is held while the launcher lives: running, with its pid; a launcher killed
+    before it could record its end (kill -9) leaves a record whose lock the kernel dropped."""
+    rd = render_tiny(tmp_path, name="alive", steps=4)
+    held = local_run.start(rd)
+    try:
+        rows = _status_rows(rd, capsys)
+    finally:
+        local_run.end(held, 0)
+    assert rows["state"].startswith(f"running: dskit train --local, pid {os.getpid()} on ")
+    code = "import os, pathlib, signal, sys; from dskit import local_run; "
+    code += "local_run.start(pathlib.Path(sys.argv[1])); os.kill(os.getpid(), signal.SIGKILL)"
+    killed = subprocess.Popen([sys.executable, "-c", code, str(rd)])
+    assert killed.wait() == -signal.SIGKILL
+    rows = _status_rows(rd, capsys)
+    assert rows["state"].startswith(f"killed: dskit train --local (pid {killed.pid} on "), rows["state"]
+    assert "ended without recording an exit" in rows["state"]
 
 
 def test_a_directory_without_run_yaml_is_not_taken_for_a_release(tmp_path):
@@ -304,7 +375,7 @@ def test_a_target_added_only_to_the_registry_renders_and_answers_status(tmp_path
     scheduler's target, registered here only (monkeypatch restores TARGETS), is rendered by `dskit
     render` and asked about by `dskit status`."""
     from dskit import cli
-    from dskit.render import TARGETS, Target
+    from dskit.render import TARGETS, Step, Target
     from dskit.render.common import run_files
 
     submit = "fake-submit.sh"
@@ -324,7 +395,7 @@ def test_a_target_added_only_to_the_registry_renders_and_answers_status(tmp_path
         "a fake scheduler's job",
         render,
         (submit,),
-        lambda plan, out, files: f"bash {out / submit}",
+        lambda plan, out, files: [Step("next", ("bash", out / submit))],
         run_status.RecordedJobs(ask, submit, "nothing else records a fake job"),
     )
     monkeypatch.setitem(TARGETS, "fake", fake)

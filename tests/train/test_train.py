@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan.memory import LOSS_CHUNK_TOKENS
 from dskit.plan.schema import load_plan
 from dskit.train.profile import COMMUNICATION, host_table
-from tests.conftest import dskit, render_tiny
+from tests.conftest import dskit, render_tiny, status_table
 
 pytestmark = pytest.mark.train
 STEPS = 40
@@ -165,6 +166,19 @@ def test_metrics_records_carry_what_the_issue_lists(reference):
     mean = sum(counts[0]) / len(counts[0])
     assert max(counts[0]) / mean == pytest.approx(rec["expert_load_per_layer"][0], abs=1e-3)
     assert (Path(plan.run.output_dir) / COMPLETE_FILE).is_file()
+
+
+def test_status_shows_a_finished_local_run_as_it_shows_a_cluster_run(reference):
+    """The README's demo path: `dskit train --local RUN_DIR`, then `dskit status RUN_DIR` (no scheduler
+    asked: the launcher's record says how the run went, the run's files the rest)."""
+    rd = reference["tiny-v2"]
+    r = dskit("status", str(rd), env={"PATH": "/nonexistent"})
+    assert r.returncode == 0, r.stderr
+    rows = status_table(r.stdout)
+    assert rows["state"].startswith("finished: dskit train --local, exit 0, ran "), rows
+    assert rows["step"].startswith(f"{STEPS} / {STEPS} (complete), logged ")
+    assert rows["loss"] == f"{losses(rd)[STEPS]:.4f}" and rows["ETA"] == "done"
+    assert re.search(rf"/step{STEPS:08d} \(step {STEPS}, .* ago\)$", rows["last checkpoint"]), rows
 
 
 @pytest.mark.parametrize("model", ["tiny-v2", "tiny-v3"])
@@ -338,6 +352,7 @@ def test_usr1_to_the_launcher_checkpoints_and_exits_for_requeue(tmp_path):
     p = start(rd, tmp_path / "a.log")
     try:
         wait_for_step(rd, p, 3)
+        running = status_table(dskit("status", str(rd), check=True).stdout)
         p.send_signal(signal.SIGUSR1)
         rc = p.wait(timeout=300)
     finally:
@@ -345,6 +360,11 @@ def test_usr1_to_the_launcher_checkpoints_and_exits_for_requeue(tmp_path):
     log = (tmp_path / "a.log").read_text()
     assert "SIGUSR1 received; asking ranks to checkpoint" in log, log[-3000:]
     assert rc == EXIT_REQUEUE, log[-3000:]  # `--local` relays the ranks' own code, as cluster entrypoints do
+    # `dskit status` followed it: running under the launcher's pid, then stopped to be resumed
+    assert running["state"].startswith(f"running: dskit train --local, pid {p.pid} on "), running
+    assert running["ETA"] not in ("done", "- (not running)")
+    stopped_row = status_table(dskit("status", str(rd), check=True).stdout)["state"]
+    assert stopped_row.startswith("stopped: dskit train --local, checkpointed on request (exit 75)")
     stopped = max(losses(rd))
     assert (Path(plan.run.checkpoint_dir) / f"step{stopped:08d}" / "dskit.json").is_file()
     assert not (Path(plan.run.checkpoint_dir) / STOP_FILE).exists()  # consumed, so a requeue runs on
@@ -370,6 +390,17 @@ def test_bad_run_yaml_is_one_line_and_exit_2(tmp_path):
     bad.write_text("version: 1\nname: [oops\n")
     r = rank0_alone(bad)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "not valid YAML" in r.stderr
+
+
+def test_status_shows_a_local_run_that_failed(tmp_path):
+    """A local run whose ranks refuse their input: the launcher relays exit 2, its record says so."""
+    rd = render_tiny(tmp_path, "tiny-v2", extra=[f"data.path={tmp_path / 'nope'}"])
+    assert run(rd, tmp_path / "train.log") == 2, (tmp_path / "train.log").read_text()[-3000:]
+    rows = status_table(dskit("status", str(rd), check=True).stdout)
+    assert rows["state"].startswith(
+        "failed: dskit train --local, bad input (exit 2): the error line is in its output"
+    )
+    assert rows["step"].startswith("- / 40 (no metrics in") and rows["last checkpoint"].startswith("none yet")
 
 
 def test_missing_data_is_one_line_and_exit_2(tmp_path):

@@ -1,0 +1,172 @@
+"""The record `dskit train --local` keeps of its run in the run directory, for `dskit status`.
+
+A cluster run is found through its scheduler (the run dir's `jobs` file); a run started here has none,
+so its launcher writes RECORD beside run.yaml: who runs it (dskit/owner.py's identity: host, pid, boot
+id), when it started and, once torchrun has returned, when it ended and with which exit code. The file
+is replaced whole, never written in place, so a reader never sees half of it. While the launcher runs it
+holds an exclusive lock on the record, which the kernel drops when the launcher dies, kill -9 included:
+a record without an end whose lock is free is a run that was killed before it could say so, however
+its pid has been reused since (owner.gone; a record of another machine cannot be checked from here).
+
+Torch-free: the reader runs on a login node with dskit's core only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dskit import bounded_read, owner
+from dskit.atomic import write_file
+from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.torchrun import signal_name
+
+RECORD = "local-run.json"
+#: a dozen short fields: anything near this is not a record
+MAX_RECORD = 64 << 10
+WRITER = "dskit train --local"
+#: what an exit code of the trainer means, in a local run's state
+ENDS = {
+    0: ("finished", "exit 0"),
+    EXIT_REQUEUE: ("stopped", f"checkpointed on request (exit {EXIT_REQUEUE}); the same command resumes"),
+    EXIT_BAD_INPUT: ("failed", f"bad input (exit {EXIT_BAD_INPUT}): the error line is in its output"),
+    EXIT_DISK_FULL: ("failed", f"checkpoint disk full (exit {EXIT_DISK_FULL})"),
+}
+
+
+@dataclass(frozen=True)
+class Started:
+    """A local run's record while it runs: the descriptor holds its lock until `end` closes it."""
+
+    path: Path
+    fd: int
+    info: dict[str, Any]
+
+
+def _warn(text: str) -> None:
+    # the record serves `dskit status` only: a run dir that cannot hold it must not stop the training
+    sys.stderr.write(f"dskit: warning: {text}; `dskit status` will not see this run\n")
+
+
+def start(run_dir: Path) -> Started | None:
+    """Record that a local run starts now, locked until `end`; None where it cannot be written."""
+    path = run_dir / RECORD
+    info = {"written_by": WRITER, **owner.identity(), "started": time.time()}
+    tmp = run_dir / f".{RECORD}.{os.getpid()}.tmp"
+    fd = None
+    try:
+        tmp.unlink(missing_ok=True)  # this pid's leftover from a launcher killed between these lines
+        fd = owner.hold(tmp, json.dumps(info) + "\n")  # locked before it is filled, then moved into place
+        os.replace(tmp, path)
+    except OSError as e:
+        if fd is not None:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        _warn(f"cannot write {path} ({e.strerror or e})")
+        return None
+    return Started(path, fd, info)
+
+
+def end(started: Started | None, code: int | None, interrupted: str | None = None) -> None:
+    """Record how the run ended (`code`: the launcher's exit code; None with `interrupted`: the
+    exception that stopped the launcher itself), then let go of the lock."""
+    if started is None:
+        return
+    info = {**started.info, "ended": time.time(), "exit_code": code}
+    if interrupted:
+        info["interrupted"] = interrupted
+    try:
+        write_file(started.path, json.dumps(info) + "\n")
+    except OSError as e:
+        _warn(f"cannot record the end of the run in {started.path} ({e.strerror or e})")
+    finally:
+        os.close(started.fd)
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """What a record says, as `dskit status` shows it."""
+
+    state: str  # running, finished, stopped, failed, killed; "running?" where this machine cannot check
+    detail: str
+
+    @property
+    def running(self) -> bool | None:
+        """For the ETA: True, False, or None where it cannot be known from here."""
+        return None if self.state == "running?" else self.state == "running"
+
+    def text(self) -> str:
+        return f"{self.state}: {self.detail}"
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        info = bounded_read.read_json(path, limit=MAX_RECORD, what=f"a {RECORD}")
+    except bounded_read.TooLarge as e:
+        raise SpecError(str(path), e.reason) from None
+    except (OSError, ValueError) as e:
+        raise SpecError(str(path), f"unreadable ({e}); delete it, it only serves `dskit status`") from None
+    ok = (
+        isinstance(info, dict)
+        and isinstance(info.get("started"), (int, float))
+        and isinstance(info.get("pid"), int)
+        and isinstance(info.get("host"), str)
+        and (info.get("exit_code") is None or isinstance(info["exit_code"], int))
+        and ("ended" not in info or isinstance(info["ended"], (int, float)))
+    )
+    if not ok:
+        raise SpecError(str(path), f"is not a record of {WRITER}; delete it, it only serves `dskit status`")
+    return info
+
+
+def read(run_dir: Path, now: float | None = None) -> LocalRun | None:
+    """The local run recorded in `run_dir`, None where there is none; SpecError for a damaged record."""
+    from dskit.train.progress import format_eta  # torch-free
+
+    path = run_dir / RECORD
+    if not path.is_file():
+        return None
+    now = time.time() if now is None else now
+    info = _load(path)
+    gone = "ended" not in info and owner.gone(path)
+    if gone:
+        info = _load(path)  # the launcher may have recorded its end since the first read
+    who = f"pid {info['pid']} on {info['host']}"
+    started = f"started {format_eta(max(0.0, now - info['started']))} ago"
+    if "ended" not in info:
+        me = owner.identity()
+        if not gone and info.get("boot_id") != me["boot_id"] and info["host"] != me["host"]:
+            return LocalRun("running?", f"{WRITER}, {who}, {started} (another machine: not checkable here)")
+        if not gone:  # its lock is held (or, without locks, its pid runs on this host)
+            return LocalRun("running", f"{WRITER}, {who}, {started}")
+        return LocalRun(
+            "killed",
+            f"{WRITER} ({who}) ended without recording an exit: killed (kill -9) or its machine went down; "
+            f"{started}",
+        )
+    ran = f"ran {format_eta(max(0.0, info['ended'] - info['started']))}"
+    ended = f"ended {format_eta(max(0.0, now - info['ended']))} ago"
+    state, why = _ending(info.get("exit_code"), info.get("interrupted"))
+    return LocalRun(state, f"{WRITER}, {why}, {ran}, {ended}")
+
+
+def _ending(code: int | None, interrupted: Any) -> tuple[str, str]:
+    """(state, why) from the launcher's exit code: the trainer's own codes (contract), a signal that
+    stopped torchrun (negative: it was killed; 128 + N: its agent was stopped and exited so), else a
+    failure whose output says why."""
+    if code is None:
+        return "failed", f"the launcher was interrupted ({interrupted or 'no reason recorded'})"
+    if code in ENDS:
+        return ENDS[code]
+    if code < 0:
+        return "failed", f"torchrun was killed by {signal_name(-code)}"
+    if code > 128 and code - 128 in {s.value for s in signal.Signals}:
+        return "failed", f"torchrun was stopped by {signal_name(code - 128)} (exit {code})"
+    return "failed", f"exit {code}: its output says why"
