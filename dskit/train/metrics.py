@@ -233,21 +233,7 @@ class LogWindow:
         self.progress.logged(rec)
         self.last = rec
         if self.rank == 0:
-            log.info(
-                "step %d/%d loss %.4f aux %.5f lr %.3g %.0f tok/s/gpu%s mfu %s mem %.2f/%.2f GiB load %s eta %s",
-                done,
-                self.plan.optim.steps,
-                rec["loss"],
-                rec["aux_loss"],
-                lr,
-                real_s,
-                "" if efficiency >= 1 else f" (real; rows {efficiency:.0%} full)",
-                rec["mfu"],
-                alloc,
-                reserved,
-                rec.get("expert_load_max_over_mean"),
-                format_eta(self.progress.eta_s(done)),
-            )
+            log.info("%s", log_line(rec, self.plan.optim.steps, alloc, reserved, self.progress.eta_s(done)))
         self._reset()
 
     def _warn_padding(self, rows: float, real: float) -> None:
@@ -283,6 +269,27 @@ class LogWindow:
         """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
         self.trackers.close()
         self.progress.close()
+
+
+def log_line(rec: dict, total: int, alloc_gib: float, reserved_gib: float, eta_s: float | None) -> str:
+    """Rank 0's line for a metrics record. A figure the run does not have is left out, not printed as
+    None: MFU without a peak FLOP/s (CPU ranks, a GPU profile without one), the expert load of a step
+    that routed nothing."""
+    efficiency = rec["packing_efficiency"]
+    words = [
+        f"step {rec['step']}/{total} loss {rec['loss']:.4f} aux {rec['aux_loss']:.5f} lr {rec['lr']:.3g}",
+        f"{rec['real_tokens_per_s_per_gpu']:.0f} tok/s/gpu"
+        + ("" if efficiency >= 1 else f" (real; rows {efficiency:.0%} full)"),
+        *([] if rec["mfu"] is None else [f"mfu {rec['mfu']}"]),
+        f"mem {alloc_gib:.2f}/{reserved_gib:.2f} GiB",
+        *(
+            []
+            if rec.get("expert_load_max_over_mean") is None
+            else [f"load {rec['expert_load_max_over_mean']}"]
+        ),
+        f"eta {format_eta(eta_s)}",
+    ]
+    return " ".join(words)
 
 
 def _round(x: float | None) -> float | None:

@@ -181,6 +181,13 @@ def test_status_shows_a_finished_local_run_as_it_shows_a_cluster_run(reference):
     assert re.search(rf"/step{STEPS:08d} \(step {STEPS}, .* ago\)$", rows["last checkpoint"]), rows
 
 
+def test_cpu_log_lines_leave_out_the_mfu_a_cpu_has_none_of(reference):
+    """A CPU profile has no peak FLOP/s, so no MFU: the log line leaves it out instead of `mfu None`."""
+    lines = [x for x in (reference["tiny-v2"].parent / "train.log").read_text().splitlines() if " step " in x]
+    assert len([x for x in lines if f"/{STEPS} loss " in x]) == STEPS
+    assert not [x for x in lines if "None" in x], lines[:3]
+
+
 @pytest.mark.parametrize("model", ["tiny-v2", "tiny-v3"])
 def test_export_round_trip(reference, model, tmp_path):
     from transformers import AutoModelForCausalLM
