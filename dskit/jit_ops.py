@@ -83,9 +83,9 @@ def cached(op: str) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from dskit.cli.args import Parser
 
-    argparse.ArgumentParser(
+    Parser(
         prog="python -m dskit.jit_ops",
         description="Build the DeepSpeed ops a rank on this host loads that the install did not prebuild "
         "into torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), with this "

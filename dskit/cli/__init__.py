@@ -11,7 +11,7 @@ import sys
 
 from dskit import stdout
 from dskit.cli import calibrate_cmd, data_cmd, host_cmd, plan_cmd, run_cmd, spec_cmd
-from dskit.cli.args import refuse_empty_values
+from dskit.cli.args import Parser, refuse_empty_values
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.text import escape
 
@@ -32,16 +32,8 @@ COMMANDS = (
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with the one-line promise: a bad flag or value is `dskit: error: ...`, exit 2, without
-    the usage block (`--help` still shows it). Sub-commands inherit this class."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"dskit: error: {escape(self.prog)}: {escape(message)} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = Parser(
         prog="dskit",
         description="Train DeepSeek-style MoE models (AutoEP + DeepSpeed ZeRO) from one run spec: plan it, render it "
         "for Slurm, Kubernetes (Helm) or Ray, and run the in-container trainer.",

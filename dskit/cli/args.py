@@ -1,5 +1,5 @@
-"""What several commands share: integer and fraction flag types, the spec flags (`--set` and the
-SPEC_FLAGS shortcuts)."""
+"""What several commands share: the parser's one-line error, integer and fraction flag types, the spec
+flags (`--set` and the SPEC_FLAGS shortcuts)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,20 @@ import argparse
 import re
 from typing import Any
 
+from dskit.errors import EXIT_BAD_INPUT
+from dskit.text import escape
+
 # what add_subparsers() returns; argparse names no public type for it
 Subparsers = argparse._SubParsersAction
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the one-line promise: a bad flag or value is `dskit: error: ...`, exit 2, without
+    the usage block (`--help` still shows it). Sub-commands inherit this class; `python -m` entry points
+    outside the CLI (dskit.jit_ops) use it too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"dskit: error: {escape(self.prog)}: {escape(message)} (see --help)\n")
 
 
 def count(text: str) -> int:
