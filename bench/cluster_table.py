@@ -200,7 +200,7 @@ def published_calibration(path: Path) -> dict[str, Any]:
     from dskit.spec import load_spec
 
     model, gpu, world = ARITH
-    job = build_calibration_plan(load_spec(None, _sets(model, gpu, world), {})).calibrate
+    job = build_calibration_plan(load_spec(None, _sets(model, gpu, world), {}), "slurm").calibrate
     rings = {g.key: g.moved_share for g in job.groups}
     rings.setdefault("8x1", {op: 7 / 8 for op in calibration.RING_OPS})
     collectives: dict[str, dict[str, Any]] = {op: {} for op in calibration.OPS}

@@ -56,6 +56,14 @@ def calibration_suffix(job: str) -> str:
     return job[job.rindex("-calibrate") :]
 
 
+def calibration_name(name: str, target: str) -> str:
+    """The one name of a calibration of the run NAME on `target` (local, slurm, ...): its run dir
+    (runs/NAME-calibrate-TARGET), its storage dirs, calibration.json's among them, and its job. Its
+    own, so it writes none of the training run's files; per target, so a calibration here never
+    replaces a cluster's on storage they share."""
+    return job_name(name, f"calibrate-{target}")
+
+
 def calibrate_plan(
     plan: Plan, counts: ModelCounts, gpu: GPU, fabric: Fabric, cpus_per_node: int | None
 ) -> Plan:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ LOCAL = "local"
 
 
 def cmd_calibrate(a: argparse.Namespace) -> int:
+    from dskit.calibrate.measures import calibration_name
     from dskit.plan.build import build_calibration_plan
     from dskit.render.run_dir import render_run
 
@@ -27,8 +29,9 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         )
     spec = spec_from_args(a)
     target = "slurm" if a.target == LOCAL else a.target  # local: the same run dir, started here
-    out = a.output or f"runs/{spec.name}-calibrate-{a.target}"
-    run = render_run(spec, target, out, force=a.force, spec_file=a.spec, build=build_calibration_plan)
+    out = a.output or f"runs/{calibration_name(spec.name, a.target)}"  # the job's name, as its storage's
+    build = functools.partial(build_calibration_plan, target=a.target)
+    run = render_run(spec, target, out, force=a.force, spec_file=a.spec, build=build)
     c = run.plan.calibrate
     assert c is not None  # build_calibration_plan always adds it
     shapes = ", ".join(f"{g.key} ({g.role})" for g in c.groups) or "none (one rank)"

@@ -380,13 +380,13 @@ def launch_env(
     return env
 
 
-def build_calibration_plan(spec: Spec) -> Plan:
-    """The plan of `spec` with a calibration job's section (`dskit calibrate`): the same run.yaml, launch
-    contract and targets, and a trainer that measures instead of training."""
-    from dskit.calibrate.measures import calibrate_plan, job_name
+def build_calibration_plan(spec: Spec, target: str) -> Plan:
+    """The plan of `spec` with a calibration job's section (`dskit calibrate TARGET`): the same run.yaml,
+    launch contract and targets, and a trainer that measures instead of training."""
+    from dskit.calibrate.measures import calibrate_plan, calibration_name
 
     # its own name, so its storage dirs (and launch-env.json) are not the training run's
-    spec = spec.model_copy(update={"name": job_name(spec.name, "calibrate")})
+    spec = spec.model_copy(update={"name": calibration_name(spec.name, target)})
     plan = build_plan(spec)
     gpu = catalog.gpu(spec.hardware.gpu)
     _, model_counts = plan_model(spec)

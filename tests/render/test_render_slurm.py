@@ -243,3 +243,21 @@ def test_run_dir_may_not_contain_the_checkpoints(tmp_path):
         "render", "slurm", "--set", f"storage.root={tmp_path}", "--job-name", "x", "-o", str(tmp_path / "x")
     )
     assert r.returncode == 2 and "would contain" in r.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", ["cal", "a-spec-name-of-52-characters-that-the-suffix-cuts-xy"])
+def test_a_calibration_has_one_name_for_its_run_dir_job_and_storage(tmp_path, name):
+    """`dskit calibrate TARGET` without -o: the run dir runs/NAME-calibrate-TARGET is named as its job
+    and its storage dirs (calibration.json among them), whatever the length of NAME."""
+    r = dskit(
+        "calibrate", "slurm", "--gpu", "cpu", "--gpus-per-node", "2", "--model", "tiny-v2", "--runtime", "none",
+        "--job-name", name, "--set", f"storage.root={tmp_path / 'storage'}", "--set", "training.seq_len=128",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (rd,) = (tmp_path / "runs").iterdir()
+    assert rd.name.endswith("-calibrate-slurm") and len(rd.name) <= 52
+    plan = yaml.safe_load((rd / "run.yaml").read_text())
+    assert plan["name"] == rd.name
+    assert plan["calibrate"]["file"] == str(tmp_path / "storage" / rd.name / "outputs" / "calibration.json")
+    assert f"#SBATCH --job-name={rd.name}" in (rd / "job.sbatch").read_text()

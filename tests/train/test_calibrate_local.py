@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from dskit.calibrate import calibration, candidates
+from dskit.calibrate.measures import calibration_name
 from dskit.plan import links
 from tests.conftest import TINY_SETS, dskit
 
@@ -52,7 +53,7 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     """With --candidates 2 it then trains the plan's two first candidates for a few steps each and
     records them beside their predictions, in a report of their own beside the calibration."""
     r = dskit(*_args(tmp_path, "cal"), "--candidates", "2", check=True)
-    out = tmp_path / "storage" / "cal-calibrate" / "outputs" / "calibration.json"
+    out = tmp_path / "storage" / calibration_name("cal", "local") / "outputs" / "calibration.json"
     steps = [line for line in r.stdout.splitlines() if line.startswith("dskit: calibrate [")]
     assert steps and steps[-1].startswith(f"dskit: calibrate [{len(steps)}/{len(steps)},")
     assert f"calibration: {out}" in r.stdout
@@ -112,6 +113,7 @@ def test_a_killed_calibration_leaves_no_file(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    outputs = tmp_path / "storage" / "killed-calibrate" / "outputs"
+    outputs = tmp_path / "storage" / calibration_name("killed", "local") / "outputs"
+    assert outputs.is_dir()  # where the job measured: an empty listing of the wrong folder would pass
     left = sorted(p.name for p in outputs.glob("*calibration*")) if outputs.exists() else []
     assert left == [], f"after {seen[-1].strip()!r}: {left}"
