@@ -148,14 +148,26 @@ def plot_loss(s: Series, path: Path) -> Path:
 
 
 def plot_throughput(s: Series, path: Path) -> Path:
+    return _save(throughput_figure(s), path)
+
+
+def throughput_figure(s: Series):
+    """Tokens/s per GPU (real tokens; computed, padding included) over MFU."""
     plt = pyplot()
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
-    a1.plot(
-        *s.column("tokens_per_s_per_gpu"), color="tab:green", lw=1, alpha=0.5, label="computed (with padding)"
-    )
     steps, real = s.column("real_tokens_per_s_per_gpu")
     if real:
         a1.plot(steps, real, color="tab:green", lw=1.5, label="real tokens")
+    # its own colour and dashes, drawn on top: with full rows the two are one curve, and a faint line
+    # beneath the real tokens' did not show at all
+    a1.plot(
+        *s.column("tokens_per_s_per_gpu"),
+        color="tab:brown",
+        lw=1.2,
+        ls="--",
+        zorder=3,
+        label="computed (with padding)",
+    )
     a1.legend(loc="best")
     a1.set_ylabel("tokens/s per GPU")
     a1.set_title("Throughput and model FLOPs utilisation")
@@ -178,7 +190,7 @@ def plot_throughput(s: Series, path: Path) -> Path:
     for ax in (a1, a2):
         _restart_lines(ax, s)
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return fig
 
 
 def plot_memory(s: Series, path: Path, estimate_gib: float | None, capacity_gib: float | None) -> Path:
@@ -353,6 +365,21 @@ CSS = (
 )
 
 
+def _throughput_rows(rec: dict[str, Any]) -> list[tuple[str, str]]:
+    """The real tokens and what was computed, padding included, each a row of its own, as the plot
+    draws each its own line."""
+    real, rows, eff = (
+        rec.get(k) for k in ("real_tokens_per_s_per_gpu", "tokens_per_s_per_gpu", "packing_efficiency")
+    )
+    if real is None or rows is None:  # a record of before real tokens were counted: one figure
+        return [("tokens/s/GPU", throughput_text(rec))]
+    full = "" if eff is None else f" (rows {eff:.0%} full)"
+    return [
+        ("tokens/s/GPU, real tokens", f"{real:,.0f}"),
+        ("tokens/s/GPU computed, with padding", f"{rows:,.0f}{full}"),
+    ]
+
+
 def write_html(
     path: Path, title: str, s: Series, plan: Any, launch_env: dict | None, images: list[tuple[Path, str]]
 ) -> Path:
@@ -361,7 +388,7 @@ def write_html(
     state = [
         ("latest step", f"{last['step']}" + (f" / {total}" if total else "")),
         ("loss", _num(last.get("loss"))),
-        ("tokens/s/GPU", throughput_text(last)),
+        *_throughput_rows(last),
         *((("expert balance", b),) if (b := balance_text(last)) else ()),
         ("restarts (first step logged after each)", ", ".join(map(str, s.restarts)) or "none"),
     ]

@@ -78,6 +78,29 @@ def test_report_writes_pngs_and_one_self_contained_page(tmp_path):
     assert "20 / 20" in page and ">7<" in page  # latest step of total; the restart
 
 
+def test_the_computed_throughput_is_a_line_and_a_row_of_its_own(tmp_path):
+    """Real tokens and what was computed (padding included) both show: on the plot the computed line is
+    drawn over the real one in its own colour and dashes (with full rows the two are one curve, and a
+    faint line beneath did not show), and on the page each figure has its own row."""
+    from dskit.status.report import pyplot, throughput_figure
+
+    full = [
+        {**record(s), "real_tokens_per_s_per_gpu": 1000.0 + s, "packing_efficiency": 1.0} for s in range(1, 6)
+    ]
+    out = write_metrics(tmp_path / "out", full)
+    fig = throughput_figure(read_metrics(out / "metrics.jsonl"))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    pyplot().close(fig)
+    real, computed = lines["real tokens"], lines["computed (with padding)"]
+    assert list(computed.get_ydata()) == list(real.get_ydata())  # one curve: full rows
+    assert computed.get_linestyle() == "--" and computed.get_color() != real.get_color()
+    assert computed.get_zorder() > real.get_zorder()
+    dskit("report", str(out), check=True)
+    page = (out / "report" / "index.html").read_text()
+    assert "<tr><th>tokens/s/GPU, real tokens</th><td><code>1,005</code></td></tr>" in page
+    assert "<tr><th>tokens/s/GPU computed, with padding</th><td><code>1,005 (rows 100% full)</code>" in page
+
+
 def test_report_reads_a_bare_output_dir(tmp_path):
     out = write_metrics(tmp_path / "out", [record(s) for s in range(1, 4)])
     dskit("report", str(out), check=True)
