@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from dskit.cli.args import Subparsers, add_spec_args, spec_from_args
 from dskit.errors import SpecError
@@ -55,7 +55,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(plan.model_dump(mode="json"), indent=2))
     else:
         print(dump_plan(plan), end="")
-        print_summary(plan)
+        print_summary(plan, stream=sys.stderr)  # stdout is the YAML alone: `dskit plan > run.yaml`
     return 0
 
 
@@ -63,10 +63,12 @@ def add_plan(sub: Subparsers) -> None:
     s = sub.add_parser(
         "plan",
         help="resolve a spec into the plan (run.yaml) and print it",
-        description="Resolve the spec into the plan. The planner weighs every EP size, micro-batch x "
-        "gradient accumulation, activation checkpointing (off, every 2nd layer, every layer) and optimizer offload (off, "
-        "cpu): each is checked against GPU and host memory and timed by the step-time model "
-        "(dskit/plan/speed.py); the fastest that fits wins. --explain shows them all.",
+        description="Resolve the spec into the plan and print it: run.yaml's YAML on stdout (`dskit plan > "
+        "run.yaml`), its one-line summary and warnings on stderr. The planner weighs every ZeRO stage (1, 2, 3; "
+        "an FP8 base 1 or 2), EP size, micro-batch x gradient accumulation, activation checkpointing (off, every "
+        "2nd layer, every layer) and optimizer offload (off, cpu; with ZeRO-3): each is checked against GPU and "
+        "host memory and timed by the step-time model (dskit/plan/speed.py); the fastest that fits wins "
+        "(dskit/plan/search.py). --explain shows them all.",
     )
     add_spec_args(s)
     s.add_argument(
@@ -81,12 +83,13 @@ def add_plan(sub: Subparsers) -> None:
     s.set_defaults(func=cmd_plan)
 
 
-def print_summary(plan: Any, out_dir: Path | None = None) -> None:
+def print_summary(plan: Any, out_dir: Path | None = None, stream: TextIO | None = None) -> None:
+    """The plan's warnings (stderr) and one-line summary (`stream`, default stdout)."""
     for w in plan.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if out_dir:
         print(f"wrote {out_dir}")
-    print(plan.summary())
+    print(plan.summary(), file=stream or sys.stdout)
 
 
 def cmd_render(a: argparse.Namespace) -> int:

@@ -339,3 +339,36 @@ def test_the_cpu_adam_rate_follows_the_hosts_cores():
     a, b = few.speed["optimizer_s"], many.speed["optimizer_s"]
     local = few.model.params_total / 64 / 1e9
     assert a - b == pytest.approx(local * speed.CPU_ADAM_CORE_S_PER_BPARAM * (1 / 4 - 1 / 16), rel=1e-2)
+
+
+def test_plan_prints_the_yaml_alone_on_stdout(tmp_path):
+    """`dskit plan > run.yaml` captures the plan and nothing else: the summary goes to stderr."""
+    from dskit.plan.schema import dump_plan
+
+    args = ["plan", "--gpu", "h200-141gb", "--gpus-per-node", "1", "--model", "deepseek-v2-lite"]
+    r = dskit(*args, "--set", "model.num_layers=4")
+    assert r.returncode == 0, r.stderr
+    plan, _ = searched("model.num_layers=4")
+    assert r.stdout == dump_plan(plan)
+    assert r.stderr.splitlines()[-1] == plan.summary()
+
+
+#: the words `dskit plan --help` names each dimension of the search by (dskit/plan/search.py `Axes`)
+AXES_IN_HELP = {
+    "stages": "ZeRO stage",
+    "eps": "EP size",
+    "micro_batches": "micro-batch x gradient accumulation",
+    "ckpts": "activation checkpointing",
+    "offloads": "optimizer offload",
+}
+
+
+def test_plan_help_names_every_dimension_the_search_weighs():
+    import dataclasses
+
+    from dskit.plan.search import Axes
+
+    assert set(AXES_IN_HELP) == {f.name for f in dataclasses.fields(Axes)}  # a new dimension: name it here
+    text = " ".join(dskit("plan", "--help", check=True).stdout.split())  # argparse wraps lines
+    for words in AXES_IN_HELP.values():
+        assert words in text, words
