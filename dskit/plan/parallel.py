@@ -81,6 +81,7 @@ def plan_parallel(
     # CPU ranks have a step time only where a calibration measured their compute rate (speed._cpu_step)
     weighs = not gpu.is_cpu or bool(calibration is not None and calibration.compute.gemm_tflops)
     found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings, weighs=weighs)
+    found = dataclasses.replace(found, calibration=calibration)
     c = found.chosen.candidate
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
     parallel = ParallelPlan(

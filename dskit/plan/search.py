@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from dskit.calibrate.calibration import Calibration
 from dskit.errors import SpecError
 from dskit.plan import fit
 from dskit.plan.speed import StepTime
@@ -190,6 +191,7 @@ class Search:
     rows: list[Row]  # chosen first, then the other fitting ones by speed, then those that do not fit
     chosen: Row
     unforced_best: Row | None  # the planner's own pick when overrides narrowed the search; else None
+    calibration: Calibration | None = None  # what the rows' speeds were predicted from (`--explain`)
 
     @property
     def forced_cost(self) -> float | None:

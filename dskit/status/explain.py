@@ -9,8 +9,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dskit.calibrate import scales
+from dskit.calibrate.calibration import EXCHANGE, Calibration
 from dskit.plan.adapters import Tuning
 from dskit.plan.balancing import describe as describe_balance
+from dskit.plan.links import Group
 from dskit.plan.schema import Plan
 from dskit.plan.search import Row, Search
 
@@ -106,6 +109,8 @@ def table(plan: Plan, found: Search) -> str:
     if s and s.sources:
         tail.append("where each term's rate comes from:")
         tail += [f"  {term}: {source}" for term, source in s.sources]
+    if found.calibration is not None:
+        tail += calibration_lines(found.calibration)
 
     if found.unforced_best is not None:
         tail.append(
@@ -188,6 +193,68 @@ def step_breakdown(s) -> str:
     ]
     gpu = ", ".join(f"{n} {v:.3f} s" for n, v in terms if v)
     return f"{gpu}; host {s.host_s:.3f} s beside the GPU's {s.gpu_s:.3f} s ({s.bound}-bound); step {s.step_s:.3f} s"
+
+
+#: the calibration file's names of what it times, as the step-time model's terms call them
+OP_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", EXCHANGE: "AutoEP's exchange"}
+
+
+def calibration_lines(cal: Calibration) -> list[str]:
+    """Every figure the calibration holds, as the plan read it, beside the reference machine's reading
+    of the same probe where its term is scaled by their ratio (dskit/calibrate/scales.py): the sources
+    above say which term took which."""
+    kind = scales.kind_of(cal.hardware.gpu)
+    ref, machine = scales.reference(kind), scales.MACHINES[kind]
+    h, here, there = cal.hardware, cal.compute, ref.compute
+    out = [
+        f"what the calibration measured ({h.nodes}x{h.procs_per_node} {h.gpu}, {h.device}, {h.backend}, "
+        f"torch {h.torch}, {cal.created}):"
+    ]
+    for op, fits in cal.collectives.items():
+        for key, f in fits.items():
+            sizes = [b for b, _ in f.points]
+            group = Group(*(int(x) for x in key.split("x")))
+            out.append(
+                f"  {OP_NAMES.get(op, op)} over {key} ({group.describe()}): {f.bus_gbs:.3g} GB/s, "
+                f"{_duration(f.latency_s)} a call (fitted to {len(sizes)} sizes, {_size(min(sizes))} to "
+                f"{_size(max(sizes))})"
+            )
+
+    def against(text: str | None, reference: str | None) -> str:
+        if text is None:
+            return "not measured"
+        return text + ("" if reference is None else f"; {machine}: {reference}")
+
+    def flops(x: float | None) -> str | None:
+        return None if x is None else f"{x:.3g} TFLOP/s" if x >= 1 else f"{x * 1e3:.3g} GFLOP/s"
+
+    def per_pass(x: float | None) -> str | None:
+        return None if x is None else f"{_duration(x)} a layer pass"
+
+    def adam(a) -> str | None:
+        return None if a is None else f"{a.core_s_per_bparam:.3g} core-s per billion parameters"
+
+    adam_text = adam(cal.cpu_adam)
+    if adam_text and cal.cpu_adam is not None:
+        adam_text += f", {cal.cpu_adam.ranks} rank(s) x {cal.cpu_adam.threads_per_rank} thread(s) at once"
+    out += [
+        f"  GEMM: {against(flops(here.gemm_tflops), flops(there.gemm_tflops))}",
+        f"  attention: {against(flops(here.attention_tflops), flops(there.attention_tflops))}",
+        f"  host: {against(per_pass(here.host_layer_pass_s), per_pass(there.host_layer_pass_s))}",
+        f"  CPU Adam: {against(adam_text, adam(ref.cpu_adam))}",
+    ]
+    return out
+
+
+def _duration(s: float) -> str:
+    return f"{s * 1e6:.3g} us" if s < 1e-3 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _size(n: float) -> str:
+    for unit, b in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= b:
+            return f"{n / b:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def lora_terms(plan: Plan, t: Tuning | None) -> list[str]:

@@ -75,8 +75,10 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
         assert c.measured_tokens_per_s > 0 and c.measured_peak_gib > 0 and c.steps == 8
         assert c.predicted_tokens_per_s > 0  # predicted from this calibration's own probes
         assert c.candidate in r.stdout
-    plan = dskit("plan", *SPEC, "--calibration", str(out), check=True)
-    assert plan.returncode == 0
+    plan = dskit("plan", *SPEC, "--calibration", str(out), "--explain", check=True)
+    # what this calibration measured, and the step's terms that took it (tests/status/test_explain.py)
+    assert "what the calibration measured (1x2 cpu, cpu, gloo" in plan.stdout, plan.stdout
+    assert f"compute: measured on this cluster ({cal.compute.gemm_tflops * 1e3:.0f} GFLOP/s" in plan.stdout
     # the run.yaml the job ran: a training run's, plus the calibrate section
     run_yaml = (tmp_path / "cal" / "run.yaml").read_text()
     assert "calibrate:" in run_yaml and str(out) in run_yaml
