@@ -15,16 +15,18 @@ host mount): so dskit names the file and the command that frees it, and deletes 
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from pathlib import Path
+
+from dskit import env_vars
+from dskit.text import command, escape
 
 
 def extensions_root() -> Path:
     """Where torch builds JIT extensions: TORCH_EXTENSIONS_DIR (set, even empty, as torch reads it), else
     torch's per-user cache."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if (root := env_vars.read("TORCH_EXTENSIONS_DIR")) is not None:
+        return Path(root)
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root())
@@ -35,7 +37,7 @@ def build_directory(name: str) -> Path:
     the folder; this only names it): ROOT/<name> under TORCH_EXTENSIONS_DIR, else
     ROOT/py<ver>_<accelerator>/<name>."""
     root = extensions_root()
-    if os.environ.get("TORCH_EXTENSIONS_DIR") is not None:
+    if env_vars.read("TORCH_EXTENSIONS_DIR") is not None:
         return root / name
     import torch
 
@@ -52,7 +54,7 @@ def build_directory(name: str) -> Path:
 def _locks(root: Path) -> list[Path]:
     """The build locks under `root` in torch's layout (cpp_extension._get_build_directory): ROOT/<name>/lock
     under TORCH_EXTENSIONS_DIR, ROOT/py<ver>_<accelerator>/<name>/lock under the default cache."""
-    depth = "*/lock" if os.environ.get("TORCH_EXTENSIONS_DIR") is not None else "*/*/lock"
+    depth = "*/lock" if env_vars.read("TORCH_EXTENSIONS_DIR") is not None else "*/*/lock"
     return sorted(root.glob(depth))
 
 
@@ -100,10 +102,10 @@ def orphaned(root: Path | None = None) -> list[Path]:
 
 
 def warning(lock: Path) -> str:
-    """One line: what the lock does to a run, and how to free it."""
+    """One line, whatever the path holds: what the lock does to a run, and the command that frees it."""
     return (
-        f"{lock}: a torch extension build lock no process on this host holds (a build of "
-        f"'{lock.parent.name}' was interrupted); a run that loads that extension waits on it forever "
-        f"without a message: rm -f {shlex.quote(str(lock))} (unless a host or container sharing this "
+        f"{escape(str(lock))}: a torch extension build lock no process on this host holds (a build of "
+        f"'{escape(lock.parent.name)}' was interrupted); a run that loads that extension waits on it forever "
+        f"without a message: {command(['rm', '-f', lock])} (unless a host or container sharing this "
         "cache is building it now)"
     )

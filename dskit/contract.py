@@ -16,7 +16,9 @@ import sys
 from enum import Enum
 from pathlib import Path
 
-from dskit.errors import EXIT_BAD_INPUT
+from dskit import env_vars
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.text import escape
 
 
 class Env(str, Enum):
@@ -89,18 +91,20 @@ LEGACY_EXIT_FILE_ENV = "DSKIT_EXIT_FILE"
 
 def record_exit(code: int) -> int:
     """Tell a supervising launcher this rank's exit code (see contract.EXIT_DIR_ENV)."""
-    directory = os.environ.get(EXIT_DIR_ENV)
+    directory = env_vars.read(EXIT_DIR_ENV)
     if code and directory:
         # one file per rank, written whole: ranks of several nodes may share the directory (NFS appends
         # from two clients can overwrite each other); a second call (watchdog after an error) overwrites
-        rank = os.environ.get("RANK", str(os.getpid()))
+        rank = _rank_or_pid()
         try:
             tmp = Path(directory, f".rank{rank}.tmp")
             tmp.write_text(f"{code}\n")
             os.replace(tmp, Path(directory, f"rank{rank}"))
         except OSError as e:  # the code still reaches torchrun; the launcher then cannot tell 75 from 1
-            sys.stderr.write(f"dskit: warning: cannot record exit code {code} in {directory}: {e}\n")
-    legacy = os.environ.get(LEGACY_EXIT_FILE_ENV)
+            sys.stderr.write(
+                escape(f"dskit: warning: cannot record exit code {code} in {directory}: {e}") + "\n"
+            )
+    legacy = env_vars.read(LEGACY_EXIT_FILE_ENV)
     if code and legacy:  # a pod of a chart rendered before DSKIT_EXIT_DIR: its launch.sh reads this file
         try:
             with open(legacy, "a") as f:  # O_APPEND: one short line per rank of the pod
@@ -108,6 +112,16 @@ def record_exit(code: int) -> int:
         except OSError:
             pass
     return code
+
+
+def _rank_or_pid() -> str:
+    """This rank's number, or the process id where the launcher set none. A RANK that does not parse
+    was refused at the rank's start (exit 2), which this then records: under the process id."""
+    try:
+        rank = env_vars.read("RANK")
+    except SpecError:
+        rank = None
+    return str(os.getpid() if rank is None else rank)
 
 
 #: How much later than the watchdog a collective times out: more than the watchdog's polling interval

@@ -16,8 +16,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dskit import env_vars
 from dskit.contract import REQUIRED, Env
+from dskit.errors import SpecError
 from dskit.flash_kernels import KERNELS, probe
+from dskit.text import escape
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GIB = 2**30
@@ -70,7 +73,12 @@ class _Host:
     build: bool  # `--build`: the image's smoke test, no GPU or launcher expected
     gpu: bool  # a CUDA device is visible
     cuda_build: str | None  # the CUDA version torch was built for (None: a CPU torch)
-    image_arch: str  # the compute capability the image was built for ("" outside a dskit image)
+
+    @property
+    def image_arch(self) -> str:
+        """The compute capability the image was built for ("" outside a dskit image); read by the checks
+        that use it, so that a value that does not parse fails those (below) and no other."""
+        return env_vars.read("DSKIT_IMAGE_ARCH") or ""
 
 
 def _run_checks(build: bool) -> list[Check]:
@@ -79,9 +87,12 @@ def _run_checks(build: bool) -> list[Check]:
         return out  # every check below imports torch
     import torch
 
-    host = _Host(build, torch.cuda.is_available(), torch.version.cuda, os.environ.get("DSKIT_IMAGE_ARCH", ""))
+    host = _Host(build, torch.cuda.is_available(), torch.version.cuda)
     for check in CHECKS:
-        out.extend(check(host))
+        try:
+            out.extend(check(host))
+        except SpecError as e:  # an environment value that does not parse: doctor reports it and goes on
+            out.append(Check(e.field, FAIL, e.message))
     return out
 
 
@@ -111,13 +122,13 @@ def _gpu(host: _Host) -> list[Check]:
     if host.build:
         arch = f" (image arch {host.image_arch})" if host.image_arch else ""
         return [Check("gpu", PASS, "not checked at image build time" + arch)]
-    want_gpu = os.environ.get(Env.GPU_PROFILE.value, "cpu") != "cpu"
+    profile = env_vars.read(Env.GPU_PROFILE.value) or "cpu"
+    want_gpu = profile != "cpu"
     return [
         Check(
             "gpu",
             FAIL if want_gpu else WARN,
-            "no CUDA device visible"
-            + (f" but {Env.GPU_PROFILE.value}={os.environ[Env.GPU_PROFILE.value]}" if want_gpu else ""),
+            "no CUDA device visible" + (f" but {Env.GPU_PROFILE.value}={profile}" if want_gpu else ""),
         )
     ]
 
@@ -187,7 +198,7 @@ def _nccl(host: _Host) -> list[Check]:
 def _flash_attn(host: _Host) -> list[Check]:
     """The FlashAttention the image says it carries (DSKIT_IMAGE_FLASH_ATTN: fa2, fa4 or none) is
     installed and imports; the other is reported, and fails only if it is installed but broken."""
-    fa_expected = os.environ.get("DSKIT_IMAGE_FLASH_ATTN", "")
+    fa_expected = env_vars.read("DSKIT_IMAGE_FLASH_ATTN")
     checks = []
     for gen, backend in (("fa2", "flash_attention_2"), ("fa4", "flash_attention_4")):
         dist, mod = KERNELS[backend]
@@ -234,7 +245,7 @@ def _triton(host: _Host) -> list[Check]:
 def _launch_contract(host: _Host) -> list[Check]:
     if host.build:
         return []
-    missing = [n for n in REQUIRED if n not in os.environ]
+    missing = env_vars.unset(REQUIRED)
     return [
         Check(
             "launch contract",
@@ -293,7 +304,7 @@ def _triton_toolchain(required: bool) -> Check:
         return Check(
             name, bad, "triton not installed: torch.compile on GPUs (fused loss, regional compile) needs it"
         )
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    cc = env_vars.read("CC") or shutil.which("gcc") or shutil.which("clang")
     # Triton's own lookup (triton/runtime/build.py): Debian's posix_local scheme is read as posix_prefix
     scheme = sysconfig.get_default_scheme()
     include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
@@ -330,7 +341,8 @@ def _shm() -> Check:
     except OSError:
         return Check("/dev/shm", FAIL, "missing")
     size = st.f_frsize * st.f_blocks
-    want = int(os.environ.get(Env.SHM_BYTES.value, 1 * GIB))
+    provisioned = env_vars.read(Env.SHM_BYTES.value)
+    want = 1 * GIB if provisioned is None else provisioned
     detail = f"{size / GIB:.1f} GiB, want >= {want / GIB:.1f} GiB"
     if size < want:
         return Check(
@@ -342,7 +354,7 @@ def _shm() -> Check:
 def _infiniband() -> Check:
     ib = Path("/sys/class/infiniband")
     devs = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
-    wants_rdma = os.environ.get("NCCL_IB_DISABLE") == "0" or os.environ.get("FI_PROVIDER") == "efa"
+    wants_rdma = env_vars.read("NCCL_IB_DISABLE") == "0" or env_vars.read("FI_PROVIDER") == "efa"
     if devs:
         return Check("rdma devices", PASS, ", ".join(devs))
     return Check(
@@ -377,5 +389,7 @@ def main(as_json: bool = False, build: bool = False) -> int:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:
         for c in checks:
-            print(f"{c.status:4s}  {c.name:24s} {c.detail}")
+            # one line a check, whatever a path, an environment value or an error text holds: escaped
+            # (dskit.text.escape), no line of it can pose as another check or reach the terminal raw
+            print(f"{c.status:4s}  {escape(c.name):24s} {escape(c.detail)}")
     return 1 if any(c.status == FAIL for c in checks) else 0

@@ -23,6 +23,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+from dskit import env_vars
+
 
 def import_deepspeed(*, mlflow: bool) -> None:
     """DeepSpeed's autotuner imports MLflow wherever it is installed (deepspeed/autotuning/autotuner.py,
@@ -51,7 +53,7 @@ def use_own_ninja() -> None:
     scripts = sysconfig.get_path("scripts")
     if not os.path.isfile(os.path.join(scripts, "ninja")):
         return
-    path = os.environ.get("PATH", "")
+    path = env_vars.read("PATH") or ""
     if path.split(os.pathsep)[0] != scripts:
         os.environ["PATH"] = scripts + (os.pathsep + path if path else "")
 
@@ -61,7 +63,7 @@ def wanted(gpu: bool) -> list[str]:
     fused_adam (the engine's Adam) on GPUs, or DeepSpeed's shared-memory collectives on CPU ranks (the
     CPU accelerator runs torch's AdamW: the plan's optimizer.params.torch_adam). A GPU image's build
     (DSKIT_IMAGE_ARCH set) counts as a GPU host: it has no device yet."""
-    gpu = gpu or bool(os.environ.get("DSKIT_IMAGE_ARCH"))
+    gpu = gpu or bool(env_vars.read("DSKIT_IMAGE_ARCH"))
     return ["cpu_adam"] + (["fused_adam"] if gpu else ["deepspeed_shm_comm"])
 
 
@@ -95,24 +97,43 @@ def main(argv: list[str] | None = None) -> int:
 
     if (code := refused("python -m dskit.jit_ops", "train")) is not None:
         return code
+    from dskit.errors import EXIT_BAD_INPUT, SpecError
+
+    try:
+        return _build()
+    except SpecError as e:  # an environment value that does not parse (dskit/env_vars.py)
+        _say(f"dskit: error: {e}", sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _say(line: str, stream=None) -> None:
+    """Every line main prints: one line, escaped (a path, an environment value or a compiler's error
+    holding a newline or ESC cannot add a line that poses as another, nor reach the terminal raw)."""
+    from dskit.text import escape
+
+    print(escape(line), file=stream or sys.stdout)
+
+
+def _build() -> int:
     import torch
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
     from dskit.build_locks import extensions_root, orphaned, warning
 
+    ops = wanted(torch.cuda.is_available())  # first: a bad DSKIT_IMAGE_ARCH is refused before any work
     stuck = orphaned()
     for lock in stuck:  # a load would wait on it forever, without a word
-        print(f"dskit.jit_ops: {warning(lock)}", file=sys.stderr)
+        _say(f"dskit.jit_ops: {warning(lock)}", sys.stderr)
     if stuck:
         return 1
     use_own_ninja()
     failed = 0
-    for op in wanted(torch.cuda.is_available()):
+    for op in ops:
         builder = ALL_OPS.get(op)
         if prebuilt(op):
-            print(f"deepspeed op {op}: prebuilt in the DeepSpeed install")
+            _say(f"deepspeed op {op}: prebuilt in the DeepSpeed install")
         elif builder is None or not builder.is_compatible(verbose=False):
-            print(
+            _say(
                 f"deepspeed op {op}: skipped, incompatible with this host (`dskit doctor` says what it costs)"
             )
         else:
@@ -120,10 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 builder.load(verbose=False)
             except Exception as e:  # the compiler's own output is above; one line per op here
-                print(f"dskit.jit_ops: deepspeed op {op}: build failed: {e}", file=sys.stderr)
+                _say(f"dskit.jit_ops: deepspeed op {op}: build failed: {e}", sys.stderr)
                 failed += 1
                 continue
-            print(f"deepspeed op {op}: ready in {time.monotonic() - t0:.0f} s under {extensions_root()}")
+            _say(f"deepspeed op {op}: ready in {time.monotonic() - t0:.0f} s under {extensions_root()}")
     return 1 if failed else 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
+from dskit import env_vars
 from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env, collective_timeout_s
 from dskit.errors import EXIT_BAD_INPUT, RankExit, SpecError
 
@@ -75,7 +76,7 @@ def main() -> int:
     from dskit.train.entry import read_contract, setup_logging
 
     setup_logging(0)
-    run_file = os.environ.get(Env.RUN_FILE.value)
+    run_file = env_vars.read(Env.RUN_FILE.value)
     if run_file:  # relative to the job's working_dir: make it absolute before workers start elsewhere
         os.environ[Env.RUN_FILE.value] = os.path.abspath(run_file)
     try:
@@ -99,7 +100,7 @@ def _trainer(plan, attempt: int):
     )
     return TorchTrainer(
         _worker,
-        train_loop_config={"run_file": os.environ[Env.RUN_FILE.value]},
+        train_loop_config={"run_file": env_vars.read(Env.RUN_FILE.value)},
         # collectives time out with the watchdog (dskit/plan/hang_timeout.py), as under torchrun
         torch_config=TorchConfig(
             backend="nccl" if hw.on_gpu else "gloo",

@@ -10,7 +10,9 @@ code points (Cn, U+FFFE/U+FFFF included).
 
 from __future__ import annotations
 
+import shlex
 import unicodedata
+from collections.abc import Iterable
 
 _UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
 _ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"}
@@ -59,3 +61,35 @@ def comment(text: str, prefix: str = "# ") -> str:
     """One comment line for a shell script or YAML file, whatever `text` holds: a value pasted into a
     comment cannot end it and start a line of code or a YAML key."""
     return prefix + escape(text)
+
+
+def command(words: Iterable[object]) -> str:
+    """A command for the user to paste, on one line: each word one shell word, whatever it holds.
+
+    shlex.quote where that keeps the line one line (a word of any other character, `$(...)`, quotes
+    and spaces included, is single-quoted and taken literally). A word with an unsafe character (a
+    newline or ESC in a file name) is written in ANSI-C quoting, $'...' (bash, zsh, ksh): one line that
+    still names the same bytes, where a quoted newline would print a second line a reader could take
+    for another message."""
+    return " ".join(_word(str(w)) for w in words)
+
+
+def _word(word: str) -> str:
+    if first_unsafe(word) is None:
+        return shlex.quote(word)
+    out = []
+    for ch in word:
+        if ch in ("\\", "'"):
+            out.append("\\" + ch)
+        elif is_unsafe(ch):  # as its UTF-8 bytes: bash's \xHH is that byte in any locale
+            out.extend(f"\\x{b:02x}" for b in _bytes(ch))
+        else:
+            out.append(ch)
+    return "$'" + "".join(out) + "'"
+
+
+def _bytes(ch: str) -> bytes:
+    try:  # an undecodable byte of a file name (surrogateescape, U+DC80..U+DCFF): that byte
+        return ch.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # any other lone surrogate
+        return ch.encode("utf-8", "surrogatepass")

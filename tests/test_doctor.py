@@ -187,3 +187,32 @@ def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_n
     finally:
         holder.kill()
         holder.wait()
+
+
+#: a path or environment value that would print a line of its own posing as a check, colour the
+#: terminal, ring it, and turn the rest of the line around
+FORGER = "x\nPASS  gpu                      forged\r\x1b[31m\x07\u202e"
+
+
+@pytest.mark.parametrize("locked", [False, True], ids=["no lock", "an orphaned lock"])
+def test_every_check_is_one_line_whatever_a_path_or_value_holds(locked, tmp_path, monkeypatch):
+    """Every value doctor prints (here the torch extension cache's path, with or without a lock in it,
+    and the GPU profile it was handed) is escaped as error messages are (dskit.text.escape): one line
+    per check, the checks --json lists and no other, no raw control character."""
+    from dskit.text import escape, first_unsafe
+    from tests.support.build_lock import plant, use_cache
+
+    use_cache("TORCH_EXTENSIONS_DIR", tmp_path / f"cache{FORGER}", monkeypatch)
+    if locked:
+        plant("deepspeed_shm_comm")
+    env = {"DSKIT_GPU_PROFILE": f"h100-80gb{FORGER}"}
+    text = dskit("doctor", env=env).stdout
+    checks = json.loads(dskit("doctor", "--json", env=env).stdout)
+    assert text.endswith("\n")
+    lines = text[:-1].split("\n")
+    assert len(lines) == len(checks)
+    assert [
+        (ln.split()[0], ln[6:].startswith(escape(c["name"]))) for ln, c in zip(lines, checks, strict=True)
+    ] == [(c["status"], True) for c in checks]
+    assert [ln for ln in lines if first_unsafe(ln) is not None] == []
+    assert any("cachex\\nPASS  gpu" in ln for ln in lines if ln.split()[1:3] == ["build", "locks"])

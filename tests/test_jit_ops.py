@@ -109,6 +109,51 @@ def test_an_unknown_flag_is_refused_in_one_line_before_anything_is_built(flag):
     assert r.stderr == f"dskit: error: python -m dskit.jit_ops: unrecognized arguments: {flag} (see --help)\n"
 
 
+def _jit_ops(env: dict | None = None) -> tuple[int, list[str]]:
+    """`python -m dskit.jit_ops`'s exit code and its own lines (DeepSpeed logs to stdout at import)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "dskit.jit_ops"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+    ours = [ln for ln in (r.stdout + r.stderr).split("\n") if "dskit" in ln or "deepspeed op" in ln]
+    return r.returncode, ours
+
+
+def test_an_environment_value_that_does_not_parse_is_refused_before_anything_is_built():
+    code, lines = _jit_ops({"DSKIT_IMAGE_ARCH": "sm_90"})
+    assert code == 2
+    assert lines == [
+        "dskit: error: DSKIT_IMAGE_ARCH: 'sm_90' is not a compute capability MAJOR.MINOR, e.g. 9.0, or "
+        "empty (a CPU image)"
+    ]
+
+
+def test_an_orphaned_lock_is_one_line_whatever_its_path_holds_and_its_fix_removes_it(tmp_path, monkeypatch):
+    """A cache directory named with a newline, CR, ESC, BEL and a bidi override: one escaped line that
+    poses as nothing else and sends no control character to the terminal, and the `rm -f` it names,
+    pasted into bash, removes exactly that lock."""
+    from dskit.text import first_unsafe
+    from tests.support.build_lock import plant
+
+    use_cache("TORCH_EXTENSIONS_DIR", tmp_path / FORGER, monkeypatch)
+    lock = plant("deepspeed_shm_comm")
+    code, lines = _jit_ops()
+    assert code == 1
+    (line,) = lines
+    assert line.startswith("dskit.jit_ops: ") and first_unsafe(line) is None, line
+    fix = line.split("without a message: ")[1].split(" (unless ")[0]
+    subprocess.run(["bash", "-c", fix], check=True, cwd=tmp_path)
+    assert not lock.exists() and lock.parent.is_dir()
+
+
+#: a path or environment value that would print a line of its own posing as a check, colour the
+#: terminal, ring it, and turn the rest of the line around
+FORGER = "cache\nPASS  deepspeed op cpu_adam   prebuilt\r\x1b[31m\x07\u202e"
+
+
 def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import socket
 import sys
 import time
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit import build_locks, jit_ops
+from dskit import build_locks, env_vars, jit_ops
 from dskit.contract import LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.refusals import fp8_base_zero_stage
@@ -42,7 +41,7 @@ def read_contract(*, launcher_env: bool = True):
     from dskit.data.shards import TokenData
     from dskit.plan.schema import load_plan
 
-    run_file = os.environ.get(Env.RUN_FILE.value)
+    run_file = env_vars.read(Env.RUN_FILE.value)
     if not run_file:
         raise SpecError(
             Env.RUN_FILE.value, "not set; launch through a rendered job or `dskit train --local RUN_DIR`"
@@ -50,16 +49,16 @@ def read_contract(*, launcher_env: bool = True):
     plan = load_plan(run_file)
     if plan.finetune is not None and plan.finetune.base_precision == "fp8":
         _check_fp8_base(plan)
-    profile = os.environ.get(Env.GPU_PROFILE.value)
+    profile = env_vars.read(Env.GPU_PROFILE.value)
     if profile != plan.hardware.gpu:
         raise SpecError(
             Env.GPU_PROFILE.value, f"{profile!r} does not match run.yaml's hardware.gpu {plan.hardware.gpu!r}"
         )
     if launcher_env:
-        missing = [n for n in LAUNCHER_ENV if n not in os.environ]
+        missing = env_vars.unset(LAUNCHER_ENV)
         if missing:
             raise SpecError("environment", f"{', '.join(missing)} not set: start under torchrun or Ray Train")
-        world = int(os.environ["WORLD_SIZE"])
+        world = env_vars.read("WORLD_SIZE")
         if world != plan.hardware.world_size:
             raise SpecError(
                 "WORLD_SIZE",
@@ -189,7 +188,8 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
 def start_distributed(plan):
     """(device, rank, world) once the process group is up; rank 0 records the launch env it saw."""
     jit_ops.use_own_ninja()  # before DeepSpeed loads its first compiled op (shm_comm on CPU ranks)
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # once a host: DeepSpeed's start may wait on one forever
+    local_rank = env_vars.read("LOCAL_RANK") or 0
+    if local_rank == 0:  # once a host: DeepSpeed's start may wait on one forever
         for lock in build_locks.orphaned():
             log.warning("%s", build_locks.warning(lock))
     import deepspeed
@@ -198,7 +198,7 @@ def start_distributed(plan):
 
     on_gpu = plan.hardware.on_gpu
     if on_gpu:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -212,7 +212,7 @@ def start_distributed(plan):
         names = [*REQUIRED, *(k for k in plan.env if k not in REQUIRED)]
         Path(plan.run.output_dir).mkdir(parents=True, exist_ok=True)
         Path(plan.run.output_dir, LAUNCH_ENV_FILE).write_text(
-            json.dumps({n: os.environ.get(n) for n in names}, indent=1, sort_keys=True)
+            json.dumps(env_vars.recorded(names), indent=1, sort_keys=True)
         )
     return device, rank, world
 
@@ -417,8 +417,8 @@ def _destroy_process_group() -> None:
 
 
 def _main() -> int:
-    setup_logging(int(os.environ.get("RANK", "0")))
     try:
+        setup_logging(env_vars.read("RANK") or 0)
         plan, data, sampler, eval_sampler = read_contract()
     except SpecError as e:
         _error_line(e)
@@ -444,7 +444,8 @@ def _main() -> int:
         # A collective lost its peer (that rank's own exit code decides whether to retry) or timed
         # out where the watchdog could not fire (it fires first, and decides restarts): a failure.
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        rank = os.environ.get("RANK", "?")
+        rank = env_vars.read("RANK")  # parsed at the start already
+        rank = "?" if rank is None else rank
         if "Timed out" in first or "timed out" in first:
             _error_line(Exception(f"rank {rank}: a collective timed out ({first[:240]}): a rank hangs"))
             return 1

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
+from dskit import env_vars
 from dskit.bounded_read import KiB, read_json
 from dskit.plan.schema import Plan
 from dskit.spec.tracking import MlflowSpec, TrackingSpec, WandbSpec
@@ -187,7 +188,7 @@ class MlflowTracker:
                 f"the mlflow package is not installed (pip install 'dskit[track]'): {e}"
             ) from None
         self.Metric = Metric
-        uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        uri = cfg.tracking_uri or env_vars.read("MLFLOW_TRACKING_URI")
         if not uri:
             raise TrackerOff(
                 "no tracking.mlflow.tracking_uri and no MLFLOW_TRACKING_URI in the trainer's environment"
