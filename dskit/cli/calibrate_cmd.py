@@ -6,10 +6,14 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args
 from dskit.errors import SpecError
 from dskit.extras import require
+
+if TYPE_CHECKING:
+    from dskit.render import Step
 
 LOCAL = "local"
 
@@ -41,8 +45,8 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         f"{run.plan.hardware.gpu}; groups: {shapes}; AutoEP exchanges: {exchanges}"
     )
     if a.target != LOCAL:
-        print(f"next: {run.next_step()}")
-        print(f"then: dskit plan SPEC --calibration {c.file} --explain")
+        for step in [*run.next_steps(), _plan_with("then", c.file)]:
+            print(step.line())
         return 0
     from dskit.calibrate import candidates as candidate_runs
     from dskit.train.local import run_local
@@ -67,8 +71,15 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         print(candidate_runs.table(records))
         print(f"candidates: {candidate_runs.report_path(Path(c.file))}")
     print(f"calibration: {c.file}")
-    print(f"next: dskit plan SPEC --calibration {c.file} --explain")
+    print(_plan_with("next", c.file).line())
     return 0
+
+
+def _plan_with(label: str, calibration: str) -> Step:
+    """The step after a calibration: the plan at the measured rates (SPEC: your spec and flags)."""
+    from dskit.render import Step
+
+    return Step(label, ("dskit", "plan", "SPEC", "--calibration", calibration, "--explain"))
 
 
 def add_calibrate(sub: Subparsers) -> None:

@@ -97,7 +97,8 @@ def cmd_render(a: argparse.Namespace) -> int:
 
     run = render_run(spec_from_args(a), a.target, a.output, force=a.force, spec_file=a.spec)
     print_summary(run.plan, run.out)
-    print(f"next: {run.next_step()}")
+    for step in run.next_steps():
+        print(step.line())
     return 0
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from dskit.cli.args import Subparsers
 from dskit.errors import SpecError
+from dskit.text import command, escape
 
 
 def cmd_init(a: argparse.Namespace) -> int:
@@ -40,7 +41,7 @@ def cmd_init(a: argparse.Namespace) -> int:
         write_file(out, starter_yaml())
     except OSError as e:
         raise SpecError("--output", f"cannot write {out}: {e.strerror or e}") from None
-    print(f"wrote {out}: edit it, then `dskit plan {out}`")
+    print(f"wrote {escape(str(out))}: edit it, then `{command(['dskit', 'plan', out])}`")
     return 0
 
 

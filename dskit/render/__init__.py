@@ -14,6 +14,20 @@ from dskit.contract import TARGET_FILE
 from dskit.plan.schema import Plan
 from dskit.render import helm, image, ray, slurm
 from dskit.status.run_status import HelmRelease, NoJob, RecordedJobs, Status, ask_ray, ask_slurm
+from dskit.text import command
+
+
+@dataclass(frozen=True)
+class Step:
+    """A command dskit suggests (`next: ...`), kept as its words until printed: `line` quotes each
+    (dskit.text.command), so the line pasted into a shell runs exactly these words, whatever a run
+    directory or a storage path holds (`$(...)`, quotes, spaces)."""
+
+    label: str  # next, or, then
+    words: tuple[str | Path, ...]
+
+    def line(self) -> str:
+        return f"{self.label}: {command(self.words)}"
 
 
 @dataclass(frozen=True)
@@ -24,7 +38,7 @@ class Target:
     render: Callable[[Plan, Path], dict[str, str]]
     executable: tuple[str, ...]  # relative paths written with mode 0755
     #: how its job is submitted: what to run next, given the plan, the run directory and its files
-    next_step: Callable[[Plan, Path, dict[str, str]], str]
+    next_steps: Callable[[Plan, Path, dict[str, str]], list[Step]]
     #: how `dskit status RUN_DIR` finds and describes its job (dskit/status/run_status.py)
     status: Status
     #: directories the run writes besides the plan's checkpoint and output dirs (-o must not hold them)
@@ -38,11 +52,10 @@ class Target:
         return {**self.render(plan, out_dir), TARGET_FILE: f"{self.name}\n"}
 
 
-def _slurm_next(plan: Plan, out: Path, files: dict[str, str]) -> str:
-    # submit.sh records the job ids for `dskit status`; a plain `sbatch job.sbatch` is recorded once
-    # the job starts
-    what = f"a chain of {plan.slurm.chain} jobs" if plan.slurm.chain > 1 else f"sbatch {out / slurm.SCRIPT}"
-    return f"bash {out / slurm.SUBMIT}   ({what}; `dskit status {out}` follows it)"
+def _slurm_next(plan: Plan, out: Path, files: dict[str, str]) -> list[Step]:
+    # submit.sh (sbatch, or a chain of jobs) records the job ids for `dskit status`; a plain
+    # `sbatch job.sbatch` is recorded once the job starts
+    return [Step("next", ("bash", out / slurm.SUBMIT)), Step("then", ("dskit", "status", out))]
 
 
 TARGETS: dict[str, Target] = {
@@ -64,7 +77,9 @@ TARGETS: dict[str, Target] = {
             "values.yaml + chart for `helm install`",
             helm.render,
             (),
-            lambda plan, out, files: f"helm install {plan.name} {out / helm.CHART} -f {out / helm.VALUES}",
+            lambda plan, out, files: [
+                Step("next", ("helm", "install", plan.name, out / helm.CHART, "-f", out / helm.VALUES))
+            ],
             HelmRelease(),
             sign=helm.VALUES,
         ),
@@ -73,7 +88,10 @@ TARGETS: dict[str, Target] = {
             "a job for `ray job submit` (+ KubeRay RayJob)",
             ray.render,
             (ray.SUBMIT,),
-            lambda plan, out, files: f"bash {out / ray.SUBMIT}   (or: kubectl apply -f {out / ray.RAYJOB})",
+            lambda plan, out, files: [
+                Step("next", ("bash", out / ray.SUBMIT)),  # ray job submit
+                Step("or", ("kubectl", "apply", "-f", out / ray.RAYJOB)),  # KubeRay
+            ],
             RecordedJobs(
                 ask_ray,
                 ray.SUBMIT,
@@ -88,7 +106,11 @@ TARGETS: dict[str, Target] = {
             "Dockerfile + install script + lock for the GPU",
             image.render,
             (image.INSTALL, image.ENROOT),
-            lambda plan, out, files: f"docker build -f {out / image.DOCKERFILE} -t {image.plan_tag(plan)} .",
+            lambda plan, out, files: [
+                Step(
+                    "next", ("docker", "build", "-f", out / image.DOCKERFILE, "-t", image.plan_tag(plan), ".")
+                )
+            ],
             NoJob(),
         ),
     )

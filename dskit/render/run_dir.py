@@ -12,7 +12,7 @@ from dskit.atomic import check_replaceable
 from dskit.errors import SpecError
 from dskit.plan.build import build_plan
 from dskit.plan.schema import Plan
-from dskit.render import TARGETS, Target, common
+from dskit.render import TARGETS, Step, Target, common
 from dskit.spec import Spec
 
 
@@ -23,9 +23,9 @@ class RenderedRun:
     out: Path  # the run directory, resolved
     files: dict[str, str]  # what was written there (relative path -> text)
 
-    def next_step(self) -> str:
-        """How to submit it (the target's next step)."""
-        return self.target.next_step(self.plan, self.out, self.files)
+    def next_steps(self) -> list[Step]:
+        """How to submit it (the target's next steps)."""
+        return self.target.next_steps(self.plan, self.out, self.files)
 
 
 def render_run(

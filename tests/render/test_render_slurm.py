@@ -57,7 +57,7 @@ def test_cli_render_two_nodes_writes_a_consistent_run_dir(tmp_path):
     plan = yaml.safe_load((out / "run.yaml").read_text())
     assert (
         f"world 16, ZeRO-{plan['parallel']['zero_stage']}, EP {plan['parallel']['ep_size']}," in r.stdout
-        and f"sbatch {out}/job.sbatch" in r.stdout
+        and f"next: bash {out}/submit.sh\nthen: dskit status {out}\n" in r.stdout
     )
     assert "tokens/s/GPU" in r.stdout  # the predicted speed is part of the summary
     assert json.loads((out / "deepspeed.json").read_text()) == plan["deepspeed"]
