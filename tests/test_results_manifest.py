@@ -13,7 +13,7 @@ from tests.support.calibration import MANIFEST, REQUIRED, RESULTS, manifest
 
 #: bench/README.md "Results": TOPIC/HARDWARE-WHAT[-CALL]-DATE[LETTER].EXT
 NAME = re.compile(
-    r"[a-z]+/(h200|h200x2|cpu|model)-[a-z0-9-]*[a-z0-9](-[A-Z][A-Za-z0-9]*)?-20\d\d-\d\d-\d\d[a-z]?\.(json|txt)"
+    r"[a-z]+/(h200|h100|h200x2|cpu|model)-[a-z0-9-]*[a-z0-9](-[A-Z][A-Za-z0-9]*)?-20\d\d-\d\d-\d\d[a-z]?\.(json|txt)"
 )
 
 
