@@ -288,6 +288,7 @@ def run_baseline(script: Path, variant: str, sdpa: str, gpus: int) -> dict:
 
 
 def main() -> None:
+    global GPU  # --gpu sets the profile spec_for uses
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write (rewritten after every variant)")
     ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
@@ -309,7 +310,6 @@ def main() -> None:
         "--host-sync", action="store_true", help="run only HOST_SYNC (issue 62: the timer's syncs)"
     )
     a = ap.parse_args()
-    global GPU
     GPU = a.gpu
     import torch
 
