@@ -14,6 +14,7 @@ host mount): so dskit names the file and the command that frees it, and deletes 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -23,23 +24,22 @@ from dskit.text import command, escape
 
 
 def extensions_root() -> Path:
-    """Where torch builds JIT extensions: TORCH_EXTENSIONS_DIR (set, even empty, as torch reads it), else
-    torch's per-user cache."""
+    """Where torch builds JIT extensions for dskit's processes: TORCH_EXTENSIONS_DIR where the user set
+    it (even empty, as torch reads it), else this environment's own folder of torch's per-user cache
+    (`environment_cache`), which `dskit.jit_ops.use_own_builds` hands torch before DeepSpeed loads an op."""
     if (root := env_vars.read("TORCH_EXTENSIONS_DIR")) is not None:
         return Path(root)
-    from torch.utils.cpp_extension import get_default_build_root
-
-    return Path(get_default_build_root())
+    return environment_cache()
 
 
-def build_directory(name: str) -> Path:
-    """Where torch builds extension `name` (cpp_extension._get_build_directory's layout, which creates
-    the folder; this only names it): ROOT/<name> under TORCH_EXTENSIONS_DIR, else
-    ROOT/py<ver>_<accelerator>/<name>."""
-    root = extensions_root()
-    if env_vars.read("TORCH_EXTENSIONS_DIR") is not None:
-        return root / name
+def environment_cache() -> Path:
+    """This Python environment's folder in torch's per-user cache: torch's own name for it
+    (py<ver>_<accelerator>) and a key of the environment's prefix. Torch's default is one folder per
+    Python version and accelerator, which every virtualenv of that version shares: two checkouts'
+    environments (DeepSpeed builds against each one's own torch and headers) rebuilt each other's
+    cpu_adam at every switch, 142 s each on 2 cores, and a start waited on the other's build."""
     import torch
+    from torch.utils.cpp_extension import get_default_build_root
 
     if torch.version.hip is not None:
         accelerator = f"rocm{torch.version.hip.replace('.', '')}"
@@ -48,14 +48,19 @@ def build_directory(name: str) -> Path:
     else:
         accelerator = "cpu"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    return root / f"{python}_{accelerator}" / name
+    key = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return Path(get_default_build_root()) / f"{python}_{accelerator}-env-{key}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds extension `name` once `use_own_builds` ran (cpp_extension._get_build_directory's
+    layout under TORCH_EXTENSIONS_DIR, which creates the folder; this only names it): ROOT/<name>."""
+    return extensions_root() / name
 
 
 def _locks(root: Path) -> list[Path]:
-    """The build locks under `root` in torch's layout (cpp_extension._get_build_directory): ROOT/<name>/lock
-    under TORCH_EXTENSIONS_DIR, ROOT/py<ver>_<accelerator>/<name>/lock under the default cache."""
-    depth = "*/lock" if env_vars.read("TORCH_EXTENSIONS_DIR") is not None else "*/*/lock"
-    return sorted(root.glob(depth))
+    """The build locks under `root` in torch's layout under TORCH_EXTENSIONS_DIR: ROOT/<name>/lock."""
+    return sorted(root.glob("*/lock"))
 
 
 def _open_files() -> tuple[set[str], bool]:

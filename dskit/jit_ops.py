@@ -8,7 +8,7 @@ DS_BUILD_*); a virtualenv (`make ops`, Slurm's `runtime: none`) builds them here
 
     python -m dskit.jit_ops        # into torch's extension cache; later loads only check it
 
-with the ninja every rank of a run uses (`use_own_ninja`, which the trainer calls before DeepSpeed
+with the ninja and the cache every rank of a run uses (`use_own_builds`, which the trainer calls before DeepSpeed
 starts): a build by another ninja would not count as built. A cache serves the hosts that share it
 only where their CPUs match the builder's: DeepSpeed compiles cpu_adam with -march=native and the
 building CPU's SIMD width, so a host of another width rebuilds it, and one of the same width with fewer
@@ -43,13 +43,20 @@ def import_deepspeed(*, mlflow: bool) -> None:
         del sys.modules["mlflow"]
 
 
-def use_own_ninja() -> None:
-    """Put this interpreter's environment (its `ninja`, a DeepSpeed dependency) first on PATH, as the
-    images do. torch builds with the first `ninja` on PATH, which a launcher's PATH decides: a Slurm job
-    of a virtualenv gets the user's shell PATH, Ray's workers their own. Two ninjas on one cache keep
-    their build logs in different formats, so each switch rebuilds every op (seen here between Debian's
-    1.11 and pip's 1.13: cpu_adam 160 s and shm_comm 92 s again on a busy 2-core host); without a
-    system ninja the load fails ("Ninja is required to load C++ extensions")."""
+def use_own_builds() -> None:
+    """Compiled ops build and load through this interpreter's environment, whatever the launcher gave:
+    - its own extension cache (dskit/build_locks.py `environment_cache`), unless TORCH_EXTENSIONS_DIR
+      names one: environments sharing torch's default folder rebuilt each other's ops;
+    - its `ninja` (a DeepSpeed dependency) first on PATH, as the images do. torch builds with the first
+      `ninja` on PATH, which a launcher's PATH decides: a Slurm job of a virtualenv gets the user's shell
+      PATH, Ray's workers their own. Two ninjas on one cache keep their build logs in different formats,
+      so each switch rebuilds every op (seen here between Debian's 1.11 and pip's 1.13: cpu_adam 160 s
+      and shm_comm 92 s again on a busy 2-core host); without a system ninja the load fails ("Ninja is
+      required to load C++ extensions").
+    Both go into os.environ, so the processes this one starts inherit them."""
+    from dskit.build_locks import extensions_root
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())
     scripts = sysconfig.get_path("scripts")
     if not os.path.isfile(os.path.join(scripts, "ninja")):
         return
@@ -90,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     Parser(
         prog="python -m dskit.jit_ops",
         description="Build the DeepSpeed ops a rank on this host loads that the install did not prebuild "
-        "into torch's extension cache (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), with this "
+        "into this environment's torch extension cache (TORCH_EXTENSIONS_DIR, else its own folder of "
+        "~/.cache/torch_extensions), with this "
         "environment's ninja. Exit 1 on an orphaned build lock or a failed build.",
     ).parse_args(argv)
     from dskit.extras import refused
@@ -126,7 +134,7 @@ def _build() -> int:
         _say(f"dskit.jit_ops: {warning(lock)}", sys.stderr)
     if stuck:
         return 1
-    use_own_ninja()
+    use_own_builds()
     failed = 0
     for op in ops:
         builder = ALL_OPS.get(op)

@@ -159,9 +159,9 @@ def pytest_configure(config):
     """Every process the tests start (their own DeepSpeed engines, clusters, scripts) builds with this
     venv's ninja, as the trainer does (dskit/jit_ops.py): a second ninja on the same cache rebuilds
     every op, minutes each, inside some test's deadline."""
-    from dskit.jit_ops import use_own_ninja
+    from dskit.jit_ops import use_own_builds
 
-    use_own_ninja()
+    use_own_builds()
 
 
 @pytest.fixture(scope="session")

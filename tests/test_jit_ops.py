@@ -8,19 +8,21 @@ import os
 import subprocess
 import sys
 import sysconfig
+import venv
+from pathlib import Path
 
 import pytest
 
 from dskit.build_locks import build_directory
-from dskit.jit_ops import cached, prebuilt, use_own_ninja, wanted
-from tests.conftest import dskit
+from dskit.jit_ops import cached, prebuilt, use_own_builds, wanted
+from tests.conftest import REPO, dskit
 from tests.support.build_lock import LAYOUTS, use_cache
 
 LOAD = """
 import sys
-from dskit.jit_ops import use_own_ninja
+from dskit.jit_ops import use_own_builds
 if sys.argv[1] == "own":
-    use_own_ninja()
+    use_own_builds()
 from deepspeed.ops.op_builder.all_ops import ALL_OPS
 ALL_OPS["deepspeed_shm_comm"].load(verbose=False)
 print("loaded")
@@ -46,9 +48,9 @@ def _built(op: str) -> tuple[float, str]:
 def test_the_interpreters_own_ninja_goes_first_whatever_path_the_launcher_gave(monkeypatch):
     scripts = sysconfig.get_path("scripts")
     monkeypatch.setenv("PATH", "/usr/bin:/bin")
-    use_own_ninja()
+    use_own_builds()
     assert os.environ["PATH"] == f"{scripts}:/usr/bin:/bin"
-    use_own_ninja()  # once is enough
+    use_own_builds()  # once is enough
     assert os.environ["PATH"] == f"{scripts}:/usr/bin:/bin"
 
 
@@ -58,13 +60,35 @@ def test_cpu_ranks_load_their_collectives_and_every_rank_cpu_adam():
 
 
 @pytest.mark.parametrize("cache", LAYOUTS)
-def test_the_build_directory_is_torchs_own(cache, tmp_path, monkeypatch):
+def test_the_build_directory_is_torchs_own_once_the_environment_is_pinned(cache, tmp_path, monkeypatch):
     from torch.utils.cpp_extension import _get_build_directory
 
     use_cache(cache, tmp_path, monkeypatch)
     named = build_directory("cpu_adam")
-    assert not named.exists()  # named, not created
+    assert not named.exists() and named.is_relative_to(tmp_path)  # named, not created
+    use_own_builds()  # as the trainer and `python -m dskit.jit_ops` do before DeepSpeed loads an op
     assert str(named) == _get_build_directory("cpu_adam", verbose=False)
+
+
+def test_each_environment_builds_into_its_own_cache(tmp_path, monkeypatch):
+    """Two virtualenvs of one Python (two checkouts) shared torch's one default folder and rebuilt each
+    other's ops at each switch: each has its own folder now, beside the other in torch's cache."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    other = tmp_path / "other-venv"
+    venv.create(other, with_pip=False, symlinks=True)
+    site = subprocess.run(
+        [other / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    # this environment's packages (torch, dskit) seen from the other one, whose prefix differs
+    Path(site, "this-env.pth").write_text(f"{sysconfig.get_path('purelib')}\n{REPO}\n")
+    show = "from dskit.build_locks import extensions_root; print(extensions_root())"
+    roots = [
+        subprocess.run([py, "-c", show], capture_output=True, text=True, check=True).stdout.strip()
+        for py in (sys.executable, str(other / "bin" / "python"))
+    ]
+    assert roots[0] != roots[1] and Path(roots[0]).parent == Path(roots[1]).parent, roots
+    assert all(Path(r).name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}_") for r in roots)
 
 
 @pytest.mark.slow

@@ -187,7 +187,7 @@ def run(plan, data, sampler, eval_sampler=None, *, reporter: Callable[[dict], No
 
 def start_distributed(plan):
     """(device, rank, world) once the process group is up; rank 0 records the launch env it saw."""
-    jit_ops.use_own_ninja()  # before DeepSpeed loads its first compiled op (shm_comm on CPU ranks)
+    jit_ops.use_own_builds()  # before DeepSpeed loads its first compiled op (shm_comm on CPU ranks)
     local_rank = env_vars.read("LOCAL_RANK") or 0
     if local_rank == 0:  # once a host: DeepSpeed's start may wait on one forever
         for lock in build_locks.orphaned():

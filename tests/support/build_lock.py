@@ -3,9 +3,11 @@ interrupted build's lock planted where torch's own build of that extension takes
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-#: torch's two layouts: ROOT/<name> under TORCH_EXTENSIONS_DIR, <cache>/torch_extensions/py<ver>_<acc>/<name>
+#: the two places a cache is: TORCH_EXTENSIONS_DIR as set, or this environment's folder of the per-user cache
+#: (<cache>/torch_extensions/py<ver>_<acc>-env-<key>)
 LAYOUTS = ["TORCH_EXTENSIONS_DIR", "default"]
 
 
@@ -19,11 +21,22 @@ def use_cache(layout: str, where: Path, monkeypatch) -> None:
 
 
 def plant(name: str) -> Path:
-    """Create the `lock` torch's build of extension `name` would wait on under this process's environment
-    (TORCH_EXTENSIONS_DIR or the per-user cache): torch's own layout, so a test cannot plant it where no
-    build would look. Returns its path."""
+    """Create the `lock` torch's build of extension `name` would wait on in a dskit process under this
+    process's environment (TORCH_EXTENSIONS_DIR, or this environment's folder of the per-user cache,
+    which dskit.jit_ops.use_own_builds hands torch): torch's own layout, so a test cannot plant it where
+    no build would look. Returns its path."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    from dskit.build_locks import extensions_root
+
+    saved = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())
+    try:
+        lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    finally:
+        if saved is None:
+            del os.environ["TORCH_EXTENSIONS_DIR"]
+        else:
+            os.environ["TORCH_EXTENSIONS_DIR"] = saved
     lock.touch()
     return lock
