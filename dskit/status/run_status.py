@@ -32,7 +32,7 @@ from dskit import bounded_read, local_run
 from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
 from dskit.contract import COMPLETE_FILE, JOBS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
-from dskit.text import escape
+from dskit.text import command, escape
 
 SLURM_ID_RE = re.compile(r"[0-9]{1,18}")
 RAY_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -268,7 +268,9 @@ def ray_jobs(entries: Entries, address: str | None) -> list[Job]:
             raise SpecError("dskit status", f"Ray job {job_id} at {addr}: {msg}") from None
         state = str(getattr(info.status, "value", info.status))
         detail = _ray_detail(info.message or "")
-        out.append(Job(job_id, state, None, detail, f"ray job logs --address {addr} {job_id}"))
+        out.append(
+            Job(job_id, state, None, detail, command(["ray", "job", "logs", "--address", addr, job_id]))
+        )
     return out
 
 
@@ -428,8 +430,8 @@ class RecordedJobs:
         if not entries:
             raise SpecError(
                 str(run_dir),
-                f"not submitted yet (no job in {JOBS_FILE}) — run bash {run_dir / self.submit} "
-                f"({self.unrecorded}), or train it here: dskit train --local {run_dir}",
+                f"not submitted yet (no job in {JOBS_FILE}) — run {command(['bash', run_dir / self.submit])} "
+                f"({self.unrecorded}), or train it here: {command(['dskit', 'train', '--local', run_dir])}",
             )
         jobs, current, attempts = self.ask(entries, query)
         state = f"{current.state}: job {current.id}" + (f", {current.detail}" if current.detail else "")

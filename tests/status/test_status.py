@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -161,10 +162,20 @@ def test_errors_are_one_line_exit_2(tmp_path, setup, words):
     assert line.startswith("dskit: error: ") and words in line, line
 
 
-def test_a_run_dir_neither_submitted_nor_trained_here_says_both_ways(tmp_path):
-    rd = render_tiny(tmp_path, name="new", steps=4)
-    r = dskit("status", str(rd))
-    assert r.returncode == 2 and r.stderr.rstrip().endswith(f"or train it here: dskit train --local {rd}")
+@pytest.mark.parametrize("folder", ["plain", "a $(touch pwned) 'q'"])
+def test_a_run_dir_neither_submitted_nor_trained_here_says_both_ways(tmp_path, folder):
+    """Both suggested commands are pasteable as printed: the run dir is one shell word whatever it holds."""
+    (tmp_path / folder).mkdir()
+    rd = render_tiny(tmp_path / folder, name="new", steps=4)
+    r = dskit("status", str(rd), cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.rstrip()
+    submit = line.split(" — run ", 1)[1].split(" (", 1)[0]
+    assert shlex.split(submit) == ["bash", str(rd / "submit.sh")], submit
+    train = line.split("or train it here: ", 1)[1]
+    assert shlex.split(train) == ["dskit", "train", "--local", str(rd)], train
+    subprocess.run(["bash", "-c", f"true {train}"], cwd=tmp_path, check=True)
+    assert not (tmp_path / "pwned").exists()
 
 
 def _status_rows(rd: Path, capsys) -> dict[str, str]:
