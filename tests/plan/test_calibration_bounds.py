@@ -20,8 +20,7 @@ from dskit.calibrate import calibration
 from dskit.errors import SpecError
 from dskit.plan.build import build_plan_searched
 from dskit.spec import load_spec
-from tests.conftest import dskit
-from tests.plan.test_calibration_file import TWO_NODES, _file
+from tests.plan.test_calibration_file import TWO_NODES, _file, refusal
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -107,21 +106,8 @@ def test_a_value_past_its_physical_bound_is_refused_in_one_line(tmp_path, whole,
     _, data, _ = whole
     p = tmp_path / "calibration.json"
     p.write_text(json.dumps(_with(data, path, value)))
-    out = tmp_path / "run"
-    r = dskit(
-        "render",
-        "slurm",
-        "-o",
-        str(out),
-        "--calibration",
-        str(p),
-        *(f"--set={s}" for s in TWO_NODES),
-        check=False,
-    )
-    where = ".".join(str(k) for k in path)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and not out.exists() and len(lines) == 1, r.stderr
-    assert lines[0].startswith(f"dskit: error: {FIELD}:") and f"damaged at {where}" in lines[0], lines[0]
+    line = refusal(tmp_path, p)
+    assert f"damaged at {'.'.join(str(k) for k in path)}" in line, line
 
 
 def test_a_gpu_rate_above_the_catalogs_peak_is_refused(tmp_path, whole):

@@ -138,20 +138,20 @@ def _collectives_of(found, plan) -> float:
 def test_a_damaged_calibration_is_refused_in_one_line(tmp_path, damage, says):
     p = _file(tmp_path, cross_node_gbs=50.0)
     damage(p)
-    out = tmp_path / "run"
+    assert says in refusal(tmp_path, p)
+
+
+def refusal(tmp: Path, cal: Path) -> str:
+    """`dskit render slurm --calibration CAL` of the two-node plan, refused: its one line, having written
+    nothing."""
+    out = tmp / "run"
     r = dskit(
-        "render",
-        "slurm",
-        "-o",
-        str(out),
-        "--calibration",
-        str(p),
-        *(f"--set={s}" for s in TWO_NODES),
-        check=False,
+        "render", "slurm", "-o", str(out), "--calibration", str(cal), *(f"--set={s}" for s in TWO_NODES)
     )
-    assert r.returncode == 2 and not out.exists()
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dskit: error: hardware.calibration:") and says in lines[0]
+    assert r.returncode == 2 and not out.exists() and len(lines) == 1, r.stderr
+    assert lines[0].startswith("dskit: error: hardware.calibration:"), lines[0]
+    return lines[0]
 
 
 @pytest.mark.parametrize(
