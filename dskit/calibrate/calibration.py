@@ -113,7 +113,7 @@ class Calibration(_Frozen):
     compute: Compute = Compute()
     cpu_adam: CpuAdam | None = None
     #: the preflight's findings: a group far below what its fabric should give
-    warnings: list[str] = []  # echoed through `_echo` by the reader (`warning_lines`)
+    warnings: list[str] = []  # echoed through `echo` by the reader (`warning_lines`)
 
     def nearest(self, op: str, key: str) -> tuple[Fit, str] | None:
         """The fit of `op` measured over groups shaped `key`, with `key`; for a ring across another number
@@ -147,7 +147,7 @@ def load(path: str | Path, *, field: str, gpu: str, fabric: str, procs_per_node:
         if theirs != ours:
             raise SpecError(
                 field,
-                f"{p} was measured with {name} {_echo(repr(theirs))}, this plan has {ours!r}: "
+                f"{p} was measured with {name} {echo(repr(theirs))}, this plan has {ours!r}: "
                 "calibrate this hardware",
             )
     peak = catalog.gpu(gpu, field).peak_tflops_bf16  # the probes run bf16
@@ -199,19 +199,19 @@ def read(path: str | Path, *, field: str = "calibration") -> Calibration:
     for op, fits in cal.collectives.items():
         if op not in OPS:
             raise SpecError(
-                field, f"{p} is damaged at collectives: {_echo(repr(op))} is none of {', '.join(OPS)}"
+                field, f"{p} is damaged at collectives: {echo(repr(op))} is none of {', '.join(OPS)}"
             )
         bad = next((k for k in fits if not _is_key(k)), None)
         if bad is None:
             bad = next((k for k in fits if _shape(k)[0] > cal.hardware.procs_per_node), None)
         if bad is not None:
-            raise SpecError(field, f"{p} is damaged at collectives.{op}: group shape {_echo(repr(bad))}")
+            raise SpecError(field, f"{p} is damaged at collectives.{op}: group shape {echo(repr(bad))}")
     return cal
 
 
 def warning_lines(cal: Calibration) -> list[str]:
     """The file's preflight findings, fit to print."""
-    return [_echo(w) for w in cal.warnings]
+    return [echo(w) for w in cal.warnings]
 
 
 def _is_key(key: str) -> bool:
@@ -223,7 +223,7 @@ def _shape(key: str) -> tuple[int, int]:
     return int(per_node), int(nodes)
 
 
-def _echo(text: str) -> str:
+def echo(text: str) -> str:
     """File text fit for one line of a terminal: escaped, and cut."""
     from dskit.text import escape
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dskit.calibrate import scales
-from dskit.calibrate.calibration import EXCHANGE, Calibration
+from dskit.calibrate.calibration import EXCHANGE, Calibration, echo
 from dskit.plan.adapters import Tuning
 from dskit.plan.balancing import describe as describe_balance
 from dskit.plan.links import Group
@@ -207,17 +207,22 @@ def calibration_lines(cal: Calibration) -> list[str]:
     ref, machine = scales.reference(kind), scales.MACHINES[kind]
     h, here, there = cal.hardware, cal.compute, ref.compute
     out = [
-        f"what the calibration measured ({h.nodes}x{h.procs_per_node} {h.gpu}, {h.device}, {h.backend}, "
-        f"torch {h.torch}, {cal.created}):"
+        f"what the calibration measured ({h.nodes}x{h.procs_per_node} {h.gpu}, "
+        + echo(f"{h.device}, {h.backend}, torch {h.torch}, {cal.created}")
+        + "):"
     ]
     for op, fits in cal.collectives.items():
         for key, f in fits.items():
-            sizes = [b for b, _ in f.points]
+            sizes = [b for b, _ in f.points]  # none in a file written by hand: the fit alone
             group = Group(*(int(x) for x in key.split("x")))
+            fitted = (
+                f" (fitted to {len(sizes)} sizes, {_size(min(sizes))} to {_size(max(sizes))})"
+                if sizes
+                else ""
+            )
             out.append(
                 f"  {OP_NAMES.get(op, op)} over {key} ({group.describe()}): {f.bus_gbs:.3g} GB/s, "
-                f"{_duration(f.latency_s)} a call (fitted to {len(sizes)} sizes, {_size(min(sizes))} to "
-                f"{_size(max(sizes))})"
+                f"{_duration(f.latency_s)} a call{fitted}"
             )
 
     def against(text: str | None, reference: str | None) -> str:
