@@ -106,6 +106,16 @@ class LocalRun:
         return f"{self.state}: {self.detail}"
 
 
+#: Linux's largest pid (pid_max's ceiling, 2^22): a larger one is no process of any host
+PID_MAX = 2**22
+#: the times a record holds, seconds since the epoch: from 2020 to 2200, anything else is damage
+EPOCH_RANGE = (1.577e9, 7.26e9)
+
+
+def _time(x: object) -> bool:
+    return type(x) in (int, float) and EPOCH_RANGE[0] <= x <= EPOCH_RANGE[1]  # NaN and inf fail too
+
+
 def _load(path: Path) -> dict[str, Any]:
     try:
         info = bounded_read.read_json(path, limit=MAX_RECORD, what=f"a {RECORD}")
@@ -115,11 +125,15 @@ def _load(path: Path) -> dict[str, Any]:
         raise SpecError(str(path), f"unreadable ({e}); delete it, it only serves `dskit status`") from None
     ok = (
         isinstance(info, dict)
-        and isinstance(info.get("started"), (int, float))
-        and isinstance(info.get("pid"), int)
+        and _time(info.get("started"))
+        and type(info.get("pid")) is int
+        and 0 < info["pid"] <= PID_MAX
         and isinstance(info.get("host"), str)
-        and (info.get("exit_code") is None or isinstance(info["exit_code"], int))
-        and ("ended" not in info or isinstance(info["ended"], (int, float)))
+        and (
+            info.get("exit_code") is None
+            or (type(info["exit_code"]) is int and -255 <= info["exit_code"] <= 255)
+        )
+        and ("ended" not in info or _time(info["ended"]))
     )
     if not ok:
         raise SpecError(str(path), f"is not a record of {WRITER}; delete it, it only serves `dskit status`")

@@ -108,6 +108,8 @@ def _pid_gone(pid: object) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
+    except OverflowError:  # beyond any pid_t: no process has it
+        return True
     except OSError:  # EPERM: it runs, as another user
         return False
     return False

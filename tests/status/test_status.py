@@ -151,6 +151,16 @@ def test_a_forgotten_job_with_accounting_comes_from_sacct(tmp_path):
         (lambda rd: (rd / TARGET_FILE).write_text("lsf\n"), "names an unknown target 'lsf'"),
         (lambda rd: (rd / local_run.RECORD).write_text("{"), "local-run.json: unreadable"),
         (lambda rd: (rd / local_run.RECORD).write_text('{"pid": "7"}'), "is not a record of dskit train"),
+        *(
+            (lambda rd, v=v: (rd / local_run.RECORD).write_text(v), "is not a record of dskit train")
+            for v in (
+                '{"pid": 7, "host": "h", "started": -Infinity}',
+                '{"pid": 7, "host": "h", "started": 1e300}',
+                '{"pid": 1000000000000000000000000000000, "host": "h", "started": 1.8e9}',
+                '{"pid": 7, "host": "h", "started": 1.8e9, "ended": NaN, "exit_code": 0}',
+                '{"pid": true, "host": "h", "started": 1.8e9}',
+            )
+        ),
     ],
 )
 def test_errors_are_one_line_exit_2(tmp_path, setup, words):
