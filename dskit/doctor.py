@@ -223,7 +223,11 @@ def _deepspeed(host: _Host) -> list[Check]:
     dv = _version("deepspeed")
     if dv is None or dv.startswith("IMPORT ERROR"):
         return [Check("deepspeed", FAIL, dv or "not installed")]
-    return [Check("deepspeed", PASS, dv), *_deepspeed_ops(host.gpu)]
+    try:
+        ops = _deepspeed_ops(host.gpu)
+    except SpecError as e:  # DSKIT_IMAGE_ARCH decides which ops: the version still stands
+        ops = [Check("deepspeed ops", FAIL, f"{e.field}: {e.message}")]
+    return [Check("deepspeed", PASS, dv), *ops]
 
 
 def _build_locks(host: _Host) -> list[Check]:
