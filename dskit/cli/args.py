@@ -73,6 +73,18 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + dest.replace("_", "-"), dest=dest, type=typ, help=help_)
 
 
+def spec_words(a: argparse.Namespace, *, leave_out: tuple[str, ...] = ()) -> list[str]:
+    """The spec and its flags as the user gave them (`add_spec_args`), for a printed command that must
+    plan the same spec; the flags named in `leave_out` (dests) are not repeated."""
+    words = [a.spec] if a.spec else []
+    for dest in SPEC_FLAGS:
+        if dest not in leave_out and getattr(a, dest) is not None:
+            words += ["--" + dest.replace("_", "-"), str(getattr(a, dest))]
+    for s in a.set:
+        words += ["--set", s]
+    return words
+
+
 def spec_from_args(a: argparse.Namespace):
     from dskit.spec import load_spec
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args
+from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args, spec_words
 from dskit.errors import SpecError
 from dskit.extras import require
 
@@ -45,7 +45,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         f"{run.plan.hardware.gpu}; groups: {shapes}; AutoEP exchanges: {exchanges}"
     )
     if a.target != LOCAL:
-        for step in [*run.next_steps(), _plan_with("then", c.file)]:
+        for step in [*run.next_steps(), _plan_with("then", c.file, a)]:
             print(step.line())
         return 0
     from dskit.calibrate import candidates as candidate_runs
@@ -71,15 +71,16 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
         print(candidate_runs.table(records))
         print(f"candidates: {candidate_runs.report_path(Path(c.file))}")
     print(f"calibration: {c.file}")
-    print(_plan_with("next", c.file).line())
+    print(_plan_with("next", c.file, a).line())
     return 0
 
 
-def _plan_with(label: str, calibration: str) -> Step:
-    """The step after a calibration: the plan at the measured rates (SPEC: your spec and flags)."""
+def _plan_with(label: str, calibration: str, a: argparse.Namespace) -> Step:
+    """The step after a calibration: the plan of the same spec and flags at the measured rates."""
     from dskit.render import Step
 
-    return Step(label, ("dskit", "plan", "SPEC", "--calibration", calibration, "--explain"))
+    words = spec_words(a, leave_out=("calibration",))
+    return Step(label, ("dskit", "plan", *words, "--calibration", calibration, "--explain"))
 
 
 def add_calibrate(sub: Subparsers) -> None:

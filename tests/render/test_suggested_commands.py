@@ -46,8 +46,9 @@ SPEC = {
 }
 
 
-def intended(command: str, target: str, run_dir: Path, output_dir: Path) -> list[list[str]]:
-    """The commands a user should be handed, written out here (not read from dskit's registry)."""
+def intended(command: str, target: str, run_dir: Path, output_dir: Path, spec: Path) -> list[list[str]]:
+    """The commands a user should be handed, written out here (not read from dskit's registry): after a
+    calibration, the plan of the same spec at the measured rates."""
     run = str(run_dir)
     release = "run" if command == "render" else f"run-calibrate-{target}"  # the plan's name
     steps = {
@@ -57,7 +58,7 @@ def intended(command: str, target: str, run_dir: Path, output_dir: Path) -> list
     }[target]
     if command == "calibrate":
         calibration = f"{output_dir}/calibration.json"
-        steps.append(["dskit", "plan", "SPEC", "--calibration", calibration, "--explain"])
+        steps.append(["dskit", "plan", str(spec), "--calibration", calibration, "--explain"])
     return steps
 
 
@@ -108,7 +109,7 @@ def check(command: str, target: str, name: str, out_name: str, work: Path) -> bo
     if code != 0:
         assert code == 2 and stderr.count("\n") == 1 and stdout == "", stderr
         return False
-    want = intended(command, target, run_dir, base / "store" / out_name)
+    want = intended(command, target, run_dir, base / "store" / out_name, spec_file)
     assert suggested(stdout) == want, stdout
     lines = [
         ln.partition(": ")[2] for ln in stdout.splitlines() if ln.partition(": ")[0] in SUGGESTION_LABELS
@@ -158,3 +159,22 @@ def test_a_word_with_a_line_break_or_control_stays_one_line_and_the_same_bytes(w
     line = command(["dskit", word])
     assert first_unsafe(line) is None
     assert pasted(line, tmp_path) == [["dskit", word]]
+
+
+def test_the_plan_after_a_calibration_is_of_the_same_spec_given_by_flags(tmp_path):
+    """Without a spec file, the suggested `dskit plan` repeats the flags and --set values as given
+    (hostile ones included, each one word), so it plans what was calibrated."""
+    from dskit.cli import build_parser
+    from dskit.cli.args import spec_from_args
+
+    given = ["--gpu", "cpu", "--gpus-per-node", "2", "--nodes", "2", "--model", "tiny-v2"]
+    given += ["--set", "training.seq_len=128", "--set", "network.fabric=tcp"]
+    given += ["--set", f"storage.root={tmp_path}/st ore $(id) 'q'"]
+    code, stdout, stderr = run_cli(["calibrate", "slurm", *given, "-o", str(tmp_path / "cal")])
+    assert code == 0, stderr
+    (plan,) = [w for w in suggested(stdout) if w[:2] == ["dskit", "plan"]]
+    assert plan[-3] == "--calibration" and plan[-1] == "--explain"
+    parser = build_parser()
+    again = parser.parse_args(plan[1:-3] + ["--explain"])
+    first = parser.parse_args(["calibrate", "slurm", *given])
+    assert spec_from_args(again) == spec_from_args(first)
