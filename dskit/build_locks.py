@@ -33,23 +33,23 @@ def extensions_root() -> Path:
 
 
 def environment_cache() -> Path:
-    """This Python environment's folder in torch's per-user cache: torch's own name for it
-    (py<ver>_<accelerator>) and a key of the environment's prefix. Torch's default is one folder per
-    Python version and accelerator, which every virtualenv of that version shares: two checkouts'
-    environments (DeepSpeed builds against each one's own torch and headers) rebuilt each other's
-    cpu_adam at every switch, 142 s each on 2 cores, and a start waited on the other's build."""
-    import torch
-    from torch.utils.cpp_extension import get_default_build_root
+    """This Python environment's folder of torch's per-user cache (where torch's default folder lies:
+    $XDG_CACHE_HOME, else ~/.cache, then torch_extensions/): named for the Python version, keyed by the
+    environment's prefix and its torch (a torch of another version or CUDA build needs its own builds).
+    Torch's default is one folder per Python version and accelerator, which every virtualenv of that
+    version shares: two checkouts' environments rebuilt each other's cpu_adam at every switch, 142 s
+    each on 2 cores, and a start waited on the other's build. Torch is not imported (every test process
+    and `dskit doctor` name this folder)."""
+    from importlib import metadata
 
-    if torch.version.hip is not None:
-        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
-    elif torch.version.cuda is not None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
-    else:
-        accelerator = "cpu"
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "none"
     python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-    key = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
-    return Path(get_default_build_root()) / f"{python}_{accelerator}-env-{key}"
+    key = hashlib.sha256(f"{os.path.realpath(sys.prefix)}\0{torch_version}".encode()).hexdigest()[:12]
+    cache = env_vars.read("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.path.realpath(cache)) / "torch_extensions" / f"{python}-env-{key}"
 
 
 def build_directory(name: str) -> Path:

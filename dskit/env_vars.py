@@ -72,6 +72,7 @@ VARIABLES: dict[str, Form] = {
     "PATH": TEXT,
     "CC": TEXT,
     "TORCH_EXTENSIONS_DIR": TEXT,
+    "XDG_CACHE_HOME": TEXT,
     "MLFLOW_TRACKING_URI": TEXT,
 }
 
