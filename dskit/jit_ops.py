@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Build the DeepSpeed ops a rank on this host loads that the install did not prebuild "
         "into this environment's torch extension cache (TORCH_EXTENSIONS_DIR, else its own folder of "
         "~/.cache/torch_extensions), with this "
-        "environment's ninja. Exit 1 on an orphaned build lock or a failed build.",
+        "environment's ninja. Exit 1 on an orphaned build lock or a failed build, 2 on an environment value that does not parse or a missing train extra (one line).",
     ).parse_args(argv)
     from dskit.extras import refused
 

@@ -158,8 +158,8 @@ def test_an_interrupted_builds_lock_is_named_with_its_fix_and_a_live_builds_is_n
     cache, tmp_path, monkeypatch
 ):
     """torch's JIT build holds its `lock` open while it compiles; a build killed mid-compile leaves the
-    file, and every later run that loads the extension waits on it forever without a word. Both of torch's
-    layouts: ROOT/<name> under TORCH_EXTENSIONS_DIR, <cache>/torch_extensions/py<ver>_<accelerator>/<name>."""
+    file, and every later run that loads the extension waits on it forever without a word. Both places a
+    cache is: ROOT/<name> under TORCH_EXTENSIONS_DIR, else this environment's folder of the per-user cache."""
     import shlex
     import subprocess
 

@@ -25,8 +25,8 @@ from dskit.plan.schema import CalibrateExchange, CalibrateGroup, CalibratePlan, 
 FILE = "calibration.json"
 #: sizes per op: few enough for a short job, spread enough to separate latency from bandwidth
 SIZES = 4
-#: sizes timed, bytes: on GPUs from MIN_BYTES_GPU to the plan's largest message (a layer's gathered
-#: weights, a micro-step's dispatched tokens) within [MIN_TOP_GPU, MAX_BYTES_GPU]; the cpu profile (gloo,
+#: ring sizes timed, bytes: on GPUs from MIN_BYTES_GPU to a layer's gathered weights within
+#: [MIN_TOP_GPU, MAX_BYTES_GPU] (AutoEP's exchange is timed at its own token counts); the cpu profile (gloo,
 #: the test clusters) a fixed small range, where bandwidth still dominates latency
 MIN_BYTES_GPU, MIN_TOP_GPU, MAX_BYTES_GPU = 2**20, 64 * 2**20, 2 * 2**30
 CPU_BYTES = (256 * 2**10, 8 * 2**20)

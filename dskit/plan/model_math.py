@@ -85,8 +85,8 @@ def tensor_sizes(cfg: dict[str, Any]) -> dict[str, list[int]]:
     """Element counts of each parameter tensor, by where it lives: `dense_layer` (one dense decoder
     layer), `moe_layer` (one MoE layer's attention, norms, shared experts and router), `experts` (one
     MoE layer's routed experts, as transformers fuses them: gate_up and down, all experts in each) and
-    `outer` (embedding, lm_head, final norm). ZeRO-3 never gathers a tensor below its persistence
-    threshold (it stays whole on every rank): `gathered`."""
+    `outer` (embedding, lm_head, final norm). ZeRO-3 never gathers a tensor at or below its
+    persistence threshold (it stays whole on every rank): `gathered`."""
     h, V = cfg["hidden_size"], cfg["vocab_size"]
     E, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
     nh = cfg["num_attention_heads"]

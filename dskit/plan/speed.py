@@ -565,7 +565,7 @@ def _zero_groups(
     micro-step and, under ZeRO-1/2, all-gathered once per step, the group: `links.groups`' name). Experts are sharded
     over the expert-data-parallel group, the rest over all ranks. AutoEP's groups: EP = consecutive
     ranks (inside a node when ep <= per_node); the expert-data-parallel group strides by ep over all
-    ranks, so it spans every node, as the dense group does. ZeRO-3 gathers no tensor below its
+    ranks, so it spans every node, as the dense group does. ZeRO-3 gathers no tensor at or below its
     persistence threshold (prefetch.PERSISTENCE_THRESHOLD: kept whole on every rank), though its
     gradient is reduced like any other. A LoRA run (`t`) still gathers every frozen weight per pass under
     ZeRO-3 (in the base's precision), but reduces only the trainable parameters (the dense group;
