@@ -123,6 +123,7 @@ def _say(line: str, stream=None) -> None:
 
 
 def _build() -> int:
+    env_vars.read("DSKIT_IMAGE_ARCH")  # a value that does not parse is refused before torch loads (seconds)
     import torch
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 

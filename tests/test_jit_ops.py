@@ -149,6 +149,7 @@ def _jit_ops(env: dict | None = None) -> tuple[int, list[str]]:
     return r.returncode, ours
 
 
+@pytest.mark.slow  # a jit_ops process: torch and DeepSpeed load (seconds), not for the fast tier
 def test_an_environment_value_that_does_not_parse_is_refused_before_anything_is_built():
     code, lines = _jit_ops({"DSKIT_IMAGE_ARCH": "sm_90"})
     assert code == 2
@@ -158,6 +159,7 @@ def test_an_environment_value_that_does_not_parse_is_refused_before_anything_is_
     ]
 
 
+@pytest.mark.slow  # a jit_ops process: torch and DeepSpeed load (seconds), not for the fast tier
 def test_an_orphaned_lock_is_one_line_whatever_its_path_holds_and_its_fix_removes_it(tmp_path, monkeypatch):
     """A cache directory named with a newline, CR, ESC, BEL and a bidi override: one escaped line that
     poses as nothing else and sends no control character to the terminal, and the `rm -f` it names,
