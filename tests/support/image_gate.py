@@ -35,6 +35,12 @@ INPUTS = (
     "dskit/image_builder.py",
     "dskit/jit_ops.py",
     "dskit/doctor.py",
+    # what doctor and jit_ops read in the image: the environment's forms, the extension cache, the extras
+    # guard, the escaping of every line they print
+    "dskit/env_vars.py",
+    "dskit/build_locks.py",
+    "dskit/extras.py",
+    "dskit/text.py",
     "pyproject.toml",
     ".ci/image-setup.sh",
     "tests/e2e/test_image_build.py",
