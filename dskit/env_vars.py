@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dskit.errors import SpecError, one_of
+from dskit.text import ascii_int
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,7 @@ class Form:
     parse: Callable[[str], object]
 
 
-def _digits(text: str) -> int | None:
-    # ASCII digits only, as the CLI's integer flags: int() would also take '١', '+1', ' 2' or '1_0'
-    return int(text) if re.fullmatch(r"[0-9]{1,18}", text) else None
+_digits = ascii_int  # as the CLI's integer flags
 
 
 def _choice(*values: str) -> Form:

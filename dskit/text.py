@@ -10,6 +10,7 @@ code points (Cn, U+FFFE/U+FFFF included).
 
 from __future__ import annotations
 
+import re
 import shlex
 import unicodedata
 from collections.abc import Iterable
@@ -93,3 +94,10 @@ def _bytes(ch: str) -> bytes:
         return ch.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:  # any other lone surrogate
         return ch.encode("utf-8", "surrogatepass")
+
+
+def ascii_int(text: str) -> int | None:
+    """A whole number written in ASCII digits only, at most 18 of them (int() would also take '١', '+1',
+    ' 2' or '1_0'); None for anything else. The rule of the CLI's integer flags and dskit's integer
+    environment variables."""
+    return int(text) if re.fullmatch(r"[0-9]{1,18}", text) else None

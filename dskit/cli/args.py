@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from dskit.errors import EXIT_BAD_INPUT
-from dskit.text import escape
+from dskit.text import ascii_int, escape
 
 # what add_subparsers() returns; argparse names no public type for it
 Subparsers = argparse._SubParsersAction
@@ -24,10 +24,10 @@ class Parser(argparse.ArgumentParser):
 
 
 def count(text: str) -> int:
-    """An integer flag: ASCII digits only (int() would also take '١', '+1', ' 2' or '1_0')."""
-    if not re.fullmatch(r"[0-9]{1,18}", text):
+    """An integer flag: ASCII digits only (`ascii_int`)."""
+    if (n := ascii_int(text)) is None:
         raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (ASCII digits 0-9 only)")
-    return int(text)
+    return n
 
 
 def fraction(text: str) -> float:
