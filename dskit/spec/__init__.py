@@ -106,6 +106,16 @@ class TrainingSpec(_Section):
         "world size (264 at 24 GPUs).",
     )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
+    fp8: Literal["off", "on", "rowwise", "tensorwise", "blockwise"] = Field(
+        "off",
+        description="FP8 matrix products (torchao) in the decoder's linears and the routed experts' grouped "
+        "GEMMs, with bf16 master weights, optimizer states and the layers the plan keeps in bf16 (router, "
+        "embeddings, output head). It changes the numerics, so it is off unless asked: on lets the plan pick "
+        "the fastest recipe for the GPU; rowwise: one scale per row of each operand; tensorwise: one per "
+        "tensor in the dense linears (the experts stay rowwise); blockwise: DeepSeek-V3's 1x128 activation "
+        "and 128x128 weight tiles. Hopper and newer only (the experts' FP8 grouped GEMM). `dskit plan "
+        "--explain` shows bf16 beside FP8.",
+    )
     lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")
     warmup_ratio: float = Field(
         0.03, ge=0, lt=1, description="Linear warmup as a fraction of steps (seed: 3%)."
