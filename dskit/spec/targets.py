@@ -1,5 +1,5 @@
 """The run spec's sections for one target each: slurm, ray and kubernetes (the Helm chart, and the
-Ray target's rayjob.yaml). dskit/spec/__init__.py's Spec holds them; the plan copies them (dskit/plan/schema.py).
+Ray target's rayjob.yaml). dskit/spec/run_spec.py's Spec holds them; the plan copies them (dskit/plan/schema.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What any run spec value may be: the safe alphabets of names, paths and Kubernetes/Slurm words, the
-integer range, and `_Section`, the strict base of every spec section (dskit/spec/__init__.py, dskit/spec/targets.py)
+integer range, and `_Section`, the strict base of every spec section (dskit/spec/sections.py, training.py, targets.py, ...)
 that applies them to every field.
 """
 
