@@ -32,6 +32,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from dskit import bounded_read, owner
+from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
 from dskit.text import describe, first_unsafe
 
@@ -118,7 +119,7 @@ def _kind_of(d: Path) -> str | None:
         return kind
     if kind is not None:
         return None
-    if (d / "run.yaml").is_file():
+    if (d / RUN_YAML).is_file():
         return "run"
     if (d / "index.json").is_file():
         return "data"

@@ -133,8 +133,13 @@ def collective_timeout_s(watchdog_timeout_s: float) -> float:
     return watchdog_timeout_s + COLLECTIVE_GRACE_S
 
 
+# The names of the files and directories a run writes and reads, one place for every writer and reader
+# (renderers, the trainer, `dskit status`, `dskit report`, `dskit calibrate`).
+
 #: File names inside a rendered run directory.
 RUN_YAML = "run.yaml"
+#: `dskit train --local`'s record of who runs the run directory (dskit/local_run.py)
+LOCAL_RUN_FILE = "local-run.json"
 #: Where Kubernetes pods (the Helm chart, KubeRay) mount the run's ConfigMap; run.yaml is inside it.
 K8S_CONFIG_MOUNT = "/etc/dskit"
 DEEPSPEED_JSON = "deepspeed.json"
@@ -152,3 +157,21 @@ JOBS_FILE = "jobs"
 STOP_FILE = "STOP"
 #: Written in the output dir when all steps are done, so launchers do not requeue a finished run.
 COMPLETE_FILE = "COMPLETE"
+
+#: The storage root's defaults, under ROOT/NAME (storage.checkpoint_dir and storage.output_dir unset).
+CHECKPOINTS_DIR = "checkpoints"
+OUTPUTS_DIR = "outputs"
+
+#: Files in the output dir. Rank 0 appends one training record per log step to METRICS_FILE and one
+#: eval record per eval to EVAL_FILE (dskit/train/metrics.py); `dskit status`, `dskit report` and
+#: `dskit calibrate --candidates` read them back.
+METRICS_FILE = "metrics.jsonl"
+EVAL_FILE = "eval.jsonl"
+#: what rank 0 saw of the contract (dskit/train/entry.py); `dskit report` shows it
+LAUNCH_ENV_FILE = "launch-env.json"
+#: training.profile_steps' table and Chrome trace (dskit/train/profile.py)
+PROFILE_FILE = "profile.json"
+PROFILE_TRACE_FILE = "profile-trace.json"
+#: what a calibration job's rank 0 writes in its output dir (dskit/calibrate/job.py), handed to
+#: hardware.calibration
+CALIBRATION_FILE = "calibration.json"

@@ -24,11 +24,11 @@ from typing import Any
 
 from dskit import bounded_read, owner
 from dskit.atomic import write_file
-from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE
+from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, LOCAL_RUN_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.torchrun import signal_name
 
-RECORD = "local-run.json"
+RECORD = LOCAL_RUN_FILE
 #: a dozen short fields: anything near this is not a record
 MAX_RECORD = 64 << 10
 WRITER = "dskit train --local"

@@ -21,9 +21,10 @@ from pydantic import BaseModel, ConfigDict
 from dskit import bounded_read
 from dskit.atomic import write_file
 from dskit.calibrate.measures import job_name
+from dskit.contract import METRICS_FILE
 from dskit.plan.build import build_plan_searched
 from dskit.spec import Spec
-from dskit.status.report import MAX_METRICS_LINE, METRICS_FILE
+from dskit.status.report import MAX_METRICS_LINE
 
 #: steps per candidate, of which the first WARMUP are not timed (compilation, allocator growth)
 STEPS, WARMUP = 8, 3

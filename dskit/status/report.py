@@ -17,13 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from dskit import bounded_read
-from dskit.contract import RUN_YAML
+from dskit.contract import LAUNCH_ENV_FILE, METRICS_FILE, RUN_YAML
 from dskit.errors import SpecError
 from dskit.plan.balancing import describe as describe_balance
 from dskit.train.progress import throughput_text
 
-METRICS_FILE = "metrics.jsonl"
-LAUNCH_ENV_FILE = "launch-env.json"  # written by rank 0 (dskit.train.entry.LAUNCH_ENV_FILE)
 #: one metrics record: the losses, rates and per-expert loads of one step (DeepSeek-V3: ~15k numbers)
 MAX_METRICS_LINE = 4 << 20
 #: the launch environment rank 0 recorded: a few hundred variables

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from dskit import bounded_read, local_run
 from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
-from dskit.contract import COMPLETE_FILE, JOBS_FILE, RUN_YAML, TARGET_FILE
+from dskit.contract import COMPLETE_FILE, JOBS_FILE, METRICS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
 from dskit.text import command, escape
 
@@ -304,7 +304,7 @@ def progress_rows(
 ) -> list[tuple[str, str]]:
     """Step/total, loss, tokens/s, ETA and the last checkpoint from the run's files. `running`: what
     the scheduler says (None: not asked; the ETA then assumes the run goes on)."""
-    from dskit.status.report import METRICS_FILE, balance_text, locate, read_metrics
+    from dskit.status.report import balance_text, locate, read_metrics
     from dskit.train.progress import format_eta, throughput_text
 
     now = time.time() if now is None else now

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.contract import COMPLETE_FILE, EVAL_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.data import IGNORE_INDEX
 from dskit.data.sampler import DataPosition, Mixture, Sampler
 from dskit.plan.schema import Plan
@@ -351,7 +351,7 @@ class Evaluator:
         self.chunked = bool(plan.parallel.loss_chunk_tokens)
         self.batches = min(plan.run.eval_batches, sampler.windows // (world * self.micro))
         # >= 1: entry._eval_sampler refused a held-out set smaller than one micro-batch per rank
-        self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0, name="eval.jsonl")
+        self.metrics = MetricsLog(plan.run.output_dir, enabled=rank == 0, name=EVAL_FILE)
         self.trackers = trackers  # the training log's: its TensorBoard event file, MLflow and W&B runs
 
     def run(self, engine, step: int) -> float:

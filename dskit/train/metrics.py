@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dskit.contract import METRICS_FILE
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap, load_stats
 from dskit.train.progress import Progress, format_eta
@@ -124,7 +125,7 @@ def alloc_retry_warning(retries: int, steps: int, reserved_gib: float, capacity_
 class MetricsLog:
     """One JSON record per log step in OUTPUT_DIR/metrics.jsonl (rank 0 only), appended across restarts."""
 
-    def __init__(self, output_dir: str, enabled: bool, name: str = "metrics.jsonl"):
+    def __init__(self, output_dir: str, enabled: bool, name: str = METRICS_FILE):
         self.enabled = enabled
         self.path = Path(output_dir) / name
         if enabled:

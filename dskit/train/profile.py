@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from dskit.contract import PROFILE_FILE, PROFILE_TRACE_FILE
+
 log = logging.getLogger("dskit.train")
 WARMUP_STEPS = 5  # the first steps JIT-compile kernels and grow the allocator: not representative
 
@@ -188,8 +190,8 @@ class StepProfiler:
             self.prof.__exit__(None, None, None)
             table = breakdown(self.prof.events(), self.n, on_gpu=self.device.type == "cuda")
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "profile.json").write_text(json.dumps(table, indent=1) + "\n")
-            self.prof.export_chrome_trace(str(self.out / "profile-trace.json"))
+            (self.out / PROFILE_FILE).write_text(json.dumps(table, indent=1) + "\n")
+            self.prof.export_chrome_trace(str(self.out / PROFILE_TRACE_FILE))
             log.info(
                 "profile of steps %d-%d: %.1f ms/step; %s",
                 self.start + 1,
