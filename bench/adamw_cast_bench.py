@@ -1,6 +1,6 @@
 """ZeRO-1/2's optimizer step on one GPU, per parameter: DeepSpeed's three passes against dskit's one.
 
-Issue 49's question: at micro-batch 1 the step's per-parameter passes were a third of the GPU time. This
+The question: at micro-batch 1 the step's per-parameter passes were a third of the GPU time. This
 times, over flat partitions of N parameters (bf16 gradient and weights, fp32 master and moments):
 - `three_passes`: the 16-bit gradient cast to a new fp32 tensor, torch's fused AdamW on it, the master
   copied back into the 16-bit weights (DeepSpeed 0.19.8's stage_1_and_2 step);

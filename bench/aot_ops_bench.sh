@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18, item 6, as far as a GPU machine without a package index allows: the DeepSpeed part of a
+# The image's ahead-of-time ops, as far as a GPU machine without a package index allows: the DeepSpeed part of a
 # rendered image's install.sh (ops compiled ahead of time, for the image's TORCH_CUDA_ARCH_LIST), run
 # as is in a fresh venv, then the same few training steps with those ops and with the JIT path.
 #

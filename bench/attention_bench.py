@@ -1,6 +1,6 @@
 """MLA attention kernels on one GPU: forward + backward at DeepSeek's head dims, plain and packed rows.
 
-Issue 31's question: which kernel should each Hopper GPU use, for plain causal rows and for packed chat
+The question: which kernel should each Hopper GPU use, for plain causal rows and for packed chat
 rows (several samples per row, each attending only within itself)? Shapes: q/k head dim 192, v head dim
 128 (DeepSeek-V2/V3 config.json), 16 heads (V2-Lite), bf16, causal, 64k tokens per call at seq 4k, 8k and
 16k; packed rows are filled with whole samples whose lengths follow a chat set's (`--mean-sample`).

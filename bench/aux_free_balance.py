@@ -1,6 +1,6 @@
 """Auxiliary-loss-free balancing against the balance loss alone, on the CPU: load and loss, over seeds.
 
-Issue 47's goal: on a tiny V3 started with a skewed routing bias, the bias update brings max/mean expert
+The goal: on a tiny V3 started with a skewed routing bias, the bias update brings max/mean expert
 load down (tests/train/test_aux_free.py checks 30% against the frozen bias) with the loss no worse than
 an auxiliary-loss run within run-to-run noise. Three ways, each over several data seeds (run-to-run
 noise: the same start, other batches), 40 steps on 2 gloo ranks (EP 2), the tests' tiny settings:

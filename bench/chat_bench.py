@@ -1,11 +1,11 @@
 """Chat fine-tuning against plain text on one GPU: real (non-pad) tokens/s, per attention backend.
 
-Issue 31's goal: packed chat SFT at >= 0.97x the real-token throughput of plain text at the same shape
+The goal: packed chat SFT at >= 0.97x the real-token throughput of plain text at the same shape
 (4-layer V2-Lite, global batch 16, the plan's pick; seq 4096 unless --seq-len). Two generated chat sets,
 so the run is reproducible without a download (--data):
 - `issue31` (default): 6,000 records, prompts of 20-200 words, answers of 50-600, from a 3,000-word
   vocabulary, tokenized by a byte-level BPE trained on it and prepared with `dskit data prepare`;
-- `long-tail` (issue 61): 9,000 chats of 1-3 turns, 214 tokens on average, long-tailed to 1,800
+- `long-tail`: 9,000 chats of 1-3 turns, 214 tokens on average, long-tailed to 1,800
   (tests/support/chat_data.py `long_tail_chats`), byte tokens of the embedded corpus that plain text
   trains on.
 Each variant is one `dskit train --local` run (bench/train_bench.py run_dskit); the figures are the
@@ -18,7 +18,7 @@ efficiency on the same data. Prints a table and writes JSON:
     python bench/chat_bench.py --data long-tail --seq-len 2048,4096 --backends flash_attention_4 \
         --out $OUT/h200-chat-long-tail-DATE.json --work /tmp/cw
 
-`--packing` (CPU, no training): the packing efficiency of the packer before issue 61 (`next_fit`, kept
+`--packing` (CPU, no training): the packing efficiency of the packer before best fit (`next_fit`, kept
 for this comparison only) and of the trainer's (`best_fit`) side by side on the same generated data,
 one row per seq; a table and JSON:
 
@@ -68,7 +68,7 @@ def chat_records(n: int = RECORDS, seed: int = SEED) -> list[dict]:
 
 
 def prepare(work: Path) -> Path:
-    """Issue 31's chat set as a shard directory (and its tokenizer beside it)."""
+    """The `issue31` chat set as a shard directory (and its tokenizer beside it)."""
     from tests.support.chat_data import make_tokenizer_from
 
     records = chat_records()
@@ -95,7 +95,7 @@ def prepare(work: Path) -> Path:
 
 
 def prepare_long_tail(work: Path) -> Path:
-    """Issue 61's long-tailed chat set as a shard directory (byte tokens: no tokenizer to train)."""
+    """The long-tailed chat set as a shard directory (byte tokens: no tokenizer to train)."""
     from tests.support.chat_data import write_long_tail_shards
 
     return write_long_tail_shards(work / "long-tail-shards")
@@ -111,7 +111,7 @@ def shards_of(data: str, work: Path) -> Path:
 
 def packing_rows(shards: Path, seq_lens: list[int]) -> list[dict]:
     """Per seq, the packing efficiency the trainer would log over an epoch, with the packer before
-    issue 61 and with the trainer's, on the same shards."""
+    best fit and with the trainer's, on the same shards."""
     from dskit.data.packing import best_fit, next_fit
     from dskit.data.sampler import Sampler
     from dskit.data.shards import TokenData

@@ -1,4 +1,4 @@
-"""LoRA on an FP8 base beside the same LoRA on a bf16 base, through the real trainer (issue 28 item 6).
+"""LoRA on an FP8 base beside the same LoRA on a bf16 base, through the real trainer.
 
 Writes a DeepSeek-V2-Lite-shaped model (random weights, `--layers` deep) in DeepSeek-V3's FP8 block
 format (e4m3, 128 x 128 float32 `weight_scale_inv`, quantised by DeepSeek's rule: dskit/train/fp8/blocks.py),

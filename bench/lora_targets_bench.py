@@ -1,4 +1,4 @@
-"""Which LoRA targets train best per trainable byte (issue 28 item 1), on CPU with a tiny model.
+"""Which LoRA targets train best per trainable byte, on CPU with a tiny model.
 
 A tiny DeepSeek model (`--model`, widened so its projections are not smaller than r) is pre-trained
 for `--pretrain-steps` on the embedded corpus, saved, and fine-tuned from that checkpoint with LoRA

@@ -1,4 +1,4 @@
-"""dskit beside torchtitan on one GPU, in the same call: the peer an expert would pick instead (issues 25, 49).
+"""dskit beside torchtitan on one GPU, in the same call: the peer an expert would pick instead.
 
 torchtitan's `deepseek_v3` flavor `16B` is DeepSeek-V2-Lite's shape; the runner in
 shared/reference/torchtitan/ (tt_run.py, base.toml, make_assets.py) registers 4-, 6- and 12-layer

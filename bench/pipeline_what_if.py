@@ -1,4 +1,4 @@
-"""Pipeline parallelism on paper: what DeepSpeed's PipelineEngine would give the plan (issue 26).
+"""Pipeline parallelism on paper: what DeepSpeed's PipelineEngine would give the plan.
 
 The search has no pipeline axis: the trainer has no pipeline path yet, and a plan never picks what the
 trainer cannot run. This script asks the planner's own memory and step-time models what one would buy,

@@ -11,7 +11,7 @@ One-GPU runs go to free GPUs in parallel; multi-GPU runs take the GPUs they need
     python bench/plan_bench.py --fit bench/results/planner/h200-planner-*.json      # least-squares constants
     python bench/plan_bench.py --rows bench/results/planner/*.json --predict   # JSON, for the tests
 
-Goals (issue 12): peak memory (reserved: what must fit) within +-10% of the plan on every run; the planner's pick within 5% of
+Goals: peak memory (reserved: what must fit) within +-10% of the plan on every run; the planner's pick within 5% of
 the fastest measured candidate; predicted tokens/s within +-15%.
 """
 
@@ -60,7 +60,7 @@ CONFIGS: dict[str, dict[str, tuple[list[str], int]]] = {
         "L4 s4096 gb32 x2": (["model.num_layers=4", "training.seq_len=4096", "training.global_batch=32"], 2),
         "L6 s2048 gb32 x2": (["model.num_layers=6", "training.seq_len=2048", "training.global_batch=32"], 2),
     },
-    # issue 28: LoRA on the full 27 layers (the plan counts frozen weights without gradients or states)
+    # LoRA on the full 27 layers (the plan counts frozen weights without gradients or states)
     "LORA": {
         "L27 s4096 gb32 lora": (
             ["finetune.method=lora", "training.seq_len=4096", "training.global_batch=32"],
@@ -102,7 +102,7 @@ SLICES: dict[str, tuple[str, dict]] = {
     ),
 }
 CONFIGS["V3"] = {
-    # issue 26: the planner's compute and per-layer-pass terms at V3's width (hidden 7168, 128 heads,
+    # the planner's compute and per-layer-pass terms at V3's width (hidden 7168, 128 heads,
     # top-8 of 2048-wide experts), fitted on V2-Lite only; micro-steps of one sequence as a pipeline
     # stage would run them (bench/pipeline_what_if.py)
     "V3s L3 s4096 gb8": (
@@ -119,7 +119,7 @@ CONFIGS["V3"] = {
         1,
     ),
 }
-#: issue 47: what DeepSeek-V3's bias update costs a step at V3's width (one all-reduce of each MoE
+#: what DeepSeek-V3's bias update costs a step at V3's width (one all-reduce of each MoE
 #: layer's expert counts and an update of its bias, after the optimizer step), beside the frozen bias
 CONFIGS["BALANCE"] = {
     f"V3s L3 s4096 gb2 {mode}": (
@@ -133,7 +133,7 @@ CONFIGS["BALANCE"] = {
     )
     for mode in ("aux_free", "frozen")
 }
-#: issue 26: ZeRO-3's optimizer offload, which the V2 and V3 cluster picks use, beside the same
+#: ZeRO-3's optimizer offload, which the V2 and V3 cluster picks use, beside the same
 #: candidate resident: the rate of DeepSpeed's CPU Adam was the ZeRO-Offload paper's until these ran.
 #: The lent machine's host: 16 cores (OMP_NUM_THREADS 16 for the one rank), 128 GiB of RAM.
 _HOST = ["hardware.cpus_per_node=16", "hardware.host_memory_gib=125"]
@@ -271,7 +271,7 @@ def _forced(
     optimizer_step: str = "overrides.optimizer_step=auto",
 ) -> list[str]:
     """A candidate as the overrides that force it, regional compile included (not searched: a plan-wide
-    setting, on by default on GPUs since issue 13)."""
+    setting, on by default on GPUs)."""
     return [
         f"overrides.zero_stage={zero_stage}",
         f"overrides.ep_size={ep}",
@@ -292,7 +292,7 @@ def forced_overrides(row: dict) -> list[str]:
     if not any(x.startswith("overrides.zero_stage=") for x in o):
         o.insert(0, "overrides.zero_stage=3")
     if not any(x.startswith("overrides.optimizer_step=") for x in o):
-        # before issue 25: DeepSpeed's optimizer step, and compile=on compiled the regions only
+        # before the fused step: DeepSpeed's optimizer step, and compile=on compiled the regions only
         o = ["overrides.compile=regions" if x == "overrides.compile=on" else x for x in o]
         o.append("overrides.optimizer_step=deepspeed")
     return o

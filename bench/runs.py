@@ -158,12 +158,12 @@ def train(rd: Path) -> str:
 
 
 #: when the trainer's ZeRO-1/2 fused step became one pass (dskit/train/adamw_cast.py) and a single rank
-#: stopped using overlap_comm (dskit/plan/deepspeed.py), issue 49: runs measured before it ran DeepSpeed's
+#: stopped using overlap_comm (dskit/plan/deepspeed.py): runs measured before it ran DeepSpeed's
 #: cast and copy-back, its per-step flag read-back and two reduce buckets, and are re-predicted as such.
 #: One file falls between the two: peer/h200-vs-torchtitan-overlap-2026-12-04.json ran the one pass with
 #: overlap_comm still on (its variant row turned it off); it is in no calibration series.
 ONE_PASS_SINCE = "2026-12-04T10:20"
-#: when one rank's ZeRO-1/2 gradients went flat (dskit/train/flat_grads.py, issue 49): runs measured
+#: when one rank's ZeRO-1/2 gradients went flat (dskit/train/flat_grads.py): runs measured
 #: between the two ran the one pass through DeepSpeed's per-gradient hooks and buckets, whose micro-step
 #: host time was fitted then at HOST_MICRO_STEP_BUCKETS_S
 FLAT_SINCE = "2026-12-04T14:15"

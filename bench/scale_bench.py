@@ -1,4 +1,4 @@
-"""GPU benchmark of issue 14 on the GPUs a machine has: DeepSeek-V2-Lite layers holding the experts per
+"""GPU benchmark of expert-parallel scaling on the GPUs a machine has: DeepSeek-V2-Lite layers holding the experts per
 GPU that EP 8 gives the full model (64 / 8 = 8), from 1 to N GPUs at the same per-GPU work, against the
 plan; then one preemption (USR1 to the launcher) and a resume with the same command.
 

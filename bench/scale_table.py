@@ -1,4 +1,4 @@
-"""The plan at cluster scale, on paper: no GPU, only `dskit plan`'s own models (issue 26).
+"""The plan at cluster scale, on paper: no GPU, only `dskit plan`'s own models.
 
 For DeepSeek-V2-Lite, V2 and V3 at 8, 64 and 256 GPUs (8 per node) of H100 and H200, with the default
 spec (seq 4096, the default global batch), prints and writes:

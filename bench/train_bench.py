@@ -63,7 +63,7 @@ PROBES: dict[str, tuple[list[str], dict]] = {
         {"zero_optimization": {"stage": 2}},
     ),
 }
-# Issue 13: checkpointing every 2nd layer ran 5x slower than every layer (3.3 vs 0.99 s/step at 135.6 of
+# Measured: checkpointing every 2nd layer ran 5x slower than every layer (3.3 vs 0.99 s/step at 135.6 of
 # ~140 GiB reserved, with the full-logits loss). Is it the allocator near capacity? (--checkpointing)
 GB16 = ["training.global_batch=16"]
 GB16_EAGER = [*EAGER, *GB16]  # CHECKPOINTING's table was measured eager
@@ -88,7 +88,7 @@ COMPILE: dict[str, tuple[list[str], dict]] = {
     "gb16 plan choice, eager": ([*GB16, "overrides.compile=off"], {}),
     "gb16 plan choice, regional compile": ([*GB16, "overrides.compile=on"], {}),
 }
-# Issue 13's numerics goal (--numerics): 50 steps of the default (regional compile, chunked loss) against
+# The numerics goal (--numerics): 50 steps of the default (regional compile, chunked loss) against
 # the plain path (eager, full logits), same seed and data, each twice: the two runs of one path are the
 # GPU's run-to-run noise (non-deterministic kernels), the yardstick for the difference between paths.
 S50 = ["training.steps=50"]
@@ -98,18 +98,18 @@ NUMERICS: dict[str, tuple[list[str], dict]] = {
     "50 steps, plain (eager, full logits)": (PLAIN, {}),
     "50 steps, default, repeat": (S50, {}),
     "50 steps, plain, repeat": (PLAIN, {}),
-    # issue 31 made FlashAttention-4 the Hopper default: the plain path with the attention before it
+    # FlashAttention-4 is the Hopper default: the plain path with the attention before it
     "50 steps, plain with cuDNN attention (eager, full logits, sdpa_cudnn)": (
         [*PLAIN, "overrides.attention=sdpa_cudnn"],
         {},
     ),
-    # issue 26: each ZeRO stage the planner may pick, against ZeRO-3 (the same first weights since the
+    # each ZeRO stage the planner may pick, against ZeRO-3 (the same first weights since the
     # seeded init; 1 GPU: stage 1 and 2 differ only in when gradients are reduced)
     "50 steps, ZeRO-3 pinned": ([*S50, "overrides.zero_stage=3"], {}),
     "50 steps, ZeRO-2 pinned": ([*S50, "overrides.zero_stage=2"], {}),
     "50 steps, ZeRO-1 pinned": ([*S50, "overrides.zero_stage=1"], {}),
 }
-# Issue 13's scaling goal at this shape (--scaling, with --gpus 2): tokens/s/GPU at EP 2 against one
+# The scaling goal at this shape (--scaling, with --gpus 2): tokens/s/GPU at EP 2 against one
 # GPU. AutoEP's async_split_plan copies the all-to-all split sizes to the host on a side stream while
 # the permute kernels run, instead of blocking the host before them.
 SCALING: dict[str, tuple[list[str], dict]] = {
@@ -118,7 +118,7 @@ SCALING: dict[str, tuple[list[str], dict]] = {
     "plan default (repeat: run-to-run spread)": ([], {}),
     "profile: plan default": (["training.profile_steps=3"], {}),
 }
-# Issue 25 (--small-batch): the reference shape's step, host- and parameter-bound. The fused optimizer
+# --small-batch: the reference shape's step, host- and parameter-bound. The fused optimizer
 # step (dskit/train/fused_step.py: the gradient norm without DeepSpeed's fp64 copies, the clip inside
 # torch's fused AdamW) and compiling each whole attention block (ZeRO-1/2) won their first measurements
 # (results/training/h200-small-batch-2026-12-01.json and -fused-, run as environment probes at the time) and are
@@ -133,7 +133,7 @@ SMALL_BATCH: dict[str, tuple[list[str], dict]] = {
     "gb16, no attention compile": (GB16, NO_ATTN),
     "gb16, DeepSpeed's step, no attention compile": ([*GB16, *DS_STEP], NO_ATTN),
 }
-# Issue 31 (--attention): FlashAttention-4, the Hopper default since 2026-12-02, against cuDNN SDPA on
+# --attention: FlashAttention-4, the Hopper default since 2026-12-02, against cuDNN SDPA on
 # plain text at the host-bound reference shape and at the plan's pick for global batch 16 (FA4's call is
 # opaque to torch.compile: the compiled attention block breaks its graph around it).
 CUDNN = ["overrides.attention=sdpa_cudnn"]
@@ -143,13 +143,13 @@ ATTENTION: dict[str, tuple[list[str], dict]] = {
     "gb16, plan default (FlashAttention-4)": (GB16, {}),
     "gb16, cuDNN SDPA": ([*GB16, *CUDNN], {}),
 }
-# The defaults beside the reference baseline in one call (--side-by-side, with --baseline): issue 13's
+# The defaults beside the reference baseline in one call (--side-by-side, with --baseline): the
 # reference shape and the plan's own choice for global batch 16 (its 40% MFU goal).
 SIDE_BY_SIDE: dict[str, tuple[list[str], dict]] = {
     "dskit, plan default (reference shape)": ([], {}),
     "dskit, gb16 plan choice": (GB16, {}),
 }
-# Issue 62 (--host-sync): the host-bound shapes (layers, seq, global batch on one GPU) with DeepSpeed's
+# --host-sync: the host-bound shapes (layers, seq, global batch on one GPU) with DeepSpeed's
 # ThroughputTimer back on as it was before (a device synchronisation at each micro-step's start and end),
 # beside the plan default without it.
 TIMER_ON = {"timers": {"throughput": {"enabled": True, "synchronized": True}}}
@@ -304,10 +304,10 @@ def main() -> None:
     ap.add_argument("--numerics", action="store_true", help="run only the NUMERICS variants (50-step curves)")
     ap.add_argument("--scaling", action="store_true", help="run only the SCALING variants (use with --gpus)")
     ap.add_argument("--side-by-side", action="store_true", help="run only SIDE_BY_SIDE (and the baseline)")
-    ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (issue 25's probes)")
+    ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (the small-batch probes)")
     ap.add_argument("--attention", action="store_true", help="run only ATTENTION (FA4 against cuDNN SDPA)")
     ap.add_argument(
-        "--host-sync", action="store_true", help="run only HOST_SYNC (issue 62: the timer's syncs)"
+        "--host-sync", action="store_true", help="run only HOST_SYNC (the timer's syncs)"
     )
     a = ap.parse_args()
     GPU = a.gpu

@@ -1,4 +1,4 @@
-"""Where a ZeRO-1 and a ZeRO-2 step go at DeepSeek-V3's width, on one GPU (issue 26).
+"""Where a ZeRO-1 and a ZeRO-2 step go at DeepSeek-V3's width, on one GPU.
 
 The `V3s L3 s4096 gb2` configuration of `bench/plan_bench.py --set V3` (3 V3 layers with EP 8's 32
 experts, one 4,096-token sequence per micro-step, 2 micro-steps), its two ZeRO-1/2 candidates, each

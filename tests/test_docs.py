@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import io
 import itertools
+import json
 import re
 import tokenize
 from pathlib import Path
@@ -150,3 +151,108 @@ def test_every_cited_path_exists():
     assert len(paths) > 100  # the scan reads the docs and the comments, not nothing
     missing = [f"{where} cites {p}" for where, p in paths if not all(_exists(x) for x in _expand(p))]
     assert not missing, "\n".join(missing)
+
+
+# A work item (the word issue and its number) is nothing a reader of the code can open: a comment says the reason, or cites a
+# file, a doc section or a measurement. An upstream thread is cited with its repository and '#'
+# (NVIDIA/nccl-tests issue #119, DeepSpeed PR #8424), which stays.
+WORK_ITEM = re.compile(r"(?i)\bissues? \d+|(?<!issue )(?<!PR )(?<![^\s(])#\d+\b")
+#: code whose comments are checked: Python's comments and docstrings, the templates and shell scripts whole
+COMMENTED = sorted(
+    p
+    for d in ("dskit", "tests", "bench", "templates")
+    for p in (REPO / d).rglob("*")
+    if p.suffix in (".py", ".sh", ".j2") and "__pycache__" not in p.parts
+)
+
+
+def work_items(text: str) -> list[str]:
+    return [m.group(0) for m in WORK_ITEM.finditer(text)]
+
+
+def test_the_work_item_rule_tells_a_work_item_from_an_upstream_thread():
+    assert work_items("faster at micro-batch 1 (issue 49); issues 25, 28; Issue 13's goal; see #61") == [
+        "issue 49",
+        "issues 25",
+        "Issue 13",
+        "#61",
+    ]
+    assert work_items("NVIDIA/nccl-tests issue #119, DeepSpeed PR #8424, color:#222, `issue31`") == []
+
+
+def test_comments_cite_no_work_item():
+    assert len(COMMENTED) > 100
+    found = [
+        f"{p.relative_to(REPO)}: {hit}"
+        for p in COMMENTED
+        for hit in work_items(_prose(p) if p.suffix == ".py" else p.read_text())
+    ]
+    assert not found, "say the reason, or cite a file, a doc section or a measurement:\n" + "\n".join(found)
+
+
+MAP = REPO / "docs" / "architecture.md"
+TOUR_PACKAGE_LINE = re.compile(r"^- `(dskit/[\w/]*)/`:", re.M)
+
+
+def _unmapped_modules() -> list[str]:
+    """Module files under dskit/ that neither the README's tour nor docs/architecture.md's map names: by
+    their path anywhere in either, or by their file name in the tour's line for their package."""
+    tour, named = _tour(), (REPO / "README.md").read_text() + MAP.read_text()
+    lines = {
+        m.group(1): tour[m.start() : tour.find("\n", m.start())] for m in TOUR_PACKAGE_LINE.finditer(tour)
+    }
+    return [
+        rel
+        for p in sorted((REPO / "dskit").rglob("*.py"))
+        if p.name not in ("__init__.py", "__main__.py")  # a package is named by its folder (above)
+        and (rel := str(p.relative_to(REPO))) not in named
+        and f"`{p.name}`" not in lines.get(str(p.parent.relative_to(REPO)), "")
+    ]
+
+
+def test_every_module_file_is_in_the_tour_or_the_map():
+    assert len(list((REPO / "dskit").rglob("*.py"))) > 100
+    assert _unmapped_modules() == [], "add one line each to README.md's tour or docs/architecture.md's map"
+
+
+DEVELOPMENT = REPO / "docs" / "development.md"
+SUITE_COST = REPO / "tests" / "suite-cost.json"
+#: docs/development.md's words for the outcomes pytest counts
+OUTCOME_WORDS = {
+    "passed": "passed",
+    "failed": "failures",
+    "xfailed": "expected failures",
+    "skipped": "skipped",
+}
+
+
+def suite_figures(cost: dict) -> list[str]:
+    """What the `make test` row of docs/development.md's table states, recomputed from a recorded run
+    (`make suite-cost` writes tests/suite-cost.json)."""
+    rec, outcomes = cost["recorded"], cost["outcomes"]
+    counted = ", ".join(f"{n:,} {OUTCOME_WORDS.get(k, k)}" for k, n in outcomes.items() if n)
+    return [
+        f"{cost['count']:,} tests: {counted}",
+        f"{cost['wall_s'] / 60:.1f} minutes of pytest ({cost['test_s']:,.0f} test-seconds on {rec['workers']} workers)",
+        f"at commit {rec['commit']} ({rec['date']}), on {rec['cpus']} cores",
+    ]
+
+
+def stale_suite_figures(doc: str, cost: dict) -> list[str]:
+    """The recorded run's figures the table's `make test` row does not state, and every commit the
+    table names that is not the recorded run's (a tier measured at another commit is stale too)."""
+    table = doc.split("## Suite size and duration", 1)[1].split("\n## ", 1)[0]
+    (row,) = [line for line in table.splitlines() if line.startswith("| `make test` ")]
+    stale = [f for f in suite_figures(cost) if f not in row]
+    commit = cost["recorded"]["commit"]
+    stale += [f"commit {c}" for c in re.findall(r"\bcommit ([0-9a-f]{7,40})\b", table) if c != commit]
+    return stale
+
+
+def test_the_suite_figures_are_the_last_recorded_runs():
+    cost = json.loads(SUITE_COST.read_text())
+    assert stale_suite_figures(DEVELOPMENT.read_text(), cost) == []
+    # a run recorded after the table was written leaves every figure of it stale
+    later = {**cost, "count": cost["count"] + 1, "wall_s": cost["wall_s"] + 60, "test_s": cost["test_s"] + 9}
+    later["recorded"] = {**cost["recorded"], "commit": "0000000"}
+    assert len(stale_suite_figures(DEVELOPMENT.read_text(), later)) >= 4

@@ -5,18 +5,18 @@ the rows as (order, first): row r holds the samples order[first[r]:first[r+1]] (
 input), each row's samples in the seeded order. Neither reads anything but its arguments, so the rows
 are a function of (seed, data, seq_len) and a resumed run rebuilds exactly the rows it left.
 
-`best_fit` (issue 61): best-fit decreasing over a bounded window. Samples are taken in the seeded
+`best_fit`: best-fit decreasing over a bounded window. Samples are taken in the seeded
 order until they fill about WINDOW_ROWS rows; the window's samples, longest first, each go into the
 open row with the least room that still holds it (a new row where none does). The window's least-full
 row is not closed: its samples go back to the front of the next window, so rows are not cut short at
-every window's end; the last window closes all. On issue 61's long-tailed chat set (9,000 chats, mean
+every window's end; the last window closes all. On a long-tailed chat set (9,000 chats, mean
 214 tokens, tail to 1,800) an epoch's rows are 0.999 full at seq 2048 and 0.998 at 4096, against 0.888
 and 0.940 for `next_fit` (bench/chat_bench.py --packing). The window keeps each row's samples from one
 stretch of the seeded order (best fit over the whole set would end it with rows of nothing but the
 shortest samples) and bounds the work per sample to a sort and a search of one window's open rows
 (9,000 samples: 7 ms).
 
-`next_fit`: the packer before issue 61, the samples in the seeded order, a row closed at the first
+`next_fit`: the packer before best fit, the samples in the seeded order, a row closed at the first
 sample that does not fit. The trainer never uses it; it stays so bench/chat_bench.py can show both
 packers on the same data (`Sampler(..., packer=next_fit)`).
 """
@@ -75,7 +75,7 @@ def best_fit(need: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def next_fit(need: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """The packer before issue 61 (see the module's docstring): in the seeded order, a new row at the
+    """The packer before best fit (see the module's docstring): in the seeded order, a new row at the
     first sample that does not fit the current one. Returns (order, first)."""
     rows: list[list[int]] = []
     used = 0

@@ -1,5 +1,5 @@
 """AdamW over one ZeRO partition in one pass: 16-bit gradient in, fp32 master and moments updated, 16-bit
-weights out (issue 49).
+weights out.
 
 DeepSpeed's ZeRO-1/2 step spends three passes over every parameter where this spends one: it casts the
 flat 16-bit gradient partition to a new fp32 tensor, steps torch's fused AdamW on it, then copies the fp32

@@ -1,4 +1,4 @@
-"""On one rank, ZeRO-1/2's gradients accumulate straight into one flat buffer per parameter group (issue 49).
+"""On one rank, ZeRO-1/2's gradients accumulate straight into one flat buffer per parameter group.
 
 DeepSpeed 0.19.8 runs a Python hook per parameter as autograd makes its gradient: it copies the gradient
 into a reduce bucket, reduces the bucket over its group, copies each gradient again into the partition's

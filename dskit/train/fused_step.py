@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2's optimizer step without two of its passes over every gradient (issue 25).
+"""DeepSpeed ZeRO-1/2's optimizer step without two of its passes over every gradient.
 
 DeepSpeed 0.19.8 takes the gradient norm by copying each bf16 gradient to fp64 (`get_norm_dtype`),
 and divides every fp32 gradient by the clip coefficient in a separate pass, even when that coefficient

@@ -1,4 +1,4 @@
-"""Training on your own data: chat records, loss masks, whole-sample packing (issue 17).
+"""Training on your own data: chat records, loss masks, whole-sample packing.
 
 The chat set and its tokenizer are made here (tests/support/chat_data.py): byte-level BPE from the `tokenizers`
 library with a DeepSeek-shaped chat template, saved like a published tokenizer.

@@ -1,4 +1,4 @@
-"""Packing whole chat samples into rows (issue 61 item 6): rows of a long-tailed chat set are at least
+"""Packing whole chat samples into rows: rows of a long-tailed chat set are at least
 97% full, and the rows stay a function of the seed, so a resumed run and a mixture read exactly what an
 uninterrupted one does."""
 

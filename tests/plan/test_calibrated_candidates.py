@@ -1,7 +1,7 @@
 """On the lent GPU, `dskit calibrate local --candidates N` measured the calibrated plan's first candidates
 beside its predictions (bench/results/calibration, series `h100-calibrate-candidates`). Today's plan,
 given the committed calibration of each call, must still predict every measured candidate within 10% in
-tokens/s and memory (issue 56's goal on one GPU): a change to the model that moves a prediction away from
+tokens/s and memory (the calibrated plan's goal on one GPU): a change to the model that moves a prediction away from
 what the GPU measured fails here, not only on the next GPU session.
 
 The spec is rebuilt from the calibration's recorded command (its `--gpu`, `--gpus-per-node` and `--set`

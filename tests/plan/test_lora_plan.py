@@ -1,4 +1,4 @@
-"""LoRA in the spec and the plan (issue 28): what trains, what is frozen, what fits; bad values refused.
+"""LoRA in the spec and the plan: what trains, what is frozen, what fits; bad values refused.
 
 The trainer's side (real DeepSpeed + AutoEP runs on gloo) is tests/train/test_lora.py.
 """
@@ -41,7 +41,7 @@ def test_full_depth_v2_lite_with_lora_fits_one_h200_where_full_training_does_not
 
 
 def test_v3_lora_on_its_fp8_base_fits_one_h200_node_where_a_bf16_base_does_not():
-    """Issue 28's goal: DeepSeek-V3, FP8 base + LoRA, on 1 x 8 H200 fits, with a predicted speed. The
+    """The goal of LoRA on an FP8 base: DeepSeek-V3, FP8 base + LoRA, on 1 x 8 H200 fits, with a predicted speed. The
     trainer builds the base from the meta device (dskit/train/fp8/construct.py), so construction holds only
     the rank's FP8 share: the non-expert base whole and 1/8 of the experts, below the steady state."""
     p = _plan("deepseek-v3", "h200-141gb", 8, "finetune.method=lora", "finetune.base_precision=fp8")

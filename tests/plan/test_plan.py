@@ -56,7 +56,7 @@ def test_default_two_node_plan():
 
 def test_overlap_comm_only_where_there_is_communication_to_overlap():
     """With overlap_comm DeepSpeed synchronises the device before each gradient bucket's reduce; on one
-    rank there is nothing to overlap (issue 49: the one-GPU step ran 12% faster at micro-batch 1)."""
+    rank there is nothing to overlap (measured: the one-GPU step ran 12% faster at micro-batch 1, bench/JOURNAL.md)."""
     small = ("model.num_layers=4", "training.global_batch=2")
     one = plan_for(*small, hardware__gpu="h200-141gb", hardware__gpus_per_node=1)
     two = plan_for(*small, hardware__gpu="h200-141gb", hardware__gpus_per_node=2)
@@ -70,7 +70,7 @@ def test_overlap_comm_only_where_there_is_communication_to_overlap():
 
 def test_one_rank_gradients_go_flat_in_bf16_with_the_fused_step():
     """dskit/train/flat_grads.py: on one rank with the fused step in bf16 the gradients need no reduce
-    bucket and no boundary copy (issue 49); several ranks, fp16 and DeepSpeed's step keep DeepSpeed's path."""
+    bucket and no boundary copy; several ranks, fp16 and DeepSpeed's step keep DeepSpeed's path."""
 
     def flat(p) -> bool:  # the plan's decision, which the trainer obeys (dskit/train/entry.py)
         return p.parallel.gradients == "flat"
@@ -245,7 +245,7 @@ def test_construction_peak_of_one_v3_moe_layer():
 
 
 def test_issue_examples():
-    """Issue 11's two plans: V3 on 32 nodes of H100 fits every estimate; V2-Lite on one H200 is refused.
+    """Two plans at the edges: V3 on 32 nodes of H100 fits every estimate; V2-Lite on one H200 is refused.
 
     V3's default batch is 4 sequences per GPU there (1024): micro-batch 4 fits only with the optimizer
     offloaded, predicted more than the required 15% faster than every plan without it, and said so.
@@ -366,7 +366,7 @@ def test_memory_watch_samples_held_memory_not_freed_heap():
 
 
 def test_allocator_retries_are_named_with_the_remedy():
-    """Near capacity the caching allocator frees and retries (measured: 5x slower steps, issue 13)."""
+    """Near capacity the caching allocator frees and retries (measured: 5x slower steps, bench/JOURNAL.md)."""
     import torch
 
     from dskit.train.metrics import alloc_retries, alloc_retry_warning
@@ -459,7 +459,7 @@ def test_a_run_yaml_rendered_before_the_data_fields_still_loads():
 
 
 def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it(monkeypatch):
-    """overrides.compile: auto compiles on GPUs (measured faster and smaller on H200, issue 13) and not on the
+    """overrides.compile: auto compiles on GPUs (measured faster and smaller on H200, bench/JOURNAL.md) and not on the
     cpu profile; the plan's memory and step time are those of the compiled run, less than eager's."""
     from dskit.plan import memory
 
@@ -467,7 +467,7 @@ def test_regional_compile_is_the_gpu_default_and_the_planner_counts_it(monkeypat
     shape = ("model.num_layers=4", "training.seq_len=4096", "training.global_batch=16")
     flags = {"hardware__gpu": "h200-141gb", "hardware__gpus_per_node": 1, "model__preset": "deepseek-v2-lite"}
     # the regions alone here; compiling whole attention blocks too (compile=on, auto's ZeRO-1/2 default)
-    # is issue 25's, pinned in test_zero12_plans_take_the_fused_step_and_compile_attention...
+    # is pinned in test_zero12_plans_take_the_fused_step_and_compile_attention...
     auto, eager = (
         plan_for(*shape, "overrides.compile=regions", **flags),
         plan_for(*shape, "overrides.compile=off", **flags),
@@ -495,7 +495,7 @@ H200 = {"model__preset": "deepseek-v2-lite", "hardware__gpu": "h200-141gb", "har
 
 
 def test_zero12_plans_take_the_fused_step_and_compile_attention_zero3_keeps_deepspeeds():
-    """Issue 25's two levers apply where no ZeRO-3 hook or CPU optimizer is in their way."""
+    """The fused step and compiled attention apply where no ZeRO-3 hook or CPU optimizer is in their way."""
     p = plan_for(*H200_MB2, **H200)
     assert p.parallel.zero_stage == 2
     assert p.parallel.optimizer_step == "fused" and p.parallel.compile_attention

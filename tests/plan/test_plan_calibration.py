@@ -1,11 +1,11 @@
-"""The planner against the H200 measurements committed in bench/results (issue 12's three goals).
+"""The planner against the H200 measurements committed in bench/results, against three goals.
 
 Every run there was trained through the real trainer with one candidate forced; here today's plan is
 rebuilt for each and compared, so a change to the memory or step-time model that breaks calibration
 fails in CI (no GPU needed, nothing outside the repository read):
 - the plan's memory total within +-10% of the peak the allocator reserved;
 - predicted tokens/s/GPU within +-15% of the measured median;
-- for every configuration as the plan runs it on GPUs (regional compile, the default since issue 13),
+- for every configuration as the plan runs it on GPUs (regional compile, the GPU default),
   the planner's own pick is a measured candidate within 5% of the fastest that it may take (a run
   measured above the plan's memory limit, 90% of the GPU, is not one). The eager runs predate ZeRO-1/2
   as a plan choice: their picks are now ZeRO-2 and were measured for the reference shape only, so they
@@ -75,7 +75,7 @@ def _id(r: dict) -> str:
 
 def test_the_measurements_cover_the_issue():
     """At least 8 configurations on 1 and 2 GPUs, each with rejected candidates beside the pick (eager);
-    compiled runs (the GPU default since issue 13) of at least 8 configurations, two with rejected
+    compiled runs (the GPU default) of at least 8 configurations, two with rejected
     candidates where compiling changed the pick."""
     eager = {r["config"] for r in ROWS if config_key(r) == r["config"]}
     assert len(eager) >= 8 and {r["gpus"] for r in ROWS} == {1, 2}
@@ -86,7 +86,7 @@ def test_the_measurements_cover_the_issue():
 
 
 def test_the_lora_measurements_cover_full_depth_and_checkpointing():
-    """Issue 28's full-depth V2-Lite on one H200, uncheckpointed and checkpointed, beside shallower ones."""
+    """Full-depth V2-Lite on one H200, uncheckpointed and checkpointed, beside shallower ones."""
     lora = [r for r in LORA_ROWS if "finetune.method=lora" in r["sets"]]
     assert len(lora) >= 6 and {r["config"].split()[0] for r in lora} >= {"L4", "L12", "L27"}
     ckpt = {forced_overrides(r)[3] for r in lora}
@@ -118,7 +118,7 @@ def test_the_pick_is_the_fastest_measured(config):
 
 
 # ---------------------------------------------------------------------------------------------------
-# DeepSeek-V3's width (bench/plan_bench.py --set V3, issue 26): the same goals, with today's known miss
+# DeepSeek-V3's width (bench/plan_bench.py --set V3): the same goals, with today's known miss
 # kept strict, so that the fix it calls for turns it into a failure to move back among the others
 
 V3_ROWS = calibration.rows(PLAN_BENCH, "v3-width")
@@ -213,7 +213,7 @@ def test_v3_width_pick_is_the_fastest_measured(config):
 
 
 # ---------------------------------------------------------------------------------------------------
-# LoRA on an FP8 base beside a bf16 base (bench/fp8_lora_bench.py, issue 28 item 6): the same bounds
+# LoRA on an FP8 base beside a bf16 base (bench/fp8_lora_bench.py): the same bounds
 
 
 FP8_BENCH = "fp8_lora_bench.py"
@@ -309,13 +309,13 @@ def test_an_fp8_base_trains_the_loss_curve_of_its_bf16_base():
 
 
 def test_a_lora_checkpoint_is_a_fraction_of_the_full_runs():
-    """Issue 28's goal (<= 5%), measured at V2-Lite's width: the L2 model's LoRA and full checkpoints."""
+    """The LoRA checkpoint goal (<= 5%), measured at V2-Lite's width: the L2 model's LoRA and full checkpoints."""
     size = {r["label"]: r["measured"]["checkpoint_bytes"] for r in FP8_ROWS if r["layers"] == 2}
     assert size["bf16"] <= 0.05 * size["full"]
 
 
 # ---------------------------------------------------------------------------------------------------
-# ZeRO-3's optimizer offload beside the same run resident (`plan_bench.py --set OFFLOAD`, issue 26): the
+# ZeRO-3's optimizer offload beside the same run resident (`plan_bench.py --set OFFLOAD`): the
 # CPU Adam rate per core was fitted on the three offloaded rows. The call's two runs of DeepSpeed's
 # partial offload are kept in the file and out of these tests: the plan does not take it (docs/planner.md
 # "Optimizer offload, measured")
@@ -355,7 +355,7 @@ def test_offload_memory_matches_measurement(row):
 
 # ---------------------------------------------------------------------------------------------------
 #: 4-layer V2-Lite at micro-batch 1 and 2, seq 2048 and 4096, and global batch 16, beside torchtitan
-#: (bench/peer_bench.py, issue 49), measured since the fused step became one pass: where the host, not the
+#: (bench/peer_bench.py), measured since the fused step became one pass: where the host, not the
 #: GPU, sets the pace. Today's plan for each shape at the micro-batch it ran.
 PEER_BENCH = "peer_bench.py"
 SMALL_ROWS = calibration.rows(PEER_BENCH, "small-shapes")

@@ -1,4 +1,4 @@
-"""Issue 11 item 5: over the whole catalog, a plan either refuses (SpecError, exit 2) or every one of
+"""Over the whole catalog, a plan either refuses (SpecError, exit 2) or every one of
 its memory estimates fits the hardware: steady state and construction peak per GPU, host RAM per node.
 
 The limits are recomputed here from the catalog and the margins, and the estimates from the memory

@@ -1,6 +1,6 @@
 """Every class of bad input, through the real CLI: exit 2, exactly one line on stderr, nothing written.
 
-One row per class (issue 19's reproducers and their neighbours). Each row prepares its files in a
+One row per class (a reproducer of each and its neighbours). Each row prepares its files in a
 fresh directory, runs `dskit` there, and the directory must be exactly as it was afterwards.
 """
 

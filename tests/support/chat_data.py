@@ -78,7 +78,7 @@ def make_tokenizer_from(out: Path, text: list[str], vocab_size: int) -> Path:
     return out
 
 
-# Issue 61's chat set, by shape: 9,000 chats of 1-3 turns, 214 tokens on average, long-tailed to 1,800.
+# A long-tailed chat set, by shape: 9,000 chats of 1-3 turns, 214 tokens on average, long-tailed to 1,800.
 LONG_TAIL_CHATS, LONG_TAIL_MAX = 9000, 1800
 
 

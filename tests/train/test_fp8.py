@@ -1,4 +1,4 @@
-"""DeepSeek-V3's FP8 weights (issue 28): a checkpoint in the FP8 block format trains full fine-tune
+"""DeepSeek-V3's FP8 weights: a checkpoint in the FP8 block format trains full fine-tune
 through the real trainer, dequantised while loading, from the same first loss as its BF16 twin; broken
 FP8 checkpoints are one line and exit 2; the frozen FP8 linear computes what a bf16 linear with the
 dequantised weight computes, holding 1 byte per weight.

@@ -1,4 +1,4 @@
-"""LoRA on an FP8 frozen base (issue 28 item 3): a tiny V3 saved in DeepSeek-V3's FP8 block format
+"""LoRA on an FP8 frozen base: a tiny V3 saved in DeepSeek-V3's FP8 block format
 (quantised by DeepSeek's rule, partial edge blocks: tests/train/test_fp8.py) trains with LoRA through the real
 trainer (2 gloo ranks, AutoEP EP 2, ZeRO-2), its base held in FP8, against the same run on its
 dequantised BF16 twin.

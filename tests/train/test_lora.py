@@ -1,4 +1,4 @@
-"""LoRA on the real trainer (issue 28): DeepSpeed + AutoEP (EP 2) on 2 gloo ranks, tiny V2 under ZeRO-3
+"""LoRA on the real trainer: DeepSpeed + AutoEP (EP 2) on 2 gloo ranks, tiny V2 under ZeRO-3
 and tiny V3 under ZeRO-2, both from a saved Hugging Face checkpoint (model.path), as a user starts; each
 also with the routed experts adapted (an adapter per expert on AutoEP's grouped experts, each rank
 holding its half; peft's reference is `target_parameters` on transformers' fused experts).

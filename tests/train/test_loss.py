@@ -52,7 +52,7 @@ def test_zero3_hooks_find_the_tensor_in_the_model_output(field):
     """ZeRO-3 runs a module's pre-backward hook (gather its parameters for backward) from an autograd
     function it wraps around each tensor of the module's output; `apply_to_tensors_only` finds them in
     tuples, lists and dicts only. The output was once a plain dataclass: the hook never saw the loss and
-    DeepSpeed warned at every start (issue 31)."""
+    DeepSpeed warned at every start."""
     from deepspeed.runtime.zero.utils import apply_to_tensors_only
 
     t = torch.ones(3, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Fine-tuning on chat data end to end (issue 17's proof): a tiny DeepSeek-V2 saved with
+"""Fine-tuning on chat data end to end: a tiny DeepSeek-V2 saved with
 `save_pretrained`, a chat set prepared with a local tokenizer's chat template and a held-out split,
 trained on 2 CPU ranks (EP 2, ZeRO-3) with the masked loss and whole-sample packing.
 

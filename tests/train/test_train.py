@@ -128,7 +128,7 @@ def test_loss_falls_on_real_text(reference, model):
 @pytest.mark.parametrize("model", ["tiny-v2", "tiny-v3"])
 def test_zero3_hooks_see_every_module_output(reference, model):
     """DeepSpeed warns when a module's output hides its tensors from ZeRO-3's backward hooks (the
-    chunked loss's LMOutput did, at every start: issue 31); the reference runs train with the chunked
+    chunked loss's LMOutput did, at every start); the reference runs train with the chunked
     loss, so they would show it."""
     assert load_plan(reference[model] / "run.yaml").parallel.loss_chunk_tokens
     log = (reference[model].parent / "train.log").read_text()

@@ -4,7 +4,7 @@ docs/planner.md ("ZeRO stages", "Not searched") says why the search leaves out h
 (`zero_hpz_partition_size`), qgZ (`zero_quantized_gradients`) and MiCS (`mics_shard_size`): DeepSpeed
 refuses each with AutoEP (or at all). These tests hand real DeepSpeed exactly what dskit would (a tiny
 V2 plan: ZeRO-3, 2 gloo ranks, EP 2) with the one key added, and assert that refusal. When an upgrade
-lifts one, its test fails: that is the moment to make the option a plan decision (issue 26), counted in
+lifts one, its test fails: that is the moment to make the option a plan decision, counted in
 memory and time and checked here like tests/train/test_zero_stages.py's stages.
 """
 
