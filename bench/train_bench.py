@@ -304,11 +304,9 @@ def main() -> None:
     ap.add_argument("--numerics", action="store_true", help="run only the NUMERICS variants (50-step curves)")
     ap.add_argument("--scaling", action="store_true", help="run only the SCALING variants (use with --gpus)")
     ap.add_argument("--side-by-side", action="store_true", help="run only SIDE_BY_SIDE (and the baseline)")
-    ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (the small-batch probes)")
+    ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (small probes)")
     ap.add_argument("--attention", action="store_true", help="run only ATTENTION (FA4 against cuDNN SDPA)")
-    ap.add_argument(
-        "--host-sync", action="store_true", help="run only HOST_SYNC (the timer's syncs)"
-    )
+    ap.add_argument("--host-sync", action="store_true", help="run only HOST_SYNC (the timer's syncs)")
     a = ap.parse_args()
     GPU = a.gpu
     import torch
