@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import peer_row
+
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), REPO / "bench" / "README.md"]
 CODE = sorted(p for d in ("dskit", "bench", "tests") for p in (REPO / d).rglob("*.py"))
@@ -256,3 +258,25 @@ def test_the_suite_figures_are_the_last_recorded_runs():
     later = {**cost, "count": cost["count"] + 1, "wall_s": cost["wall_s"] + 60, "test_s": cost["test_s"] + 9}
     later["recorded"] = {**cost["recorded"], "commit": "0000000"}
     assert len(stale_suite_figures(DEVELOPMENT.read_text(), later)) >= 4
+
+
+def test_the_support_pages_gpu_row_is_the_newest_peer_results():
+    """docs/support.md's comparison with torchtitan is tests/support/peer_row.py's sentence from
+    bench/results/peer/: a newer result changes it, and the page must be regenerated (--write)."""
+    doc = (REPO / "docs" / "support.md").read_text()
+    found = peer_row.newest(peer_row.results())
+    assert len(found) >= 5  # every shape peer_bench measures
+    assert peer_row.render(doc, found) == doc, "run: python -m tests.support.peer_row --write"
+
+
+def test_a_newer_peer_result_replaces_the_older_one_of_its_shape():
+    results = peer_row.results()
+    name, res = next((n, r) for n, r in results.items() if "s4096-2026-12-04c" in n)
+    later = json.loads(json.dumps(res))
+    later["date"] = "2099-01-01T00:00:00+00:00"
+    for row in later["rows"]:
+        if row["system"] == "dskit":
+            row["tok_s_gpu"] //= 2
+    found = peer_row.newest({**results, "h200-vs-torchtitan-later.json": later})
+    assert {f["file"] for f in found.values()} >= {"h200-vs-torchtitan-later.json"}
+    assert "behind to ahead" in peer_row.sentence(found)
