@@ -1,4 +1,7 @@
-"""`dskit doctor` on this (CPU) machine: one line per check, JSON, and failures that mean something."""
+"""`dskit doctor` on this (CPU) machine: one line per check, JSON, and failures that mean something.
+
+The first test runs the real process (its exit code); the others run doctor's main in this process
+(tests/support/cli.py), except where a PYTHONPATH stands for an image's site-packages."""
 
 from __future__ import annotations
 
@@ -10,6 +13,12 @@ import pytest
 
 from tests.conftest import dskit
 from tests.support.build_lock import LAYOUTS
+from tests.support.cli import cli, import_first
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _deepspeed_imported():
+    import_first("deepspeed")
 
 
 def test_doctor_reports_every_check_as_one_line():
@@ -29,7 +38,7 @@ def test_doctor_fails_where_a_job_would():
         "NCCL_IB_DISABLE": "0",
         "DSKIT_IMAGE_FLASH_ATTN": "fa2",
     }
-    r = dskit("doctor", "--json", env=env)
+    r = cli("doctor", "--json", env=env)
     assert r.returncode == 1
     status = {c["name"]: c["status"] for c in json.loads(r.stdout)}
     assert status["gpu"] == "FAIL"  # the contract says GPU, none is visible
@@ -39,7 +48,7 @@ def test_doctor_fails_where_a_job_would():
 
 
 def test_doctor_build_mode_needs_no_gpu_or_launcher():
-    r = dskit("doctor", "--build", "--json")
+    r = cli("doctor", "--build", "--json")
     status = {c["name"]: c["status"] for c in json.loads(r.stdout)}
     assert status["gpu"] == "PASS" and "launch contract" not in status
 
@@ -149,7 +158,7 @@ def test_flash_attention_2s_own_cute_copy_does_not_fail_an_ampere_image(tmp_path
 
 
 def _build_lock_checks() -> list[dict]:
-    r = dskit("doctor", "--json")
+    r = cli("doctor", "--json")
     return [c for c in json.loads(r.stdout) if c["name"] == "build locks"]
 
 
@@ -206,8 +215,8 @@ def test_every_check_is_one_line_whatever_a_path_or_value_holds(locked, tmp_path
     if locked:
         plant("deepspeed_shm_comm")
     env = {"DSKIT_GPU_PROFILE": f"h100-80gb{FORGER}"}
-    text = dskit("doctor", env=env).stdout
-    checks = json.loads(dskit("doctor", "--json", env=env).stdout)
+    text = cli("doctor", env=env).stdout
+    checks = json.loads(cli("doctor", "--json", env=env).stdout)
     assert text.endswith("\n")
     lines = text[:-1].split("\n")
     assert len(lines) == len(checks)

@@ -1,7 +1,8 @@
 """Every class of bad input, through the real CLI: exit 2, exactly one line on stderr, nothing written.
 
 One row per class (a reproducer of each and its neighbours). Each row prepares its files in a
-fresh directory, runs `dskit` there, and the directory must be exactly as it was afterwards.
+fresh directory, runs `dskit` there (its main, in this process: tests/support/cli.py; the process's own
+exit codes are the stdout tests' below), and the directory must be exactly as it was afterwards.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import dskit
+from tests.support.cli import cli
 
 TINY = ["--gpu", "cpu", "--gpus-per-node", "2", "--model", "tiny-v2", "--set", "training.seq_len=128"]
 CPU = [*TINY, "--set", "storage.root=/shared/dskit"]
@@ -106,7 +107,7 @@ T = {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}
 
 def rendered(d: Path, name: str = "run") -> Path:
     out = d / name
-    dskit("render", "slurm", *CPU, "-o", str(out), check=True)
+    cli("render", "slurm", *CPU, "-o", str(out), check=True)
     return out
 
 
@@ -159,7 +160,7 @@ def export_onto_run(d: Path) -> list[str]:
 def export_manifest(manifest: bytes, done: bytes = b'{"step": 1, "world_size": 1}') -> Setup:
     def setup(d: Path) -> list[str]:
         out = d / "run"
-        dskit(
+        cli(
             "render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={d / 'ck'}", "-o", str(out), check=True
         )
         tag = d / "ck" / "step00000001"
@@ -531,7 +532,7 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch,
     setup, words = CASES[case]
     args = setup(d)
     before = _snapshot(tmp_path)
-    r = dskit(*args, cwd=Path.cwd(), timeout=120)
+    r = cli(*args)
     lines = r.stderr.splitlines()
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert len(lines) == 1 and lines[0].startswith("dskit: error: "), r.stderr
@@ -573,7 +574,7 @@ def test_status_against_a_server_answering_garbage_is_one_line(tmp_path, body):
     try:
         kc = tmp_path / "kc"
         kc.write_text(UNREACHABLE.replace("https://127.0.0.1:1", f"http://127.0.0.1:{server.server_port}"))
-        r = dskit("status", "run", "--kubeconfig", str(kc), timeout=60)
+        r = cli("status", "run", "--kubeconfig", str(kc))
     finally:
         server.shutdown()
     lines = r.stderr.splitlines()
@@ -611,11 +612,11 @@ def test_a_failing_ds_to_universal_is_one_line_pointing_at_its_log(tmp_path, mon
     import subprocess
     import zlib
 
-    from dskit import cli
+    from dskit.cli import main
     from dskit.train import export
 
     run, ck = tmp_path / "run", tmp_path / "ck"
-    dskit("render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={ck}", "-o", str(run), check=True)
+    cli("render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={ck}", "-o", str(run), check=True)
     tag = ck / "step00000001"
     tag.mkdir(parents=True)
     (tag / "f.pt").write_bytes(b"x")
@@ -626,7 +627,7 @@ def test_a_failing_ds_to_universal_is_one_line_pointing_at_its_log(tmp_path, mon
         return subprocess.CompletedProcess(args, 3, stdout="boom\n", stderr="Traceback: deep inside\n")
 
     monkeypatch.setattr(export.subprocess, "run", failing)
-    assert cli.main(["export", str(run), "-o", str(tmp_path / "hf")]) == 2
+    assert main(["export", str(run), "-o", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "ds_to_universal failed" in err[0] and "(exit 3)" in err[0], err
     log = Path(err[0].rsplit(" ", 1)[1])
