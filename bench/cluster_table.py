@@ -276,6 +276,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     from dskit.plan import speed
     from dskit.plan.model_math import counts
     from dskit.plan.prefetch import gathered_layer_params, max_live, prefetched_share
+    from dskit.plan.shape import ModelShape
 
     model, gpu_name, world = ARITH
     extra = [f"overrides.{k}={v}" for k, v in (pin or {}).items()]
@@ -284,7 +285,8 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     if p.zero_stage != 3:  # the arithmetic below is ZeRO-3's (per-layer gathers)
         raise SystemExit(f"{model} on {world} {gpu_name}: the pick is ZeRO-{p.zero_stage}, not ZeRO-3")
     cfg = plan.model.config
-    c = counts(cfg, p.seq_len)
+    shape = ModelShape.from_config(cfg)
+    c = counts(shape, p.seq_len)
     gpu, fabric = catalog.gpu(gpu_name), catalog.fabric(FABRIC)
     cal = None if calibration_path is None else calibration.read(calibration_path)
     rates = links_.Links.of(gpu, fabric, cal)
@@ -339,7 +341,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     reduced = {"dense": non_expert, "expert_dp": local}
     # the model's own bytes (speed._zero_groups: tensors under the persistence threshold not gathered) at
     # the model's rates (links.seconds), composed as speed._collectives_s composes them
-    zero = {name: (gb, rb) for gb, rb, name in speed._zero_groups(cfg, c, layout, None)}
+    zero = {name: (gb, rb) for gb, rb, name in speed._zero_groups(shape, c, layout, None)}
     out = []
     transfer = {}
     one_layer: dict[str, dict[str, float]] = {}  # a layer's gather (= its reduce-scatter) per group, s
@@ -444,7 +446,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     exposed += 4 * vocab_s - follows + vocab_s  # + the embedding's reduce-scatter, the backward's last
     exposed *= accum
     whole = sum(transfer.values())
-    groups = speed._zero_groups(cfg, c, layout, None)
+    groups = speed._zero_groups(shape, c, layout, None)
     # the model's prefetched share (speed.prefetched): the live limit the largest gathered unit sets
     # (prefetch.gathered_layer_params, max_live), and the share of a MoE layer's gathered parameters it
     # leaves room for beside the layer being computed, taken for every layer and pass
@@ -456,8 +458,10 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
         else c.largest_layer
     )
     share_model = prefetched_share(live_model, unit_model)
-    args = (groups, shapes, rates, 3, frac, L * (2 + frac), layers, windows, share_model, [])
-    model_exposed = accum * speed._collectives_s(*args, sync_layer_pass_s=0.0)[0]
+    passes = speed.Passes(L, moe, frac)  # the layers each group holds: `layers` above
+    model_exposed = (
+        accum * speed._collectives_s(groups, shapes, rates, 3, passes, windows, share_model, [])[0]
+    )
     model_whole = sum(t["model_s"] for t in out)
     # the same, piece by piece: each pass's gathers (both groups) with `share_model` of them free to start
     # ahead behind that pass's compute, and the backward's reduce-scatters (DeepSpeed's reduce stream,
@@ -551,7 +555,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
             f" {nvlink:g} GB/s, at once; + {2 * accum * pairs:g} calls x ({NCCL_BASE_US:g} base + 1 step)"
             f" = {lat:.1f} us"
         )
-    a2a_model = accum * speed._all_to_all_s(cfg, c, layout, ep, rates, tokens, frac, [])
+    a2a_model = accum * speed._all_to_all_s(shape, ep, rates, tokens, frac, [])
     note = (
         "the measured exchange as it is (links.exchange), no A2A_EFFICIENCY"
         if measured is not None

@@ -5,7 +5,7 @@ mutmut (3.8.1; a tool run by hand, not a project dependency: `.venv/bin/pip inst
 mutates the code that reads a calibration and turns it into seconds, and runs the fast plan and
 calibration tests against each mutant; a mutant no test fails "survives". In scope (`SCOPE`):
 dskit/calibrate/calibration.py (the reader; not `write` and `versions`, the writer's), scales.py,
-dskit/plan/links.py, and of dskit/plan/speed.py the communication terms (`_collectives_s`,
+dskit/plan/links.py, and of dskit/plan/speed.py the communication terms (`_collectives_s`, `_sync_s`,
 `_all_to_all_s`, `_exposed`, `compute_windows`), the CPU step (`_cpu_step`, which exists only with a
 calibration), where a step's sources are named (`_link_sources`), `_scaled_flops`, and the lines of
 `predict` and `_optimizer_s` that take the calibration's rates and factors; of dskit/plan/parallel.py
@@ -42,7 +42,7 @@ SCOPE: dict[str, tuple[str | None, tuple[str, str] | None]] = {
     "dskit/plan/links.py": (r"", None),
     "dskit/plan/speed.py": (
         r"^(x__collectives_s|x__all_to_all_s|x__exposed|x_compute_windows|x__scaled_flops|x__link_sources"
-        r"|x__cpu_step)$",
+        r"|x__cpu_step|x__sync_s)$",
         (r"^(x_predict|x__optimizer_s)$", r"\bscales\b|\blinks\b|cpu_adam_core_s"),
     ),
     "dskit/plan/parallel.py": (None, (r"^x__speed_of$", r"calibration|scales|factors|\brates\b")),
@@ -58,10 +58,6 @@ TESTS = [
 ]
 #: survivors that behave as the original does: (function, a line as written, a regex on the line as
 #: mutated, why). Matched by text, not by mutmut's numbers, which move when a function is edited.
-A2A = 'a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)'
-UNUSED_LAYOUT = (
-    "`_all_to_all_s` does not read its `layout` argument (the EP group's shape is passed on its own)"
-)
 EQUIVALENT: list[tuple[str, str, str, str]] = [
     (
         "x_read",
@@ -121,7 +117,7 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "x__cpu_step",
-        "T, flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY",
+        "T, w.flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY",
         r"1e12, None, fwd",
         "`compiled` None is false as False is",
     ),
@@ -132,12 +128,10 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
         "nothing hides a CPU rank's collectives (its windows are zeros): a pass exposes comm x (1 - s) +"
         " max(0, comm x s + free - 0) = comm + free, whatever the prefetched share s",
     ),
-    ("x__cpu_step", A2A, r"_all_to_all_s\(cfg, c, None, ", UNUSED_LAYOUT),
-    ("x_predict", A2A, r"_all_to_all_s\(cfg, c, None, ", UNUSED_LAYOUT),
     (
         "x__speed_of",
-        "factors = scales.factors(calibration, scales.kind_of(gpu.name))",
-        r"^factors = scales\.factors\(calibration, \)$",
+        "factors = scales.factors(hw.calibration, scales.kind_of(hw.gpu.name))",
+        r"^factors = scales\.factors\(hw\.calibration, \)$",
         "with a calibration the kind is the calibration's; without one a GPU's is the default 'gpu' and a"
         " CPU plan has no step time (no GEMM rate), so its factors are never read",
     ),

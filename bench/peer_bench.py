@@ -61,9 +61,10 @@ def flops_per_token(layers: int, seq: int) -> float:
     from dskit import catalog
     from dskit.plan.model_math import counts
     from dskit.plan.model_math import flops_per_token as fpt
+    from dskit.plan.shape import ModelShape
 
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=layers)
-    return fpt(counts(cfg, seq))
+    return fpt(counts(ModelShape.from_config(cfg), seq))
 
 
 #: torchtitan's profiler: steps 8-10 of 12 (wait 5, warm-up 2, active 3), one Chrome trace

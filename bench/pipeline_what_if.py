@@ -38,6 +38,7 @@ plain model's losses to 1e-6 over 5 steps at PP 2 x EP 1 (2 ranks) and PP 2 x EP
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -65,10 +66,12 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
     from dskit import catalog
     from dskit.plan import memory, search, speed
     from dskit.plan.build import build_plan_searched, resolve_fabric
+    from dskit.plan.candidate import Candidate, Cluster, Workload
     from dskit.plan.fit import GPU_MEMORY_MARGIN
     from dskit.plan.links import Links
     from dskit.plan.model_math import counts, flops_per_token
     from dskit.plan.parallel import attention_compile
+    from dskit.plan.shape import ModelShape
     from dskit.spec import load_spec
 
     flags = {
@@ -83,7 +86,7 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
     fabric = resolve_fabric(spec, gpu)
     cfg, seq = plan.model.config, plan.parallel.seq_len
     world, L = plan.hardware.world_size, cfg["num_hidden_layers"]
-    full = counts(cfg, seq)
+    full = counts(ModelShape.from_config(cfg), seq)
     fpt_layer = flops_per_token(full) / L
     limit = gpu.usable_memory_gib * (1 - GPU_MEMORY_MARGIN)
     # what the planner would time a ZeRO-1 candidate with (dskit/plan/parallel.py): the fused step and
@@ -99,50 +102,37 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
         per_pipeline = plan.parallel.global_batch // dp
         if per_pipeline * dp != plan.parallel.global_batch:
             continue
-        stage = _stage_cfg(cfg, layers)
+        stage = ModelShape.from_config(_stage_cfg(cfg, layers))
         sc = counts(stage, seq)
         for ep in search.ep_sizes(cfg["n_routed_experts"], dp, per_node):
             for mb in search.micro_batches(per_pipeline, on_cpu=False):
                 m = per_pipeline // mb
                 inflight = min(pp, m)
+                held_stage = ModelShape.from_config(_stage_cfg(cfg, layers * inflight))
                 for ck in CKPTS:
-                    common = dict(
-                        world=dp,
-                        ep_size=ep,
-                        micro_batch=mb,
-                        seq_len=seq,
-                        ckpt_every=ck,
-                        offload_optimizer=False,
-                        on_gpu=True,
-                        loss=spec.overrides.loss,
-                        compiled=plan.parallel.compile_regions,
-                        # no grad_accum: the pipeline engine reduces once, after the last backward
-                        # (pipe/schedule.py ReduceGrads), when the activations are freed, so ZeRO-1's
-                        # second gradient copy (memory.boundary_grad_copy) never meets them
-                        zero_stage=1,
-                    )
-                    one = memory.estimate(stage, sc, **common)
-                    held = memory.estimate(_stage_cfg(cfg, layers * inflight), sc, **common)
-                    total = one.total_gib - one.activations_gib + held.activations_gib
-                    build = memory.construction(sc, world=dp, ep_size=ep, on_gpu=True, zero_stage=1)
-                    t = speed.predict(
+                    c = Candidate(ep_size=ep, micro_batch=mb, ckpt_every=ck, offload=False, zero_stage=1)
+                    cluster = Cluster(gpu, world=dp, per_node=per_node, peak_tflops=plan.hardware.peak_tflops)
+
+                    timed = Workload(
                         stage,
                         sc,
                         fpt_layer * layers,
-                        gpu=gpu,
-                        peak_tflops=plan.hardware.peak_tflops,
-                        links=Links(gpu.interconnect_gbs, fabric.gbs_per_gpu),
-                        layout=speed.Layout(world=dp, per_node=per_node, ep_size=ep),
-                        micro_batch=mb,
-                        grad_accum=m,
                         seq_len=seq,
-                        ckpt_every=ck,
-                        offload=False,
+                        per_rank=mb * m,
                         compiled=plan.parallel.compile_regions,
-                        zero_stage=1,
-                        fused_step=fused,
                         compiled_attention=attention,
+                        fused_step=fused,
+                        loss=spec.overrides.loss,
                     )
+                    # memory: one micro-step per step (per_rank mb): the pipeline engine reduces once,
+                    # after the last backward (pipe/schedule.py ReduceGrads), when the activations are
+                    # freed, so ZeRO-1's second gradient copy (memory.boundary_grad_copy) never meets them
+                    kept = dataclasses.replace(timed, per_rank=mb, compiled_attention=False, fused_step=False)
+                    one = memory.estimate(kept, c, cluster)
+                    held = memory.estimate(dataclasses.replace(kept, shape=held_stage), c, cluster)
+                    total = one.total_gib - one.activations_gib + held.activations_gib
+                    build = memory.construction(sc, world=dp, ep_size=ep, on_gpu=True, zero_stage=1)
+                    t = speed.predict(timed, c, cluster, Links(gpu.interconnect_gbs, fabric.gbs_per_gpu))
                     slot = max(t.gpu_s, t.host_s) / m
                     spans = dp >= per_node  # a stage of a node or more: its neighbour is on another node
                     bw = fabric.gbs_per_gpu if spans else gpu.interconnect_gbs
@@ -243,7 +233,7 @@ def summary(result: dict, label: str) -> str:
 
 
 def _short(c) -> str:
-    """A candidate (`fit.Candidate`) as the docs' table names it: 'ZeRO-3 EP 8 mb 4, ckpt, offload'."""
+    """A candidate (`candidate.Candidate`) as the docs' table names it: 'ZeRO-3 EP 8 mb 4, ckpt, offload'."""
     short = f"ZeRO-{c.zero_stage} EP {c.ep_size} mb {c.micro_batch}"
     short += "" if not c.ckpt_every else ", ckpt" if c.ckpt_every == 1 else f", ckpt/{c.ckpt_every}"
     return short + (", offload" if c.offload else "")

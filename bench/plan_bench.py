@@ -504,7 +504,7 @@ def repredict(row: dict, work: Path = Path("/nonexistent")) -> tuple[dict, str]:
     and its verdict, read from the unforced search's candidate table: results stay comparable after
     the models change, also for a run the plan would now refuse as too large."""
     from dskit.plan.build import build_plan_searched
-    from dskit.plan.fit import Candidate
+    from dskit.plan.candidate import Candidate
     from dskit.spec import load_spec
 
     o = dict(x.split("=", 1) for x in forced_overrides(row))

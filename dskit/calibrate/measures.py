@@ -16,13 +16,14 @@ import math
 from pathlib import Path
 
 from dskit.catalog import GPU, Fabric
+from dskit.contract import CALIBRATION_FILE
 from dskit.plan import links, search
 from dskit.plan.host_memory import threads_per_rank
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import gathered_layer_params
 from dskit.plan.schema import CalibrateExchange, CalibrateGroup, CalibratePlan, Plan
+from dskit.plan.shape import ModelShape
 
-FILE = "calibration.json"
 #: sizes per op: few enough for a short job, spread enough to separate latency from bandwidth
 SIZES = 4
 #: ring sizes timed, bytes: on GPUs from MIN_BYTES_GPU to a layer's gathered weights within
@@ -65,10 +66,11 @@ def calibration_name(name: str, target: str) -> str:
 
 
 def calibrate_plan(
-    plan: Plan, counts: ModelCounts, gpu: GPU, fabric: Fabric, cpus_per_node: int | None
+    plan: Plan, shape: ModelShape, counts: ModelCounts, gpu: GPU, fabric: Fabric, cpus_per_node: int | None
 ) -> Plan:
-    """`plan` with the calibration job's section: what to time, at which sizes, where to write."""
-    h, p, cfg = plan.hardware, plan.parallel, plan.model.config
+    """`plan` (of the model `shape`, `counts`) with the calibration job's section: what to time, at
+    which sizes, where to write."""
+    h, p = plan.hardware, plan.parallel
     world, per_node = h.world_size, h.procs_per_node
     rates = links.Links.of(gpu, fabric)
     shapes: dict[str, CalibrateGroup] = {}
@@ -95,8 +97,8 @@ def calibrate_plan(
     zero = ("all_gather", "reduce_scatter")  # what ZeRO runs; the plan times nothing else on rings
     add(links.groups(world, per_node, 1)["dense"], "dense: every rank", 1, zero)
     exchanges = []
-    tokens = _exchange_tokens(p.micro_batch * p.grad_accum, p.seq_len, cfg, on_gpu)
-    for ep in search.ep_sizes(cfg["n_routed_experts"], world, per_node):
+    tokens = _exchange_tokens(p.micro_batch * p.grad_accum, p.seq_len, shape, on_gpu)
+    for ep in search.ep_sizes(shape.routed_experts, world, per_node):
         g = links.groups(world, per_node, ep)
         add(g["expert_dp"], f"expert-data-parallel at EP {ep}", ep, zero)
         if g["ep"].size > 1:
@@ -106,9 +108,9 @@ def calibrate_plan(
                     key=g["ep"].key,
                     ep_size=ep,
                     tokens=tokens,
-                    top_k=cfg["num_experts_per_tok"],
-                    experts=cfg["n_routed_experts"],
-                    hidden=cfg["hidden_size"],
+                    top_k=shape.active_experts,
+                    experts=shape.routed_experts,
+                    hidden=shape.hidden,
                     expected_gbs=None if r is None else round(r.bus_gbs, 3),
                 )
             )
@@ -116,7 +118,7 @@ def calibrate_plan(
     lo, hi = (MIN_BYTES_GPU, min(MAX_BYTES_GPU, max(MIN_TOP_GPU, layer))) if on_gpu else CPU_BYTES
     sizes = _spread(lo, hi, SIZES, multiple=world * 64)
     section = CalibratePlan(
-        file=str(Path(plan.run.output_dir) / FILE),
+        file=str(Path(plan.run.output_dir) / CALIBRATION_FILE),
         groups=list(shapes.values()),
         sizes_bytes=sizes,
         iters=ITERS_GPU if on_gpu else ITERS_CPU,
@@ -130,11 +132,11 @@ def calibrate_plan(
     return plan.model_copy(update={"calibrate": section})
 
 
-def _exchange_tokens(per_rank: int, seq_len: int, cfg: dict, on_gpu: bool) -> list[int]:
+def _exchange_tokens(per_rank: int, seq_len: int, shape: ModelShape, on_gpu: bool) -> list[int]:
     """The token counts a rank routes per micro-step in the candidates the search weighs (every
     micro-batch that splits its batch), at most SIZES of them from the least to the most, the most
     capped where one dispatch's copies would pass MAX_BYTES_GPU."""
-    copy = cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+    copy = shape.active_experts * shape.hidden * WIRE_BYTES
     counts = sorted({m * seq_len for m in search.micro_batches(per_rank, not on_gpu)})
     cap = max(seq_len, MAX_BYTES_GPU // copy // seq_len * seq_len)
     counts = sorted({min(t, cap) for t in counts})

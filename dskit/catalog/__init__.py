@@ -14,6 +14,7 @@ import yaml
 from dskit import bounded_read
 from dskit.errors import SpecError, one_of
 from dskit.hf_checkpoint import check_quantization_config, json_depth
+from dskit.plan.shape import ModelShape
 
 _HERE = Path(__file__).parent
 
@@ -193,13 +194,14 @@ def check_config(cfg: Any, where: str, field_name: str = "model.path") -> dict[s
             )
     if not _finite(cfg):
         raise SpecError(field_name, f"{where} holds NaN or Infinity; every number must be finite")
-    if cfg["num_experts_per_tok"] > cfg["n_routed_experts"]:
+    shape = ModelShape.from_config(cfg)
+    if shape.active_experts > shape.routed_experts:
         raise SpecError(field_name, f"num_experts_per_tok in {where} exceeds n_routed_experts")
-    if cfg.get("kv_lora_rank"):
+    if shape.mla:
         for key in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if cfg.get(key) is None:
                 raise SpecError(field_name, f"{key} in {where} is required with kv_lora_rank (MLA)")
-    elif cfg["hidden_size"] % cfg["num_attention_heads"]:
+    elif shape.hidden % shape.heads:
         raise SpecError(field_name, f"hidden_size in {where} is not a multiple of num_attention_heads")
     return cfg
 
@@ -232,10 +234,11 @@ def model_from_path(path: str, field_name: str = "model.path") -> ModelPreset:
             field_name,
             f"model_type {mt!r} in {cfg_file} is not a DeepSeek MoE; {one_of(SUPPORTED_MODEL_TYPES)}",
         )
-    if cfg.get("quantization_config") is not None:
+    quantization = cfg.get("quantization_config")
+    if quantization is not None:
         # DeepSeek-V3's FP8 weights load dequantised (dskit/train/fp8/loading.py); anything else is refused.
         # The model is built and trained in bf16, so the config the plan keeps has no quantization_config.
-        check_quantization_config(cfg["quantization_config"], str(cfg_file), field_name)
+        check_quantization_config(quantization, str(cfg_file), field_name)
     check_config(cfg, str(cfg_file), field_name)
     keep = {
         k: v

@@ -24,11 +24,11 @@ stay bf16, as in DeepSeek's published checkpoints.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from dskit.errors import SpecError
-from dskit.plan.model_math import ModelCounts, head_dims
+from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import FinetunePlan
+from dskit.plan.shape import ModelShape
 from dskit.refusals import no_fp8_checkpoint
 from dskit.spec.finetune import FinetuneSpec
 
@@ -59,36 +59,35 @@ def target_modules(targets: list[str]) -> str | None:
     return rf"model\.layers\.\d+\.({'|'.join(parts)})" if parts else None
 
 
-def _attention_linears(cfg: dict[str, Any]) -> list[tuple[int, int]]:
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    if not cfg.get("kv_lora_rank"):
+def _attention_linears(s: ModelShape) -> list[tuple[int, int]]:
+    h, nh = s.hidden, s.heads
+    if not s.mla:
         return [(h, h)] * 4
-    dqk, dv = head_dims(cfg)
-    kvl, ql, rope = cfg["kv_lora_rank"], cfg.get("q_lora_rank"), cfg["qk_rope_head_dim"]
+    dqk, dv = s.head_dims
+    kvl, ql, rope = s.kv_lora_rank, s.q_lora_rank, s.qk_rope_head_dim
     q = [(h, ql), (ql, nh * dqk)] if ql else [(h, nh * dqk)]
-    return q + [(h, kvl + rope), (kvl, nh * (cfg["qk_nope_head_dim"] + dv)), (nh * dv, h)]
+    return q + [(h, kvl + rope), (kvl, nh * (s.qk_nope_head_dim + dv)), (nh * dv, h)]
 
 
 def _mlp_linears(h: int, inter: int) -> list[tuple[int, int]]:
     return [(h, inter), (h, inter), (inter, h)]
 
 
-def routed_adapters_per_layer(cfg: dict[str, Any], r: int) -> int:
+def routed_adapters_per_layer(s: ModelShape, r: int) -> int:
     """A MoE layer's routed adapters, all experts: gate and up (h -> I) and down (I -> h) per expert."""
-    h, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    return cfg["n_routed_experts"] * r * sum(i + o for i, o in _mlp_linears(h, inter))
+    return s.routed_experts * r * sum(i + o for i, o in _mlp_linears(s.hidden, s.expert_intermediate))
 
 
-def adapted_linears(cfg: dict[str, Any], targets: list[str], layer: int) -> list[tuple[int, int]]:
+def adapted_linears(s: ModelShape, targets: list[str], layer: int) -> list[tuple[int, int]]:
     """(in, out) of every linear of decoder layer `layer` that gets an adapter."""
-    h = cfg["hidden_size"]
-    dense = layer < min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])
-    out = list(_attention_linears(cfg)) if "attention" in targets else []
+    h = s.hidden
+    dense = layer < s.dense_layers
+    out = list(_attention_linears(s)) if "attention" in targets else []
     if dense and "dense_mlp" in targets:
-        out += _mlp_linears(h, cfg["intermediate_size"])
-    shared = cfg.get("n_shared_experts") or 0
+        out += _mlp_linears(h, s.dense_intermediate)
+    shared = s.shared_experts
     if not dense and shared and "shared_experts" in targets:
-        out += _mlp_linears(h, shared * cfg["moe_intermediate_size"])
+        out += _mlp_linears(h, shared * s.expert_intermediate)
     return out
 
 
@@ -162,17 +161,17 @@ class Tuning:
         return fwd / self.flops_per_token(c)
 
 
-def _fp8_linear_params(cfg: dict[str, Any], c: ModelCounts) -> int:
+def _fp8_linear_params(s: ModelShape, c: ModelCounts) -> int:
     """Non-expert parameters stored in FP8 by DeepSeek-V3's format: every linear but the router,
     embedding and lm_head (those, and the norms, stay bf16)."""
-    h, L = cfg["hidden_size"], cfg["num_hidden_layers"]
-    attn = sum(i * o for i, o in _attention_linears(cfg))
-    dense = 3 * h * cfg["intermediate_size"] * c.dense_layers
-    shared = 3 * h * (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"] * c.moe_layers
+    h, L = s.hidden, s.layers
+    attn = sum(i * o for i, o in _attention_linears(s))
+    dense = 3 * h * s.dense_intermediate * c.dense_layers
+    shared = 3 * h * s.shared_experts * s.expert_intermediate * c.moe_layers
     return L * attn + dense + shared
 
 
-def _frozen_unkept(cfg: dict[str, Any], targets: list[str], *, dense: bool) -> int:
+def _frozen_unkept(s: ModelShape, targets: list[str], *, dense: bool) -> int:
     """Activation bytes per token that a stored layer's frozen routed experts do not keep: a GEMM saves
     its input only for its weight's gradient, so a frozen expert drops its dispatched input (h per
     routed copy) and the SwiGLU product that feeds w2; and of the three moe_intermediate-wide tensors
@@ -188,34 +187,34 @@ def _frozen_unkept(cfg: dict[str, Any], targets: list[str], *, dense: bool) -> i
     counted on recomputed layers too, it fell 16% short on a checkpointed one."""
     if dense or "routed_experts" in targets:
         return 0
-    return BF16_BYTES * cfg["num_experts_per_tok"] * (cfg["hidden_size"] + 2 * cfg["moe_intermediate_size"])
+    return BF16_BYTES * s.active_experts * (s.hidden + 2 * s.expert_intermediate)
 
 
 def tuning(
-    cfg: dict[str, Any], c: ModelCounts, *, targets: list[str], r: int, dropout: float, base_precision: str
+    s: ModelShape, c: ModelCounts, *, targets: list[str], r: int, dropout: float, base_precision: str
 ) -> Tuning:
-    L, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    per_layer = [adapted_linears(cfg, targets, i) for i in range(L)]
-    routed = routed_adapters_per_layer(cfg, r) if "routed_experts" in targets else 0
+    L, h = s.layers, s.hidden
+    per_layer = [adapted_linears(s, targets, i) for i in range(L)]
+    routed = routed_adapters_per_layer(s, r) if "routed_experts" in targets else 0
     adapters = [
         r * sum(i + o for i, o in lin) + routed * (i >= c.dense_layers) for i, lin in enumerate(per_layer)
     ]
-    router_per_layer = cfg["n_routed_experts"] * h if "router" in targets else 0
+    router_per_layer = s.routed_experts * h if "router" in targets else 0
     routers = [router_per_layer * (i >= c.dense_layers) for i in range(L)]
     experts = c.experts_per_layer * c.moe_layers
     fp8 = base_precision == "fp8"
     frozen_other = c.total - experts - sum(routers)
-    fp8_params = _fp8_linear_params(cfg, c) if fp8 else 0
+    fp8_params = _fp8_linear_params(s, c) if fp8 else 0
     other_bytes = (FP8_BYTES * fp8_params + BF16_BYTES * (frozen_other - fp8_params)) / frozen_other
     # per token: B's input (the r-wide output of A) for every adapted linear; with dropout, A's input
     # is the dropped copy of x (bf16) and its mask (1 byte) rather than the x the base linear keeps anyway
     kept = [sum(2 * r + (3 * i if dropout else 0) for i, _ in lin) for lin in per_layer]
-    shared = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
-    dense = cfg["intermediate_size"] if c.dense_layers else 0
-    unkept = tuple(_frozen_unkept(cfg, targets, dense=i < c.dense_layers) for i in range(L))
-    largest_linear = max([i * o for i, o in _attention_linears(cfg)] + [h * dense, h * shared])
+    shared = s.shared_experts * s.expert_intermediate
+    dense = s.dense_intermediate if c.dense_layers else 0
+    unkept = tuple(_frozen_unkept(s, targets, dense=i < c.dense_layers) for i in range(L))
+    largest_linear = max([i * o for i, o in _attention_linears(s)] + [h * dense, h * shared])
     routed_on = routed > 0
-    active_experts = cfg["num_experts_per_tok"] * 3 * h * cfg["moe_intermediate_size"] * c.moe_layers
+    active_experts = s.active_experts * 3 * h * s.expert_intermediate * c.moe_layers
     return Tuning(
         adapters=sum(adapters),
         routed_adapters=routed * c.moe_layers,
@@ -250,7 +249,7 @@ def base_precision(f: FinetuneSpec, path: str | None) -> str:
 
 
 def plan_finetune(
-    f: FinetuneSpec, cfg: dict[str, Any], c: ModelCounts, path: str | None = None
+    f: FinetuneSpec, s: ModelShape, c: ModelCounts, path: str | None = None
 ) -> tuple[FinetunePlan | None, Tuning | None]:
     """The plan's finetune section and the models' view of it; (None, None) for full fine-tuning.
     `path`: model.path, whose format decides `base_precision: auto`."""
@@ -259,13 +258,13 @@ def plan_finetune(
         return None, None
     lo = f.lora
     precision = base_precision(f, path)
-    t = tuning(cfg, c, targets=lo.targets, r=lo.r, dropout=lo.dropout, base_precision=precision)
+    t = tuning(s, c, targets=lo.targets, r=lo.r, dropout=lo.dropout, base_precision=precision)
     if t.trainable == 0:  # e.g. dense_mlp alone on a model whose layers are all MoE
         raise SpecError(
             "finetune.lora.targets",
             f"{', '.join(lo.targets)} match no module of this model (no dense layer: first_k_dense_replace "
-            f"{cfg.get('first_k_dense_replace') or 0}; no shared experts: n_shared_experts "
-            f"{cfg.get('n_shared_experts') or 0}); add attention or shared_experts",
+            f"{s.dense_layers}; no shared experts: n_shared_experts {s.shared_experts}); add attention or "
+            "shared_experts",
         )
     plan = FinetunePlan(
         method="lora",

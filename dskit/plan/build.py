@@ -13,7 +13,7 @@ from pathlib import Path
 from dskit import catalog, hf_checkpoint
 from dskit.calibrate import calibration
 from dskit.calibrate.calibration import Calibration
-from dskit.contract import Env
+from dskit.contract import CHECKPOINTS_DIR, OUTPUTS_DIR, Env
 from dskit.errors import SpecError
 from dskit.plan import host_memory, search
 from dskit.plan.adapters import base_precision, plan_finetune
@@ -21,7 +21,7 @@ from dskit.plan.balancing import plan_balance
 from dskit.plan.deepspeed import deepspeed_config
 from dskit.plan.hang_timeout import watchdog_timeout_s
 from dskit.plan.model_math import ModelCounts, counts, flops_per_token
-from dskit.plan.parallel import plan_parallel, speed_section
+from dskit.plan.parallel import Hardware, Trained, plan_parallel, speed_section
 from dskit.plan.prefetch import gathered_layer_params
 from dskit.plan.schema import (
     PLAN_VERSION,
@@ -33,6 +33,7 @@ from dskit.plan.schema import (
     RayPlan,
     RunPlan,
 )
+from dskit.plan.shape import ModelShape
 from dskit.spec import Spec, spec_record
 from dskit.text import describe, first_unsafe
 
@@ -87,8 +88,8 @@ def _build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     warnings: list[str] = []
     gpu = catalog.gpu(spec.hardware.gpu)
     fabric = resolve_fabric(spec, gpu)
-    model, model_counts = plan_model(spec)
-    finetune, tuning = plan_finetune(spec.finetune, model.config, model_counts, spec.model.path)
+    model, shape, model_counts = plan_model(spec)
+    finetune, tuning = plan_finetune(spec.finetune, shape, model_counts, spec.model.path)
     if tuning is not None:  # a LoRA step's FLOPs: no weight-gradient GEMMs for the frozen base (MFU, speed)
         model = model.model_copy(update={"flops_per_token": tuning.flops_per_token(model_counts)})
     if finetune is not None and finetune.base_precision == "fp8" and not spec.model.path:
@@ -101,15 +102,9 @@ def _build_plan_searched(spec: Spec) -> tuple[Plan, search.Search]:
     calibration = plan_calibration(spec, gpu, fabric, hardware, warnings)
     parallel, found = plan_parallel(
         spec,
-        model,
-        model_counts,
-        gpu,
-        fabric,
-        hardware,
-        precision,
+        Trained(model, shape, model_counts, tuning),
+        Hardware(gpu, fabric, hardware, precision, calibration),
         warnings,
-        tuning=tuning,
-        calibration=calibration,
     )
     optim = plan_optim(spec)
     run, storage_root = plan_storage(spec)
@@ -197,8 +192,8 @@ def plan_calibration(
     return cal
 
 
-def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
-    """The model: preset or local checkpoint, layers truncated, parameter and FLOP counts."""
+def plan_model(spec: Spec) -> tuple[ModelPlan, ModelShape, ModelCounts]:
+    """The model: preset or local checkpoint, layers truncated; its shape, parameter and FLOP counts."""
     if spec.model.path:
         preset = catalog.model_from_path(spec.model.path)
         weights_path = None  # a config alone: random init from it
@@ -208,19 +203,21 @@ def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
     else:
         preset, weights_path = catalog.model(spec.model.preset or DEFAULT_MODEL), None
     cfg = dict(preset.config)
+    layers = ModelShape.from_config(cfg).layers
     if spec.model.num_layers is not None:
-        if spec.model.num_layers > cfg["num_hidden_layers"]:
-            raise SpecError("model.num_layers", f"{preset.name} has only {cfg['num_hidden_layers']} layers")
-        cfg["num_hidden_layers"] = spec.model.num_layers
+        if spec.model.num_layers > layers:
+            raise SpecError("model.num_layers", f"{preset.name} has only {layers} layers")
+        cfg = dict(cfg, num_hidden_layers=spec.model.num_layers)
+    shape = ModelShape.from_config(cfg)
     seq_len = spec.training.seq_len
-    if seq_len > cfg.get("max_position_embeddings", seq_len):
+    if shape.max_positions is not None and seq_len > shape.max_positions:
         raise SpecError(
             "training.seq_len",
-            f"{seq_len} exceeds the model's max_position_embeddings ({cfg['max_position_embeddings']})",
+            f"{seq_len} exceeds the model's max_position_embeddings ({shape.max_positions})",
         )
     balance = preset.balance or {}
     chosen = plan_balance(spec, preset.name, cfg, float(balance.get("aux_loss_alpha", 0.0)))
-    mc = counts(cfg, seq_len)
+    mc = counts(shape, seq_len)
     model = ModelPlan(
         name=preset.name,
         source=preset.source,
@@ -236,7 +233,7 @@ def plan_model(spec: Spec) -> tuple[ModelPlan, ModelCounts]:
         params_active=mc.active,
         flops_per_token=flops_per_token(mc),
     )
-    return model, mc
+    return model, shape, mc
 
 
 def plan_hardware(spec: Spec, gpu: catalog.GPU, precision: str) -> HardwarePlan:
@@ -278,9 +275,9 @@ def plan_storage(spec: Spec) -> tuple[RunPlan, str]:
     storage = spec.storage
     root, run_root = _run_root(spec)
     ckpt_dir = (
-        os.path.abspath(storage.checkpoint_dir) if storage.checkpoint_dir else f"{run_root}/checkpoints"
+        os.path.abspath(storage.checkpoint_dir) if storage.checkpoint_dir else f"{run_root}/{CHECKPOINTS_DIR}"
     )
-    out_dir = os.path.abspath(storage.output_dir) if storage.output_dir else f"{run_root}/outputs"
+    out_dir = os.path.abspath(storage.output_dir) if storage.output_dir else f"{run_root}/{OUTPUTS_DIR}"
     data_path = os.path.abspath(spec.data.path) if spec.data.path else None
     sources = None
     if spec.data.sources is not None:
@@ -389,5 +386,7 @@ def build_calibration_plan(spec: Spec, target: str) -> Plan:
     spec = spec.model_copy(update={"name": calibration_name(spec.name, target)})
     plan = build_plan(spec)
     gpu = catalog.gpu(spec.hardware.gpu)
-    _, model_counts = plan_model(spec)
-    return calibrate_plan(plan, model_counts, gpu, resolve_fabric(spec, gpu), spec.hardware.cpus_per_node)
+    _, shape, model_counts = plan_model(spec)
+    return calibrate_plan(
+        plan, shape, model_counts, gpu, resolve_fabric(spec, gpu), spec.hardware.cpus_per_node
+    )

@@ -59,7 +59,7 @@ def deepspeed_config(
         zero |= {"allgather_bucket_size": REDUCE_BUCKET_ELEMENTS, "reduce_scatter": True}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    cfg: dict[str, Any] = {
+    ds: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": grad_accum,
         "train_batch_size": micro_batch * grad_accum * hardware.world_size,
@@ -98,17 +98,17 @@ def deepspeed_config(
         # FusedAdam is a CUDA op; on the CPU accelerator use torch's AdamW. DeepSpeed reads the switch
         # from optimizer.params (engine.get_optimizer_configuration pops it there): one level up it is
         # ignored and DeepSpeed JIT-compiles its CPU FusedAdam instead.
-        cfg["optimizer"]["params"]["torch_adam"] = True
+        ds["optimizer"]["params"]["torch_adam"] = True
     if parallel.precision == "bf16":
-        cfg["bf16"] = {"enabled": True}
+        ds["bf16"] = {"enabled": True}
         if parallel.optimizer_step == "fused":
             # the fused step skips a non-finite step inside its kernel (dskit/train/fused_step.py); DeepSpeed's
             # check is a max and a min over every gradient and a host sync each step
-            cfg["bf16"]["check_grad_overflow"] = False
+            ds["bf16"]["check_grad_overflow"] = False
     else:
         # No bf16 (V100, T4): fp16 needs dynamic loss scaling. loss_scale 0 = dynamic; the window is the
         # seed post's growth interval of 2000 steps.
-        cfg["fp16"] = {
+        ds["fp16"] = {
             "enabled": True,
             "loss_scale": 0,
             "initial_scale_power": 16,
@@ -116,4 +116,4 @@ def deepspeed_config(
             "hysteresis": 2,
             "min_loss_scale": 1,
         }
-    return cfg
+    return ds

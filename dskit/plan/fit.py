@@ -21,7 +21,7 @@ from typing import Any
 from dskit.catalog import GPU
 from dskit.plan import host_memory, memory
 from dskit.plan.adapters import Tuning
-from dskit.plan.model_math import ModelCounts
+from dskit.plan.candidate import Candidate, Cluster, Workload
 
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
 # communicators, the caching allocator's rounding. The steady-state model lands from 3% below to 10%
@@ -35,58 +35,48 @@ MAX_NODES = 4096
 
 
 @dataclass(frozen=True)
-class Candidate:
-    ep_size: int
-    micro_batch: int
-    ckpt_every: int
-    offload: bool
-    zero_stage: int = 3
+class Setting:
+    """Everything the fit depends on besides the candidate: what trains, on what, with how much host RAM."""
 
-    @property
-    def recompute_share(self) -> float:
-        """About the share of decoder layers whose forward runs twice (1/N; exactly ceil(L/N)/L, which
-        orders candidates the same way): the tie order's key."""
-        return 1 / self.ckpt_every if self.ckpt_every else 0.0
-
-    def describe(self) -> str:
-        ckpt = (
-            f"activation checkpointing every {self.ckpt_every}"
-            if self.ckpt_every
-            else "no activation checkpointing"
-        )
-        return (
-            f"ZeRO-{self.zero_stage}, EP {self.ep_size}, micro-batch {self.micro_batch}, {ckpt}, "
-            f"{'optimizer offload' if self.offload else 'no offload'}"
-        )
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Everything the fit depends on besides the candidate."""
-
-    model: str
-    cfg: dict[str, Any]
-    counts: ModelCounts
-    seq_len: int
-    gpu: GPU
-    nodes: int
-    per_node: int
+    model: str  # the model's name, for messages
+    work: Workload
+    cluster: Cluster
     host_memory_gib: float | None  # per node; None: unknown, not checked
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
-    loss: str  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
-    per_rank: int  # sequences per rank and optimizer step: micro-batch x accumulation
-    compiled: bool = False  # regional torch.compile (parallel.compile_regions): less activation memory
-    tuning: Tuning | None = None  # a LoRA run's trainable and frozen parts (dskit/plan/adapters.py)
-    fused_step: bool = False  # overrides.optimizer_step is not deepspeed (where ZeRO-1/2 admit it)
-    precision: str = "bf16"
+
+    @property
+    def gpu(self) -> GPU:
+        return self.cluster.gpu
 
     @property
     def world(self) -> int:
-        return self.nodes * self.per_node
+        return self.cluster.world
+
+    @property
+    def nodes(self) -> int:
+        return self.cluster.nodes
+
+    @property
+    def per_node(self) -> int:
+        return self.cluster.per_node
+
+    @property
+    def tuning(self) -> Tuning | None:
+        return self.work.tuning
 
     def grad_accum(self, c: Candidate) -> int:
-        return self.per_rank // c.micro_batch
+        return self.work.grad_accum(c)
+
+    def with_nodes(self, nodes: int) -> Setting:
+        """The same global batch over `nodes` nodes: fewer sequences per rank, at least one."""
+        world = nodes * self.per_node
+        per_rank = max(1, self.work.per_rank * self.world // world)
+        return dataclasses.replace(
+            self,
+            work=dataclasses.replace(self.work, per_rank=per_rank),
+            cluster=dataclasses.replace(self.cluster, world=world),
+        )
 
     @property
     def where(self) -> str:
@@ -109,21 +99,21 @@ class Fit:
     steady: memory.MemoryEstimate
     construction: memory.ConstructionEstimate
     host: host_memory.HostEstimate
-    shape: Shape
+    setting: Setting
 
     @property
     def gpu_ok(self) -> bool:
-        limit = self.shape.gpu_limit
+        limit = self.setting.gpu_limit
         return limit is None or max(self.steady.total_gib, self.construction.total_gib) <= limit
 
     @property
     def host_ok(self) -> bool:
-        limit = self.shape.host_limit
+        limit = self.setting.host_limit
         return limit is None or self.host.total_gib <= limit
 
     def as_dict(self) -> dict[str, Any]:
         """The plan's `memory` section: per GPU, then per node (GiB)."""
-        s = self.shape
+        s = self.setting
 
         def r(x: float | None) -> float | None:
             return None if x is None else round(x, 2)
@@ -142,28 +132,11 @@ class Fit:
         }
 
 
-def evaluate(s: Shape, c: Candidate) -> Fit:
-    on_gpu = not s.gpu.is_cpu
-    steady = memory.estimate(
-        s.cfg,
-        s.counts,
-        world=s.world,
-        ep_size=c.ep_size,
-        micro_batch=c.micro_batch,
-        seq_len=s.seq_len,
-        ckpt_every=c.ckpt_every,
-        offload_optimizer=c.offload,
-        on_gpu=on_gpu,
-        loss=s.loss,
-        compiled=s.compiled,
-        zero_stage=c.zero_stage,
-        tuning=s.tuning,
-        grad_accum=s.grad_accum(c),
-        flat=memory.flat_gradients(s.world, c.zero_stage, c.offload, s.fused_step, s.precision),
-        precision=s.precision,
-    )
+def evaluate(s: Setting, c: Candidate) -> Fit:
+    on_gpu = s.cluster.on_gpu
+    steady = memory.estimate(s.work, c, s.cluster)
     build = memory.construction(
-        s.counts,
+        s.work.counts,
         world=s.world,
         ep_size=c.ep_size,
         on_gpu=on_gpu,
@@ -171,7 +144,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
         tuning=s.tuning,
     )
     h = host_memory.estimate(
-        s.counts,
+        s.work.counts,
         world=s.world,
         ranks_per_node=s.per_node,
         offload_optimizer=c.offload,
@@ -184,7 +157,7 @@ def evaluate(s: Shape, c: Candidate) -> Fit:
 
 
 def explain_no_fit(
-    s: Shape, fits: list[Fit], own: Candidate | None, forced: list[str], ep_for: Callable[[int], list[int]]
+    s: Setting, fits: list[Fit], own: Candidate | None, forced: list[str], ep_for: Callable[[int], list[int]]
 ) -> tuple[str, str]:
     """(field, message) when no candidate fits. `own`: the planner's pick without the user's overrides
     (`forced`: their spec keys), or None; it tells "your override does not fit" from "this cluster is
@@ -260,12 +233,12 @@ def explain_no_fit(
     )
 
 
-def _gpu_limit(s: Shape) -> str:
+def _gpu_limit(s: Setting) -> str:
     return f"the {s.gpu_limit:.1f} GiB limit ({1 - GPU_MEMORY_MARGIN:.0%} of {s.gpu.usable_memory_gib} GiB usable)"
 
 
 def _numbers(f: Fit) -> str:
-    e, s, b = f.steady, f.shape, f.construction
+    e, s, b = f.steady, f.setting, f.construction
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and b.total_gib >= e.total_gib:
         if f.candidate.zero_stage != 3:
             return (
@@ -293,14 +266,13 @@ def _or(*options: str | None) -> str:
     return "use " + ", or ".join(o for o in options if o)
 
 
-def _more_nodes(s: Shape, fits: list[Fit], ep_for: Callable[[int], list[int]]) -> str | None:
+def _more_nodes(s: Setting, fits: list[Fit], ep_for: Callable[[int], list[int]]) -> str | None:
     """'at least N nodes of G (hardware.nodes)', or None when no node count up to MAX_NODES fits: the
     fewest nodes at which one of the candidates fits at an EP size the search takes there."""
     cands = {dataclasses.replace(f.candidate, ep_size=0) for f in fits}
 
     def ok(nodes: int) -> bool:
-        # the same global batch over more ranks: fewer sequences each, at least one
-        t = dataclasses.replace(s, nodes=nodes, per_rank=max(1, s.per_rank * s.world // (nodes * s.per_node)))
+        t = s.with_nodes(nodes)
         return any(
             (f := evaluate(t, dataclasses.replace(c, ep_size=ep))).gpu_ok and f.host_ok
             for ep in ep_for(nodes * s.per_node)

@@ -41,8 +41,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dskit.plan.adapters import BF16_BYTES, Tuning
-from dskit.plan.model_math import ModelCounts, head_dims
+from dskit.plan.candidate import Candidate, Cluster, Workload
+from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import gathered_layer_params
+from dskit.plan.shape import ModelShape
 
 GIB = 2**30
 OVERHEAD_GIB = 2.5
@@ -87,9 +89,9 @@ def gpu_state_bytes(offload: bool) -> float:
 LOSS_CHUNK_TOKENS = 4096
 
 
-def loss_bytes(cfg: dict[str, Any], tokens: int, chunk_tokens: int) -> int:
+def loss_bytes(s: ModelShape, tokens: int, chunk_tokens: int) -> int:
     """Peak bytes of the language-model loss beyond the model's other activations."""
-    V, h = cfg["vocab_size"], cfg["hidden_size"]
+    V, h = s.vocab, s.hidden
     if not chunk_tokens:
         return tokens * V * (2 + 4 + 4)  # bf16 logits, their fp32 upcast, the fp32 gradient
     rows = min(tokens, chunk_tokens)
@@ -98,15 +100,15 @@ def loss_bytes(cfg: dict[str, Any], tokens: int, chunk_tokens: int) -> int:
     return rows * V * (2 + 2) + V * h * 2 + tokens * h * 2
 
 
-def loss_chunk_for(cfg: dict[str, Any], tokens: int, choice: str) -> int:
+def loss_chunk_for(s: ModelShape, tokens: int, choice: str) -> int:
     """`overrides.loss` -> chunk size (0: full logits). auto: chunked where it needs less memory, i.e.
     when a micro-step has more tokens than a chunk plus the weight's gradient (the fixed cost) are worth."""
     if choice == "full":
         return 0
     if choice == "chunked":
         return LOSS_CHUNK_TOKENS
-    chunked = loss_bytes(cfg, tokens, LOSS_CHUNK_TOKENS)
-    return LOSS_CHUNK_TOKENS if chunked < loss_bytes(cfg, tokens, 0) else 0
+    chunked = loss_bytes(s, tokens, LOSS_CHUNK_TOKENS)
+    return LOSS_CHUNK_TOKENS if chunked < loss_bytes(s, tokens, 0) else 0
 
 
 @dataclass(frozen=True)
@@ -233,11 +235,11 @@ def fused_combine(on_gpu: bool, tokens: int, world: int, precision: str) -> bool
 COMBINE_TRANSIENT_MEASURED_SHARE = 0.9
 
 
-def combine_transient_bytes(cfg: dict[str, Any], tokens: int) -> float:
+def combine_transient_bytes(s: ModelShape, tokens: int) -> float:
     """The eager combine's fp32 transients the fused kernel does not allocate, as measured: by count the
     weighted [tokens, k, hidden] product and its gradient, both alive at the backward peak of a MoE
     layer, times COMBINE_TRANSIENT_MEASURED_SHARE."""
-    return COMBINE_TRANSIENT_MEASURED_SHARE * 2 * 4 * tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"]
+    return COMBINE_TRANSIENT_MEASURED_SHARE * 2 * 4 * tokens * s.active_experts * s.hidden
 
 
 #: whether the trainer takes one_rank_fused() plans' gradients flat (dskit/train/flat_grads.py): off only to
@@ -308,62 +310,46 @@ def lora_states(
     return states, working + t.dequant_bytes + (t.expert_dequant_bytes + t.routed_delta_bytes) / ep_size
 
 
-def _activation_bytes_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    dqk, dv = head_dims(cfg)
-    kvl = cfg.get("kv_lora_rank") or 0
-    ql = cfg.get("q_lora_rank") or 0
+def _activation_bytes_per_token_layer(s: ModelShape, dense: bool) -> int:
+    h, nh = s.hidden, s.heads
+    dqk, dv = s.head_dims
+    kvl, ql = s.kv_lora_rank, s.q_lora_rank
     # residual + 2 norms + attention input/output projections, q/k/v, attention output, lora latents
     attn = 6 * h + 3 * nh * dqk + 2 * nh * dv + kvl + ql
     if dense:
-        mlp = 2 * h + 3 * cfg["intermediate_size"]
+        mlp = 2 * h + 3 * s.dense_intermediate
     else:
-        active = cfg["num_experts_per_tok"] + (cfg.get("n_shared_experts") or 0)
+        active = s.active_experts + s.shared_experts
         # each routed copy of the token (k of them) is dispatched, expanded to 3*mi, and combined
-        mlp = 2 * h + active * 3 * cfg["moe_intermediate_size"] + cfg["num_experts_per_tok"] * h
+        mlp = 2 * h + active * 3 * s.expert_intermediate + s.active_experts * h
     return 2 * (attn + mlp)  # bf16
 
 
-def compiled_saving_per_token_layer(cfg: dict[str, Any], dense: bool) -> int:
+def compiled_saving_per_token_layer(s: ModelShape, dense: bool) -> int:
     """Activation bytes per token that a layer does not keep when its RMSNorms and SwiGLU are compiled:
     the fp32 copy of every norm's input (eager `hidden_states.to(float32)` saved by pow and mul) and the
     SiLU output of the shared experts' (or the dense layer's) SwiGLU, saved by the eager product.
     Routed experts are AutoEP's own grouped GEMMs, not compiled. The count agrees with the peak allocated
     eager minus compiled on the GPU (docs/planner.md "The step-time model")."""
-    norm_widths = 2 * cfg["hidden_size"] + (cfg.get("kv_lora_rank") or 0) + (cfg.get("q_lora_rank") or 0)
+    norm_widths = 2 * s.hidden + s.kv_lora_rank + s.q_lora_rank
     if dense:
-        silu = cfg["intermediate_size"]
+        silu = s.dense_intermediate
     else:
-        silu = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+        silu = s.shared_experts * s.expert_intermediate
     return 4 * norm_widths + 2 * silu
 
 
-def estimate(
-    cfg: dict[str, Any],
-    c: ModelCounts,
-    *,
-    world: int,
-    ep_size: int,
-    micro_batch: int,
-    seq_len: int,
-    ckpt_every: int,
-    offload_optimizer: bool,
-    on_gpu: bool,
-    loss: str,
-    compiled: bool = False,
-    zero_stage: int = 3,
-    tuning: Tuning | None = None,
-    grad_accum: int = 1,
-    flat: bool = False,
-    precision: str = "bf16",
-) -> MemoryEstimate:
-    """`tuning`: a LoRA run's trainable and frozen parts (`dskit/plan/adapters.py`); None: full fine-tuning.
-    `grad_accum`: micro-steps per optimizer step (ZeRO-1/2's boundary copy: `boundary_grad_copy`).
-    `flat`: the gradients go flat (`flat_gradients`): no buckets and no boundary copy."""
+def estimate(w: Workload, cand: Candidate, cluster: Cluster) -> MemoryEstimate:
+    """Steady-state training memory per GPU of `cand`. A LoRA run (`w.tuning`, `dskit/plan/adapters.py`)
+    holds its frozen base and trains its adapters; ZeRO-1/2 with accumulation hold a second gradient copy
+    (`boundary_grad_copy`) unless the gradients go flat (`flat_gradients`: no buckets, no copy)."""
+    s, c, tuning = w.shape, w.counts, w.tuning
+    world, ep_size, zero_stage, offload = cluster.world, cand.ep_size, cand.zero_stage, cand.offload
+    flat = flat_gradients(world, zero_stage, offload, w.fused_step, w.precision)
     if tuning is not None:
-        states, working = lora_states(c, tuning, world, ep_size, offload_optimizer, zero_stage)
+        states, working = lora_states(c, tuning, world, ep_size, offload, zero_stage)
     elif zero_stage == 3:
-        states = gpu_state_bytes(offload_optimizer) * c.total / world
+        states = gpu_state_bytes(offload) * c.total / world
         layer = gathered_layer_params(c, world, ep_size)
         working = 2 * 2 * layer + 2 * 2 * layer  # two gathered layers + grad buckets
     else:
@@ -373,18 +359,18 @@ def estimate(
         grads = 2 * (local if zero_stage == 1 else c.total / world)
         states = 2 * local + grads + 12 * c.total / world
         # 16-bit reduce buckets: two in flight with overlap_comm (DeepSpeed's double buffer), one rank has one
-        buckets = 2 if world > 1 or offload_optimizer else ONE_RANK_REDUCE_BUCKETS
+        buckets = 2 if world > 1 or offload else ONE_RANK_REDUCE_BUCKETS
         working = 0 if flat else 2 * buckets * min(REDUCE_BUCKET_ELEMENTS, local)
     trained = c.total if tuning is None else tuning.trainable
     if not flat:
-        working += boundary_grad_copy(trained, world, zero_stage, grad_accum)
-    tokens = micro_batch * seq_len
-    L, dense_layers = cfg["num_hidden_layers"], c.dense_layers
+        working += boundary_grad_copy(trained, world, zero_stage, w.grad_accum(cand))
+    tokens = w.tokens(cand)
+    L, dense_layers = s.layers, c.dense_layers
     # ACTIVATION_SLACK scales what the eager layers keep (fitted on eager runs); the compiled saving is
     # bytes that are no longer allocated at all
     per_layer = [
-        ACTIVATION_SLACK * _activation_bytes_per_token_layer(cfg, dense=i < dense_layers)
-        - (compiled_saving_per_token_layer(cfg, dense=i < dense_layers) if compiled else 0)
+        ACTIVATION_SLACK * _activation_bytes_per_token_layer(s, dense=i < dense_layers)
+        - (compiled_saving_per_token_layer(s, dense=i < dense_layers) if w.compiled else 0)
         for i in range(L)
     ]
     unkept = [0.0] * L
@@ -397,8 +383,9 @@ def estimate(
     # final hidden state) and are recomputed one at a time in backward, when the layers after them have
     # freed theirs; every other layer keeps all its activations until its own backward. The peak is the
     # larger of the end of forward (all stored layers) and a recompute on top of the stored layers before it.
+    ckpt_every = cand.ckpt_every
     ckpt = [bool(ckpt_every) and i % ckpt_every == 0 for i in range(L)]
-    kept = ACTIVATION_SLACK * (sum(ckpt) + 1) * 2 * cfg["hidden_size"] if any(ckpt) else 0
+    kept = ACTIVATION_SLACK * (sum(ckpt) + 1) * 2 * s.hidden if any(ckpt) else 0
     # a MoE layer whose routed experts carry a LoRA delta also keeps its local experts' bf16 W_eff for
     # backward (the expert GEMMs save their weight operand), whatever the token count
     held = tuning.routed_delta_bytes / ep_size if tuning is not None else 0.0
@@ -411,13 +398,13 @@ def estimate(
             stored += a - frozen * tokens
     act = kept * tokens + max(peak, stored)
     # ACTIVATION_SLACK was fitted with the eager combine's transients allocated
-    if c.moe_layers and fused_combine(on_gpu, tokens, world, precision):
-        act = max(0.0, act - combine_transient_bytes(cfg, tokens))
-    logits = loss_bytes(cfg, tokens, loss_chunk_for(cfg, tokens, loss))
+    if c.moe_layers and fused_combine(cluster.on_gpu, tokens, world, w.precision):
+        act = max(0.0, act - combine_transient_bytes(s, tokens))
+    logits = loss_bytes(s, tokens, loss_chunk_for(s, tokens, w.loss))
     return MemoryEstimate(
         states_gib=states / GIB,
         working_set_gib=working / GIB,
         activations_gib=act / GIB,
         logits_gib=logits / GIB,
-        overhead_gib=OVERHEAD_GIB if on_gpu else 0.0,
+        overhead_gib=OVERHEAD_GIB if cluster.on_gpu else 0.0,
     )

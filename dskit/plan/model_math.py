@@ -1,4 +1,4 @@
-"""Parameter and FLOP counts for DeepSeek MoE configs (config.json keys), without building the model.
+"""Parameter and FLOP counts of a DeepSeek MoE's shape (`shape.py`), without building the model.
 
 One place for this arithmetic: the planner's memory model and the trainer's MFU both use it.
 """
@@ -6,7 +6,8 @@ One place for this arithmetic: the planner's memory model and the trainer's MFU 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from dskit.plan.shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -18,41 +19,31 @@ class ModelCounts:
     moe_layer_non_expert: int  # a MoE layer's attention, norms, shared experts and router (0 if none)
     largest_module: int  # largest single module: one MoE layer's routed experts, the embedding, an MLP
     attn_flops_per_token: float  # causal attention score/value FLOPs per token, forward + backward
-    dense_layers: int  # the first decoder layers, with a dense MLP (first_k_dense_replace)
-    moe_layers: int  # the rest, each with routed experts
+    dense_layers: int  # ModelShape.dense_layers, beside the counts they split
+    moe_layers: int  # ModelShape.moe_layers
 
 
-def head_dims(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(q/k head dim, v head dim). MLA: nope + rope and v_head_dim; MHA: hidden / heads."""
-    if cfg.get("kv_lora_rank"):
-        return cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-    d = cfg["hidden_size"] // cfg["num_attention_heads"]
-    return d, d
-
-
-def attention_params(cfg: dict[str, Any]) -> int:
-    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    if not cfg.get("kv_lora_rank"):  # plain multi-head attention (deepseek-moe-16b)
+def attention_params(s: ModelShape) -> int:
+    h, nh = s.hidden, s.heads
+    if not s.mla:  # plain multi-head attention (deepseek-moe-16b)
         return 4 * h * h
-    dqk, dv = head_dims(cfg)
-    rope, kvl, ql = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+    dqk, dv = s.head_dims
+    rope, kvl, ql = s.qk_rope_head_dim, s.kv_lora_rank, s.q_lora_rank
     q = h * ql + ql + ql * nh * dqk if ql else h * nh * dqk
-    kv = h * (kvl + rope) + kvl + kvl * nh * (cfg["qk_nope_head_dim"] + dv)
+    kv = h * (kvl + rope) + kvl + kvl * nh * (s.qk_nope_head_dim + dv)
     return q + kv + nh * dv * h
 
 
-def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
-    h, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    E, mi, k = cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
-    shared = cfg.get("n_shared_experts") or 0
-    # the layer split, for every count here and in the memory and step-time models (ModelCounts)
-    dense_layers = min(cfg.get("first_k_dense_replace") or 0, L)
-    moe_layers = L - dense_layers
-    attn = attention_params(cfg) + 2 * h  # + the two RMSNorms
-    dense_mlp = 3 * h * cfg["intermediate_size"]
+def counts(s: ModelShape, seq_len: int) -> ModelCounts:
+    h, V, L = s.hidden, s.vocab, s.layers
+    E, mi, k = s.routed_experts, s.expert_intermediate, s.active_experts
+    shared = s.shared_experts
+    dense_layers, moe_layers = s.dense_layers, s.moe_layers
+    attn = attention_params(s) + 2 * h  # + the two RMSNorms
+    dense_mlp = 3 * h * s.dense_intermediate
     routed = E * 3 * h * mi
     moe_non_expert = 3 * h * mi * shared + E * h  # shared experts + router
-    embed = V * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    embed = V * h * (1 if s.tied_embeddings else 2)
     total = L * attn + dense_layers * dense_mlp + moe_layers * (routed + moe_non_expert) + embed + h
     active = (
         L * attn
@@ -60,14 +51,14 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
         + moe_layers * (3 * h * mi * (k + shared) + E * h)
         + V * h  # lm_head
     )
-    dqk, dv = head_dims(cfg)
+    dqk, dv = s.head_dims
     # causal: half the s x s scores; QK^T and PV are 2*(dqk+dv) FLOPs per (query, key); x3 for fwd+bwd
-    attn_flops = L * cfg["num_attention_heads"] * 2 * (dqk + dv) * seq_len / 2 * 3
+    attn_flops = L * s.heads * 2 * (dqk + dv) * seq_len / 2 * 3
     largest = max(attn + (dense_mlp if dense_layers else moe_non_expert), embed // 2)
     experts_per_layer = routed if moe_layers else 0
     # transformers stores a MoE layer's routed experts as one module (fused gate_up/down tensors), so
     # partitioned construction gathers all of them at once; the embedding and lm_head are V x h each.
-    largest_module = max(experts_per_layer, V * h, dense_mlp if dense_layers else 0, attention_params(cfg))
+    largest_module = max(experts_per_layer, V * h, dense_mlp if dense_layers else 0, attention_params(s))
     return ModelCounts(
         total=total,
         active=active,
@@ -81,27 +72,27 @@ def counts(cfg: dict[str, Any], seq_len: int) -> ModelCounts:
     )
 
 
-def tensor_sizes(cfg: dict[str, Any]) -> dict[str, list[int]]:
+def tensor_sizes(s: ModelShape) -> dict[str, list[int]]:
     """Element counts of each parameter tensor, by where it lives: `dense_layer` (one dense decoder
     layer), `moe_layer` (one MoE layer's attention, norms, shared experts and router), `experts` (one
     MoE layer's routed experts, as transformers fuses them: gate_up and down, all experts in each) and
     `outer` (embedding, lm_head, final norm). ZeRO-3 never gathers a tensor at or below its
     persistence threshold (it stays whole on every rank): `gathered`."""
-    h, V = cfg["hidden_size"], cfg["vocab_size"]
-    E, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    nh = cfg["num_attention_heads"]
-    if cfg.get("kv_lora_rank"):
-        dqk, dv = head_dims(cfg)
-        rope, kvl, ql = cfg["qk_rope_head_dim"], cfg["kv_lora_rank"], cfg.get("q_lora_rank")
+    h, V = s.hidden, s.vocab
+    E, mi = s.routed_experts, s.expert_intermediate
+    nh = s.heads
+    if s.mla:
+        dqk, dv = s.head_dims
+        rope, kvl, ql = s.qk_rope_head_dim, s.kv_lora_rank, s.q_lora_rank
         q = [h * ql, ql, ql * nh * dqk] if ql else [h * nh * dqk]
-        attn = [*q, h * (kvl + rope), kvl, kvl * nh * (cfg["qk_nope_head_dim"] + dv), nh * dv * h]
+        attn = [*q, h * (kvl + rope), kvl, kvl * nh * (s.qk_nope_head_dim + dv), nh * dv * h]
     else:
         attn = [h * h] * 4
     norms = [h, h]
-    shared = [h * mi * (cfg.get("n_shared_experts") or 0)] * 3 if cfg.get("n_shared_experts") else []
-    outer = [V * h, h] + ([] if cfg.get("tie_word_embeddings") else [V * h])
+    shared = [h * mi * s.shared_experts] * 3 if s.shared_experts else []
+    outer = [V * h, h] + ([] if s.tied_embeddings else [V * h])
     return {
-        "dense_layer": [*attn, *norms, *[h * cfg["intermediate_size"]] * 3],
+        "dense_layer": [*attn, *norms, *[h * s.dense_intermediate] * 3],
         "moe_layer": [*attn, *norms, *shared, E * h],
         "experts": [E * 2 * mi * h, E * h * mi],
         "outer": outer,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from dskit import catalog
@@ -19,8 +20,10 @@ from dskit.calibrate.calibration import Calibration
 from dskit.errors import SpecError, one_of
 from dskit.plan import fit, host_memory, links, memory, search, speed
 from dskit.plan.adapters import Tuning
+from dskit.plan.candidate import Candidate, Cluster, Workload
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
+from dskit.plan.shape import ModelShape
 from dskit.refusals import fp8_base_zero_stage
 from dskit.spec import PlanOverrides, Spec
 
@@ -33,54 +36,46 @@ DEFAULT_GLOBAL_BATCH = 256
 DEFAULT_SEQUENCES_PER_GPU = 4
 
 
+@dataclass(frozen=True)
+class Trained:
+    """The model the search plans for: its plan section, its shape and counts, a LoRA run's tuning."""
+
+    plan: ModelPlan
+    shape: ModelShape
+    counts: ModelCounts
+    tuning: Tuning | None = None  # None: full fine-tuning
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the search runs on: the catalog's GPU and fabric, the plan's hardware section at its
+    precision, and what `dskit calibrate` measured on this cluster (None: the catalogs' rates)."""
+
+    gpu: catalog.GPU
+    fabric: catalog.Fabric
+    plan: HardwarePlan
+    precision: str
+    calibration: Calibration | None = None
+
+
 def plan_parallel(
-    spec: Spec,
-    model: ModelPlan,
-    model_counts: ModelCounts,
-    gpu: catalog.GPU,
-    fabric: catalog.Fabric,
-    hardware: HardwarePlan,
-    precision: str,
-    warnings: list[str],
-    tuning: Tuning | None = None,
-    calibration: Calibration | None = None,
+    spec: Spec, model: Trained, hw: Hardware, warnings: list[str]
 ) -> tuple[ParallelPlan, search.Search]:
     """EP size and batch split, checkpointing and offload: the fastest candidate that fits
-    (`dskit/plan/search.py`), and the attention backend. `tuning`: a LoRA run's (same search).
-    `calibration`: what `dskit calibrate` measured on this cluster (None: the catalogs' rates)."""
-    cfg, world, per_node = model.config, hardware.world_size, hardware.procs_per_node
+    (`dskit/plan/search.py`), and the attention backend. A LoRA run (`model.tuning`) is searched alike."""
+    gpu, precision, calibration = hw.gpu, hw.precision, hw.calibration
+    world, per_node = hw.plan.world_size, hw.plan.procs_per_node
     if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
-        _check_pinned_ep(cfg["n_routed_experts"], world, per_node, spec.overrides.ep_size)
+        _check_pinned_ep(model.shape.routed_experts, world, per_node, spec.overrides.ep_size)
     gb, per_rank = _batch_split(spec, world)
     compiled = _compiled(spec, gpu, warnings)
-    fused = spec.overrides.optimizer_step != "deepspeed"
-    shape = dataclasses.replace(
-        _shape(spec, model, model_counts, gpu, hardware, compiled, per_rank),
-        tuning=tuning,
-        fused_step=fused,
-        precision=precision,
-    )
     seq_len = spec.training.seq_len
     attention = attention_compile(spec.overrides.compile, gpu)
-    speed_of = _speed_of(
-        model,
-        model_counts,
-        gpu,
-        fabric,
-        hardware,
-        per_rank=per_rank,
-        seq_len=seq_len,
-        compiled=compiled,
-        fused_step=fused,
-        compiled_attention=attention,
-        precision=precision,
-        tuning=tuning,
-        cpus_per_node=spec.hardware.cpus_per_node,
-        calibration=calibration,
-    )
+    setting = _setting(spec, model, hw, per_rank, compiled=compiled, compiled_attention=attention)
+    speed_of = _speed_of(setting, hw)
     # CPU ranks have a step time only where a calibration measured their compute rate (speed._cpu_step)
     weighs = not gpu.is_cpu or bool(calibration is not None and calibration.compute.gemm_tflops)
-    found = _search(spec.overrides, shape, per_rank, speed_of, fabric.name, warnings, weighs=weighs)
+    found = _search(spec.overrides, setting, per_rank, speed_of, hw.fabric.name, warnings, weighs=weighs)
     found = dataclasses.replace(found, calibration=calibration)
     c = found.chosen.candidate
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
@@ -89,14 +84,14 @@ def plan_parallel(
         ep_size=c.ep_size,
         expert_dp_size=world // c.ep_size,
         micro_batch=c.micro_batch,
-        grad_accum=shape.grad_accum(c),
+        grad_accum=setting.grad_accum(c),
         global_batch=gb,
         seq_len=seq_len,
         activation_checkpointing=c.ckpt_every,
         precision=precision,
         attention=_attention(spec, gpu),
         offload_optimizer=c.offload,
-        loss_chunk_tokens=memory.loss_chunk_for(cfg, c.micro_batch * seq_len, spec.overrides.loss),
+        loss_chunk_tokens=memory.loss_chunk_for(model.shape, c.micro_batch * seq_len, spec.overrides.loss),
         compile_regions=compiled,
         compile_attention=attention and c.zero_stage < 3,
         optimizer_step=step,
@@ -201,90 +196,59 @@ def _compiled(spec: Spec, gpu: catalog.GPU, warnings: list[str]) -> bool:
     return compiled
 
 
-def _shape(
-    spec: Spec,
-    model: ModelPlan,
-    model_counts: ModelCounts,
-    gpu: catalog.GPU,
-    hardware: HardwarePlan,
-    compiled: bool,
-    per_rank: int,
-) -> fit.Shape:
-    """What every candidate's fit depends on besides the candidate."""
-    host_gib, host_from = host_memory.node_memory(
-        spec.hardware.host_memory_gib, gpu, spec.hardware.gpus_per_node
-    )
-    return fit.Shape(
-        model=model.name,
-        cfg=model.config,
-        counts=model_counts,
+def _setting(
+    spec: Spec, model: Trained, hw: Hardware, per_rank: int, *, compiled: bool, compiled_attention: bool
+) -> fit.Setting:
+    """What every candidate's fit and speed depend on besides the candidate."""
+    per_node = hw.plan.procs_per_node
+    host_gib, host_from = host_memory.node_memory(spec.hardware.host_memory_gib, hw.gpu, per_node)
+    work = Workload(
+        shape=model.shape,
+        counts=model.counts,
+        flops_per_token=model.plan.flops_per_token,
         seq_len=spec.training.seq_len,
-        gpu=gpu,
-        nodes=hardware.nodes,
-        per_node=hardware.procs_per_node,
+        per_rank=per_rank,
+        tuning=model.tuning,
+        precision=hw.precision,
+        compiled=compiled,
+        compiled_attention=compiled_attention,
+        fused_step=spec.overrides.optimizer_step != "deepspeed",
+        loss=spec.overrides.loss,
+    )
+    # an offloaded optimizer steps on the rank's OMP_NUM_THREADS cores (hardware.cpus_per_node)
+    threads = host_memory.threads_per_rank(spec.hardware.cpus_per_node, per_node, hw.gpu.is_cpu)
+    cluster = Cluster(
+        gpu=hw.gpu,
+        world=hw.plan.world_size,
+        per_node=per_node,
+        peak_tflops=hw.plan.peak_tflops,
+        host_threads=threads,
+    )
+    return fit.Setting(
+        model=model.plan.name,
+        work=work,
+        cluster=cluster,
         host_memory_gib=host_gib,
         host_memory_from=host_from,
-        loads_weights=model.path is not None,
-        loss=spec.overrides.loss,
-        per_rank=per_rank,
-        compiled=compiled,
+        loads_weights=model.plan.path is not None,
     )
 
 
-def _speed_of(
-    model: ModelPlan,
-    model_counts: ModelCounts,
-    gpu: catalog.GPU,
-    fabric: catalog.Fabric,
-    hardware: HardwarePlan,
-    *,
-    per_rank: int,
-    seq_len: int,
-    compiled: bool,
-    fused_step: bool,
-    compiled_attention: bool,
-    precision: str = "bf16",
-    tuning: Tuning | None = None,
-    cpus_per_node: int | None = None,
-    calibration: Calibration | None = None,
-) -> search.SpeedOf:
-    """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`); an offloaded
-    optimizer steps on the rank's OMP_NUM_THREADS cores (`cpus_per_node`: hardware.cpus_per_node)."""
-    world, per_node = hardware.world_size, hardware.procs_per_node
-    threads = host_memory.threads_per_rank(cpus_per_node, per_node, gpu.is_cpu)
-    rates = links.Links.of(gpu, fabric, calibration)
-    factors = scales.factors(calibration, scales.kind_of(gpu.name))
+def _speed_of(setting: fit.Setting, hw: Hardware) -> search.SpeedOf:
+    """A candidate's predicted step time on this hardware (`dskit/plan/speed.py`), at the collective
+    rates and fitted terms' factors of its calibration, where it has one."""
+    rates = links.Links.of(hw.gpu, hw.fabric, hw.calibration)
+    factors = scales.factors(hw.calibration, scales.kind_of(hw.gpu.name))
 
-    def speed_of(c: fit.Candidate) -> speed.StepTime | None:
-        return speed.predict(
-            model.config,
-            model_counts,
-            model.flops_per_token,
-            gpu=gpu,
-            peak_tflops=hardware.peak_tflops,
-            links=rates,
-            layout=speed.Layout(world=world, per_node=per_node, ep_size=c.ep_size),
-            micro_batch=c.micro_batch,
-            grad_accum=per_rank // c.micro_batch,
-            seq_len=seq_len,
-            ckpt_every=c.ckpt_every,
-            offload=c.offload,
-            compiled=compiled,
-            zero_stage=c.zero_stage,
-            fused_step=fused_step,
-            compiled_attention=compiled_attention,
-            precision=precision,
-            tuning=tuning,
-            host_threads=threads,
-            scales=factors,
-        )
+    def speed_of(c: Candidate) -> speed.StepTime | None:
+        return speed.predict(setting.work, c, setting.cluster, rates, factors)
 
     return speed_of
 
 
 def _search(
     o: PlanOverrides,
-    shape: fit.Shape,
+    setting: fit.Setting,
     per_rank: int,
     speed_of: search.SpeedOf,
     fabric_name: str,
@@ -295,22 +259,22 @@ def _search(
     """The fastest candidate that fits, else SpecError (exit 2). The candidates are `search.axes`';
     overrides pin dimensions of them, and the planner's own pick is still ranked, so a slower forced
     choice is named in a warning."""
-    free = search.axes(shape, per_rank, weighs=weighs)
+    free = search.axes(setting, per_rank, weighs=weighs)
     if (
         o.zero_stage is not None
         and o.zero_stage not in search.FP8_BASE_STAGES
-        and shape.tuning
-        and shape.tuning.fp8
+        and setting.tuning
+        and setting.tuning.fp8
     ):
         raise fp8_base_zero_stage(o.zero_stage)
     pinned, forced = _pinned(o, free)
     found = search.search(
-        shape,
+        setting,
         pinned,
         free=free,
         forced=forced,
         speed_of=speed_of,
-        ep_for=_ep_at(shape.cfg["n_routed_experts"], shape.per_node, o.ep_size),
+        ep_for=_ep_at(setting.work.shape.routed_experts, setting.per_node, o.ep_size),
     )
     warnings.extend(_search_warnings(found, o, forced, fabric_name))
     return found

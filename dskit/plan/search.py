@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from dskit.calibrate.calibration import Calibration
 from dskit.errors import SpecError
 from dskit.plan import fit
+from dskit.plan.candidate import Candidate
 from dskit.plan.speed import StepTime
 
 #: candidates predicted within this share of the fastest are ties (the model's own error is larger)
@@ -44,7 +45,7 @@ SPEED_TIE = 0.03
 #: every fitting plan without it by more than the step-time model's validated error (`offload_wins`)
 OFFLOAD_MARGIN = 0.15
 
-SpeedOf = Callable[[fit.Candidate], "StepTime | None"]
+SpeedOf = Callable[[Candidate], "StepTime | None"]
 
 # ---- the candidates: each dimension in the fit order ----
 #: ZeRO stages searched (3 first: the path every plan took before stages 1 and 2)
@@ -139,11 +140,11 @@ class Axes:
     ckpts: tuple[int, ...]
     stages: tuple[int, ...]
 
-    def candidates(self) -> list[fit.Candidate]:
+    def candidates(self) -> list[Candidate]:
         """Every combination, in the fit order (used where no speed is predicted): ZeRO-3, no offload
         first, largest EP inside a node, largest micro-batch, no checkpointing."""
         return [
-            fit.Candidate(ep, mb, ck, off, st)
+            Candidate(ep, mb, ck, off, st)
             for st in self.stages
             for off in self.offloads
             if not off or offload_with(st)
@@ -153,14 +154,14 @@ class Axes:
         ]
 
 
-def axes(shape: fit.Shape, per_rank: int, *, weighs: bool = True) -> Axes:
+def axes(setting: fit.Setting, per_rank: int, *, weighs: bool = True) -> Axes:
     """Every choice the planner weighs on its own. Where no step time can be predicted (`weighs`
     False: CPU ranks without a calibration's measured compute rate) there is nothing to weigh EP sizes
     and stages by: it takes the fit order's first of each."""
-    on_cpu = shape.gpu.is_cpu
-    eps = ep_sizes(shape.cfg["n_routed_experts"], shape.world, shape.per_node)
+    on_cpu = setting.gpu.is_cpu
+    eps = ep_sizes(setting.work.shape.routed_experts, setting.world, setting.per_node)
     # an FP8 base trains under ZeRO-1/2 only (docs/planner.md "LoRA"): its FP8 layers are not partitioned
-    stages = ZERO_STAGES if shape.tuning is None or not shape.tuning.fp8 else FP8_BASE_STAGES
+    stages = ZERO_STAGES if setting.tuning is None or not setting.tuning.fp8 else FP8_BASE_STAGES
     return Axes(
         offloads=OFFLOADS,
         eps=tuple(eps if weighs else eps[:1]),
@@ -178,7 +179,7 @@ class Row:
     verdict: str  # "chosen", or why it lost
 
     @property
-    def candidate(self) -> fit.Candidate:
+    def candidate(self) -> Candidate:
         return self.fit.candidate
 
     @property
@@ -224,9 +225,9 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
     f = row.fit
     if not f.gpu_ok:
         peak = max(f.steady.total_gib, f.construction.total_gib)
-        return f"over GPU memory: {peak:.1f} > {f.shape.gpu_limit:.1f} GiB"
+        return f"over GPU memory: {peak:.1f} > {f.setting.gpu_limit:.1f} GiB"
     if not f.host_ok:
-        return f"over host RAM: {f.host.total_gib:.1f} > {f.shape.host_limit:.1f} GiB/node"
+        return f"over host RAM: {f.host.total_gib:.1f} > {f.setting.host_limit:.1f} GiB/node"
     if fastest is None or row.speed is None or best.speed is None:
         return "fits; an earlier candidate in the fit order won (speed not predicted)"
     d = 1 - row.speed.tokens_per_s / best.speed.tokens_per_s
@@ -280,13 +281,13 @@ def _fastest(rows: list[Row]) -> Row:
     return min((r for r in rows if r.speed.tokens_per_s >= top * (1 - SPEED_TIE)), key=_rank_key)  # type: ignore[union-attr]
 
 
-def rank(shape: fit.Shape, candidates: list[fit.Candidate], speed_of: SpeedOf) -> list[Row]:
+def rank(setting: fit.Setting, candidates: list[Candidate], speed_of: SpeedOf) -> list[Row]:
     """Every candidate evaluated; the winner first (fits, fastest, tie-broken), then the rest.
 
     Speed ranks only where every fitting candidate is fully timed: a term left out for an unknown
     bandwidth (network.fabric tcp across nodes) would make the candidates that use it look free, so
     then the fit order decides, as for the cpu profile."""
-    rows = [Row(fit.evaluate(shape, c), speed_of(c), shape.grad_accum(c), "") for c in candidates]
+    rows = [Row(fit.evaluate(setting, c), speed_of(c), setting.grad_accum(c), "") for c in candidates]
     ok = [r for r in rows if r.fits]
     if not ok:
         return rows
@@ -303,7 +304,7 @@ def rank(shape: fit.Shape, candidates: list[fit.Candidate], speed_of: SpeedOf) -
 
 
 def search(
-    shape: fit.Shape,
+    setting: fit.Setting,
     pinned: Axes,
     *,
     free: Axes,
@@ -314,12 +315,12 @@ def search(
     """The ranked candidates of `pinned` (`free` narrowed by the overrides named in `forced`), or
     SpecError (exit 2) saying why none fits. With overrides, `free` is ranked too: the planner's own
     pick, to name a slower forced choice and to tell a bad override from a small cluster."""
-    rows = rank(shape, pinned.candidates(), speed_of)
-    free_rows = rank(shape, free.candidates(), speed_of) if forced else None
+    rows = rank(setting, pinned.candidates(), speed_of)
+    free_rows = rank(setting, free.candidates(), speed_of) if forced else None
     own = free_rows[0] if free_rows and free_rows[0].fits else None
     if not rows[0].fits:
         field, message = fit.explain_no_fit(
-            shape, [r.fit for r in rows], own.candidate if own else None, forced, ep_for
+            setting, [r.fit for r in rows], own.candidate if own else None, forced, ep_for
         )
         raise SpecError(field, message)
     unforced_best = own if own is not None and own.candidate != rows[0].candidate else None

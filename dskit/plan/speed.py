@@ -54,10 +54,12 @@ from dskit.catalog import GPU
 from dskit.plan import links as links_
 from dskit.plan import model_math
 from dskit.plan.adapters import Tuning
+from dskit.plan.candidate import Candidate, Cluster, Layout, Workload
 from dskit.plan.links import Links
 from dskit.plan.memory import flat_gradients, fused_combine, one_rank_fused
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import PERSISTENCE_THRESHOLD, gathered_layer_params, max_live, prefetched_share
+from dskit.plan.shape import ModelShape
 
 # ---- measured: the first four fitted together to the worst relative step-time error of one-GPU runs
 # (bench/plan_bench.py --fit), kept when the optimizer terms were refitted (bench/optimizer_refit.py);
@@ -225,19 +227,6 @@ GB = 1e9
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where the ranks are: what the bandwidths depend on."""
-
-    world: int
-    per_node: int
-    ep_size: int
-
-    @property
-    def expert_dp(self) -> int:
-        return self.world // self.ep_size
-
-
-@dataclass(frozen=True)
 class StepTime:
     """Predicted seconds per optimizer step, by term (all per GPU)."""
 
@@ -303,72 +292,72 @@ def checkpointed_fraction(layers: int, ckpt_every: int) -> float:
     return 0.0 if not ckpt_every else math.ceil(layers / ckpt_every) / layers
 
 
+@dataclass(frozen=True)
+class Passes:
+    """A micro-step's decoder-layer passes: forward, backward, and the forward again of the checkpointed
+    layers (`frac` of them)."""
+
+    layers: int
+    moe_layers: int
+    frac: float  # checkpointed_fraction
+
+    @classmethod
+    def of(cls, s: ModelShape, ckpt_every: int) -> Passes:
+        return cls(s.layers, s.moe_layers, checkpointed_fraction(s.layers, ckpt_every))
+
+    @property
+    def total(self) -> float:
+        return self.layers * (2 + self.frac)
+
+    @property
+    def by_group(self) -> dict[str, int]:
+        """The layers whose weights each ZeRO group holds: every layer for the dense group, the MoE
+        layers for the expert-data-parallel one (`_zero_groups`' names)."""
+        return {"dense": self.layers, "expert_dp": self.moe_layers}
+
+
 def predict(
-    cfg: dict[str, Any],
-    c: ModelCounts,
-    flops_per_token: float,
-    *,
-    gpu: GPU,
-    peak_tflops: float | None,
-    links: Links,
-    layout: Layout,
-    micro_batch: int,
-    grad_accum: int,
-    seq_len: int,
-    ckpt_every: int,
-    offload: bool,
-    compiled: bool = False,
-    zero_stage: int = 3,
-    fused_step: bool = False,
-    compiled_attention: bool = False,
-    precision: str = "bf16",
-    tuning: Tuning | None = None,
-    host_threads: int = 8,
-    scales: Scales | None = None,
+    w: Workload, cand: Candidate, cluster: Cluster, links: Links, scales: Scales | None = None
 ) -> StepTime | None:
-    """Predicted step time, or None where nothing gives a compute rate to scale from (a GPU without a
-    catalog peak; CPU ranks without a calibration: `_cpu_step`).
-    `offload`: the optimizer stepped on the host's CPU Adam, on `host_threads` cores per rank.
-    `peak_tflops`: at the plan's precision. `tuning`: a LoRA run (`flops_per_token` is then its own,
-    `Tuning.flops_per_token`); None: full fine-tuning. `links`: the cluster's collective rates
+    """Predicted step time of `cand`, or None where nothing gives a compute rate to scale from (a GPU
+    without a catalog peak; CPU ranks without a calibration: `_cpu_step`). An offloaded optimizer steps
+    on the host's CPU Adam, on `cluster.host_threads` cores per rank. A LoRA run (`w.tuning`) has its own
+    FLOPs per token (`Tuning.flops_per_token`). `links`: the cluster's collective rates
     (dskit/plan/links.py). `scales`: a calibration's factors on the fitted terms (dskit/calibrate/scales.py)."""
     scales = scales or Scales()
+    gpu, peak_tflops = cluster.gpu, cluster.peak_tflops
     if gpu.is_cpu:
-        return _cpu_step(
-            cfg, c, flops_per_token, links=links, layout=layout, micro_batch=micro_batch, grad_accum=grad_accum,
-            seq_len=seq_len, ckpt_every=ckpt_every, zero_stage=zero_stage, tuning=tuning,
-            host_threads=host_threads, scales=scales,
-        )  # fmt: skip
+        return _cpu_step(w, cand, cluster, links, scales)
     if peak_tflops is None or gpu.memory_bw_gbs is None:
         return None
-    L = cfg["num_hidden_layers"]
-    T = micro_batch * seq_len
-    frac = checkpointed_fraction(L, ckpt_every)
-    passes = L * (2 + frac)
+    c, tuning, layout = w.counts, w.tuning, cluster.layout(cand)
+    zero_stage, grad_accum = cand.zero_stage, w.grad_accum(cand)
+    T = w.tokens(cand)
+    passes = Passes.of(w.shape, cand.ckpt_every)
+    frac = passes.frac
     unknown: list[str] = []  # filled by the terms that need a bandwidth the catalog lacks
 
-    attention = compiled_attention and zero_stage < 3  # the plan's compile_attention
+    attention = w.compiled_attention and zero_stage < 3  # the plan's compile_attention
     fwd = None if tuning is None else tuning.forward_share(c)
     compute = _compute_s(
-        T, _scaled_flops(c, flops_per_token, scales), frac, peak_tflops * 1e12, compiled, fwd, attention
+        T, _scaled_flops(c, w.flops_per_token, scales), frac, peak_tflops * 1e12, w.compiled, fwd, attention
     )
     if tuning is not None:  # before the windows ZeRO's transfers hide behind: LoRA's compute is longer
         compute *= LORA_COMPUTE_FACTOR
-    groups = _zero_groups(cfg, c, layout, tuning)
+    groups = _zero_groups(w.shape, c, layout, tuning)
     shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
     per_micro, per_step = _collectives_s(
         groups,
         shapes,
         links,
         zero_stage,
-        frac,
         passes,
-        {"dense": L, "expert_dp": c.moe_layers},
         compute_windows(compute, frac, fwd),
         prefetched(c, layout),
         unknown,
     )
-    a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)
+    per_micro += _sync_s(shapes, zero_stage, passes)
+    a2a = _all_to_all_s(w.shape, shapes["ep"], links, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = (
         HOST_LAYER_PASS_S
@@ -380,8 +369,8 @@ def predict(
     # bf16's fused step on one rank reads nothing back, and its gradients go flat: no per-gradient hook,
     # no copy (fp16 keeps DeepSpeed's overflow check, offload and several ranks overlap_comm's
     # synchronisations and the reduce path: dskit/plan/deepspeed.py, dskit/train/flat_grads.py)
-    unsynced = one_rank_fused(layout.world, zero_stage, offload, fused_step, precision)
-    flat = flat_gradients(layout.world, zero_stage, offload, fused_step, precision)
+    unsynced = one_rank_fused(layout.world, zero_stage, cand.offload, w.fused_step, w.precision)
+    flat = flat_gradients(layout.world, zero_stage, cand.offload, w.fused_step, w.precision)
     gpu_pass = GPU_LAYER_PASS_S if hooked else GPU_LAYER_PASS_FLAT_S if flat else GPU_LAYER_PASS_UNHOOKED_S
     if flat and attention:  # measured only with attention compiled, the GPU default; eager keeps its bound
         host_pass = HOST_LAYER_PASS_FLAT_S
@@ -399,30 +388,30 @@ def predict(
         weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
         dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)
     combine = 0.0  # the fused combine's saving, forward and backward (a recomputed forward: half the pair's)
-    if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world, precision):
-        slots = T * cfg["num_experts_per_tok"] * cfg["hidden_size"] * c.moe_layers * (1 + frac / 2)
+    if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world, w.precision):
+        slots = T * w.shape.active_experts * w.shape.hidden * c.moe_layers * (1 + frac / 2)
         combine = slots * FUSED_COMBINE_SAVED_BYTES / (gpu.memory_bw_gbs * GB)
     return StepTime(
         # the eager combine's passes scale with the tokens, as the FLOPs do: GEMM_EFFICIENCY absorbed them
         compute_s=grad_accum * (compute - combine),
         # the per-layer GPU work: launches and small kernels per layer pass, and an FP8 base's dequantising
-        layer_gpu_s=grad_accum * (gpu_pass * passes + dequant),
+        layer_gpu_s=grad_accum * (gpu_pass * passes.total + dequant),
         collectives_s=grad_accum * per_micro,
         grad_copy_s=grad_copy,
         all_to_all_s=grad_accum * a2a,
-        host_s=grad_accum * scales.host * (host_pass * passes + micro_host),
+        host_s=grad_accum * scales.host * (host_pass * passes.total + micro_host),
         optimizer_s=_optimizer_s(
             c.total if tuning is None else tuning.trainable,
             layout,
             gpu,
-            offload,
+            cand.offload,
             zero_stage,
-            fused_step,
-            host_threads,
+            w.fused_step,
+            cluster.host_threads,
             CPU_ADAM_CORE_S_PER_BPARAM * scales.cpu_adam,
         ),
         tokens_per_step=grad_accum * T,
-        flops_per_token=flops_per_token,
+        flops_per_token=w.flops_per_token,
         peak_tflops=peak_tflops,
         unknown=tuple(dict.fromkeys(unknown)),
         boundary_s=per_step,
@@ -431,52 +420,37 @@ def predict(
 
 
 def _cpu_step(
-    cfg: dict[str, Any],
-    c: ModelCounts,
-    flops_per_token: float,
-    *,
-    links: Links,
-    layout: Layout,
-    micro_batch: int,
-    grad_accum: int,
-    seq_len: int,
-    ckpt_every: int,
-    zero_stage: int,
-    tuning: Tuning | None,
-    host_threads: int,
-    scales: Scales,
+    w: Workload, cand: Candidate, cluster: Cluster, links: Links, scales: Scales
 ) -> StepTime | None:
     """A CPU rank's step (the "CPU ranks" constants above): the same terms as a GPU's (compute, layer
     passes, ZeRO's collectives, AutoEP's exchange, the optimizer, ZeRO-1/2's boundary), but the host
     and device timelines add and no collective is hidden. None without a measured GEMM rate."""
     if not scales.gemm_tflops:
         return None
-    L = cfg["num_hidden_layers"]
-    T = micro_batch * seq_len
-    frac = checkpointed_fraction(L, ckpt_every)
-    passes = L * (2 + frac)
+    c, tuning, layout = w.counts, w.tuning, cluster.layout(cand)
+    zero_stage, grad_accum = cand.zero_stage, w.grad_accum(cand)
+    T = w.tokens(cand)
+    passes = Passes.of(w.shape, cand.ckpt_every)
+    frac = passes.frac
     unknown: list[str] = []
     fwd = None if tuning is None else tuning.forward_share(c)
     compute = _compute_s(
-        T, flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY
+        T, w.flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY
     )
     shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
     per_micro, per_step = _collectives_s(
-        _zero_groups(cfg, c, layout, tuning),
+        _zero_groups(w.shape, c, layout, tuning),
         shapes,
         links,
         zero_stage,
-        frac,
         passes,
-        {"dense": L, "expert_dp": c.moe_layers},
         (0.0, 0.0, 0.0),  # nothing runs beside a CPU rank's compute to hide them
         1.0,
         unknown,
-        sync_layer_pass_s=0.0,  # the calls' latencies are measured, not fitted
-    )
-    a2a = _all_to_all_s(cfg, c, layout, shapes["ep"], links, T, frac, unknown)
+    )  # and no fitted synchronisation (_sync_s): the calls' latencies are measured
+    a2a = _all_to_all_s(w.shape, shapes["ep"], links, T, frac, unknown)
     hooked = zero_stage == 3
-    host = (CPU_HOST_LAYER_PASS_S if hooked else CPU_HOST_LAYER_PASS_UNHOOKED_S) * passes
+    host = (CPU_HOST_LAYER_PASS_S if hooked else CPU_HOST_LAYER_PASS_UNHOOKED_S) * passes.total
     if layout.ep_size > 1:
         host += CPU_EP_LAYER_PASS_S * c.moe_layers * (2 + frac)
     optimized = (c.total if tuning is None else tuning.trainable) / layout.world
@@ -487,10 +461,10 @@ def _cpu_step(
         grad_copy_s=0.0,
         all_to_all_s=grad_accum * a2a,
         host_s=grad_accum * scales.host * host,
-        optimizer_s=optimized / 1e9 * CPU_ADAM_CORE_S_PER_BPARAM_CPU * scales.cpu_adam / host_threads
+        optimizer_s=optimized / 1e9 * CPU_ADAM_CORE_S_PER_BPARAM_CPU * scales.cpu_adam / cluster.host_threads
         + scales.host * (CPU_HOST_OPTIMIZER_STEP_S if hooked else CPU_HOST_OPTIMIZER_STEP_UNHOOKED_S),
         tokens_per_step=grad_accum * T,
-        flops_per_token=flops_per_token,
+        flops_per_token=w.flops_per_token,
         peak_tflops=scales.gemm_tflops,
         unknown=tuple(dict.fromkeys(unknown)),
         boundary_s=per_step,
@@ -559,7 +533,7 @@ def _compute_s(
 
 
 def _zero_groups(
-    cfg: dict[str, Any], c: ModelCounts, layout: Layout, t: Tuning | None
+    s: ModelShape, c: ModelCounts, layout: Layout, t: Tuning | None
 ) -> tuple[tuple[float, float, str], ...]:
     """ZeRO's traffic per group: (bytes gathered per layer pass under ZeRO-3, bytes reduced per
     micro-step and, under ZeRO-1/2, all-gathered once per step, the group: `links.groups`' name). Experts are sharded
@@ -572,7 +546,7 @@ def _zero_groups(
     routed-expert adapters the expert-data-parallel group)."""
     dense, routed = (WIRE_BYTES * n for n in _trained_grads(c, layout, t))
     if t is None:  # every weight is trained: gathered (what is not persistent) and reduced alike
-        sizes = model_math.tensor_sizes(cfg)
+        sizes = model_math.tensor_sizes(s)
         kept = PERSISTENCE_THRESHOLD
         gathered_dense = (
             c.dense_layers * model_math.gathered(sizes["dense_layer"], kept)
@@ -626,24 +600,22 @@ def _collectives_s(
     shapes: dict[str, links_.Group],
     links: Links,
     zero_stage: int,
-    frac: float,
-    passes: float,
-    layers: dict[str, int],
+    passes: Passes,
     windows: tuple[float, float, float],
     share: float,
     unknown: list[str],
-    sync_layer_pass_s: float = SYNC_LAYER_PASS_S,
 ) -> tuple[float, float]:
     """ZeRO's collective seconds (every micro-step, once per optimizer step) for `_zero_groups`' traffic,
-    their synchronisation included; a group whose rate is unknown is named in `unknown` and not
-    counted. ZeRO-3 gathers each layer once per pass and reduce-scatters each layer's gradients once
-    per micro-step (one call each, for the latency), over the layers whose weights the group holds
-    (`layers`: every layer for the dense group, the MoE layers for the expert-data-parallel one). Each
+    their fitted synchronisation not included (`_sync_s`); a group whose rate is unknown is named in
+    `unknown` and not counted. ZeRO-3 gathers each layer once per pass and reduce-scatters each layer's
+    gradients once per micro-step (one call each, for the latency), over the layers whose weights the
+    group holds (`Passes.by_group`). Each
     pass's collectives, over both groups, run behind that pass's compute (`windows`: `compute_windows`;
     zeros where nothing runs beside them, a CPU rank), ZeRO-3's gathers only for the `share` its
     prefetch limits fetch ahead (`prefetched`); the reduce-scatters (ZeRO-2's and ZeRO-3's) behind the
     backward, whole: DeepSpeed issues them on its reduce stream as the gradients come (`overlap_comm`),
     which no live limit holds back. What the compute cannot hide is exposed."""
+    frac, layers = passes.frac, passes.by_group
     per_step = 0.0
     by_pass = [0.0, 0.0, 0.0]  # ZeRO-3's gathers by pass: forward, backward, recompute
     reduce = 0.0  # the backward's reduce-scatters
@@ -673,17 +645,24 @@ def _collectives_s(
     per_micro = sum(
         _exposed(comm, w, share, free) for comm, w, free in zip(by_pass, windows, frees, strict=True)
     )
-    world = shapes["dense"].size
-    syncs = world > 1 if zero_stage == 3 else shapes["ep"].size > 1  # AutoEP's count exchange
-    if syncs:
-        per_micro += sync_layer_pass_s * passes
     return per_micro, per_step
 
 
+def _sync_s(
+    shapes: dict[str, links_.Group],
+    zero_stage: int,
+    passes: Passes,
+    sync_layer_pass_s: float = SYNC_LAYER_PASS_S,
+) -> float:
+    """A micro-step's synchronisation beyond its collectives' bandwidth time, per layer pass: ZeRO-3's
+    gathers and reduce-scatters with more than one rank, else AutoEP's count exchange with EP > 1. A GPU
+    step's (SYNC_LAYER_PASS_S, fitted); a CPU step adds none (its calls' latencies are measured)."""
+    syncs = shapes["dense"].size > 1 if zero_stage == 3 else shapes["ep"].size > 1
+    return sync_layer_pass_s * passes.total if syncs else 0.0
+
+
 def _all_to_all_s(
-    cfg: dict[str, Any],
-    c: ModelCounts,
-    layout: Layout,
+    s: ModelShape,
     ep: links_.Group,
     links: Links,
     tokens: int,
@@ -698,8 +677,8 @@ def _all_to_all_s(
     count exchange, small messages), which a measurement already holds and is not applied to again."""
     if ep.size == 1:
         return 0.0
-    pairs = c.moe_layers * (2 + frac)
-    both_ways = 2 * tokens * cfg["num_experts_per_tok"] * cfg["hidden_size"] * WIRE_BYTES
+    pairs = s.moe_layers * (2 + frac)
+    both_ways = 2 * tokens * s.active_experts * s.hidden * WIRE_BYTES
     sent = both_ways * links_.moved_share("all_to_all", ep.size)
     measured = links.exchange(ep)
     if measured is not None:

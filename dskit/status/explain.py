@@ -82,17 +82,17 @@ def _cells(r: Row) -> list[str]:
 
 def table(plan: Plan, found: Search) -> str:
     """The candidate table: the chosen row first, then the other fits by speed, then what does not fit."""
-    shape = found.chosen.fit.shape
+    setting = found.chosen.fit.setting
     head = [
         f"{plan.summary()}",
         f"candidates: {len(found.rows)} (fit: {sum(r.fits for r in found.rows)}); GPU limit "
-        + (f"{shape.gpu_limit:.1f} GiB" if shape.gpu_limit else "none (cpu)")
+        + (f"{setting.gpu_limit:.1f} GiB" if setting.gpu_limit else "none (cpu)")
         + ", host limit "
-        + (f"{shape.host_limit:.0f} GiB/node" if shape.host_limit else "unknown"),
+        + (f"{setting.host_limit:.0f} GiB/node" if setting.host_limit else "unknown"),
         "memory in GiB per GPU (states, working set: ZeRO-3's gathered layers, ZeRO-1/2's buckets and boundary "
         "gradient copy; activations, loss, total; build = construction peak); host = RAM per node; step time "
         "predicted by dskit/plan/speed.py",
-        *lora_terms(plan, shape.tuning),
+        *lora_terms(plan, setting.tuning),
         describe_balance(plan),
         "",
     ]
@@ -152,7 +152,7 @@ def plot(plan: Plan, found: Search, path: Path, top: int = 16) -> Path:
             label={"logits_gib": "loss"}.get(key, key.removesuffix("_gib").replace("_", " ")),
         )
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    limit = found.chosen.fit.shape.gpu_limit
+    limit = found.chosen.fit.setting.gpu_limit
     if limit:
         a1.axhline(limit, color="black", ls="--", lw=1, label=f"limit {limit:.0f} GiB")
     a1.set_ylabel("GiB per GPU (steady state)")

@@ -27,9 +27,11 @@ from dskit.calibrate.calibration import EXCHANGE, Calibration
 from dskit.calibrate.scales import FITTED, SCALED, TERMS, factors, fitted, kind_of, reference, scaled
 from dskit.errors import SpecError
 from dskit.plan import adapters, speed
+from dskit.plan.candidate import Candidate, Cluster, Workload
 from dskit.plan.links import CATALOG, GB, MEASURED, Group, Links, Rate
 from dskit.plan.links import groups as shapes_of
 from dskit.plan.model_math import counts, flops_per_token
+from dskit.plan.shape import ModelShape
 from tests.plan.test_calibration_file import _file, _plan, _with_probes
 
 H100, H200, A100, L40S, CPU = (
@@ -427,11 +429,9 @@ def _zero(
     unknown: list[str] = []
     links = links or Links.of(H100, IB, _cal(rates))
     shapes = shapes_of(world, per_node, ep)
-    passes = 4 * (2 + frac)
-    out = speed._collectives_s(
-        traffic, shapes, links, stage, frac, passes, LAYERS, windows, share, unknown, **kw
-    )
-    return (*out, unknown)
+    passes = speed.Passes(LAYERS["dense"], LAYERS["expert_dp"], frac)
+    per_micro, per_step = speed._collectives_s(traffic, shapes, links, stage, passes, windows, share, unknown)
+    return per_micro + speed._sync_s(shapes, stage, passes, **kw), per_step, unknown
 
 
 def _zero3(frac: float = 0.5, rates=RATES) -> tuple[list[float], float]:
@@ -575,7 +575,8 @@ def test_a_group_without_a_rate_is_named_and_left_out_and_the_others_still_count
 
 V2 = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
 SEQ = 4096
-C2 = counts(V2, SEQ)
+S2 = ModelShape.from_config(V2)
+C2 = counts(S2, SEQ)
 
 
 def _sent(tokens: int, ep: int) -> float:
@@ -589,9 +590,8 @@ def _a2a(
 ) -> tuple[float, list]:
     unknown: list[str] = []
     world = max(ep, per_node)
-    layout = speed.Layout(world=world, per_node=per_node, ep_size=ep)
     g = shapes_of(world, per_node, ep)["ep"]
-    return speed._all_to_all_s(V2, C2, layout, g, links, tokens, frac, unknown), unknown
+    return speed._all_to_all_s(S2, g, links, tokens, frac, unknown), unknown
 
 
 def test_a_measured_exchange_is_taken_as_measured_once_per_pair():
@@ -733,21 +733,19 @@ ATTENTION = min(C2.attn_flops_per_token, F2)
 def _gpu_step(
     cal: Calibration | None = None, *, gpu=H100, layout=ONE, grad_accum: int = 2, flops: float = F2, **kw
 ) -> speed.StepTime:
-    return speed.predict(
-        V2,
-        C2,
-        flops,
-        gpu=gpu,
-        peak_tflops=gpu.peak_tflops_bf16,
-        links=Links.of(gpu, IB, cal),
-        layout=layout,
+    candidate = Candidate(
+        ep_size=layout.ep_size,
         micro_batch=1,
-        grad_accum=grad_accum,
-        seq_len=SEQ,
         ckpt_every=kw.pop("ckpt_every", 0),
         offload=kw.pop("offload", False),
-        scales=factors(cal),
-        **kw,
+        zero_stage=kw.pop("zero_stage", 3),
+    )
+    return speed.predict(
+        Workload(S2, C2, flops, seq_len=SEQ, per_rank=grad_accum, **kw),
+        candidate,
+        Cluster(gpu, world=layout.world, per_node=layout.per_node, peak_tflops=gpu.peak_tflops_bf16),
+        Links.of(gpu, IB, cal),
+        factors(cal),
     )
 
 
@@ -784,7 +782,7 @@ def test_the_probed_compute_counts_the_recomputed_forwards_and_compiled_savings_
 
 def test_the_probed_compute_of_a_lora_run_recomputes_its_own_forward_share():
     t = adapters.tuning(
-        V2, C2, targets=["attention", "shared_experts"], r=16, dropout=0.0, base_precision="bf16"
+        S2, C2, targets=["attention", "shared_experts"], r=16, dropout=0.0, base_precision="bf16"
     )
     flops = t.flops_per_token(C2)
     base = _gpu_step(ckpt_every=1, tuning=t, flops=flops)
@@ -839,7 +837,7 @@ def test_a_zero1_step_pays_each_groups_measured_transfers_at_the_boundary():
     half = {op: {**v, "8x2": (v["8x2"][0] / 2, v["8x2"][1])} for op, v in rates.items()}
     base = _gpu_step(_cal(rates), layout=EP8, zero_stage=1)
     slow = _gpu_step(_cal(half), layout=EP8, zero_stage=1)
-    (_, dense, _), (_, routed, _) = speed._zero_groups(V2, C2, EP8, None)
+    (_, dense, _), (_, routed, _) = speed._zero_groups(S2, C2, EP8, None)
     moved = dense * 15 / 16 / GB
     assert slow.boundary_s == approx(base.boundary_s + moved / 40.0 + moved / 30.0)
     assert slow.collectives_s == base.collectives_s
@@ -884,8 +882,8 @@ def test_groups_of_one_rank_have_no_source_and_groups_of_two_have_one():
         "ep group (2 ranks inside a node)",
     ]
     tcp = speed.predict(
-        V2, C2, F2, gpu=H100, peak_tflops=989, links=Links.of(H100, TCP), layout=speed.Layout(32, 8, 16),
-        micro_batch=1, grad_accum=1, seq_len=SEQ, ckpt_every=0, offload=False, scales=factors(None),
+        Workload(S2, C2, F2, seq_len=SEQ, per_rank=1), Candidate(ep_size=16, micro_batch=1, ckpt_every=0, offload=False),
+        Cluster(H100, world=32, per_node=8, peak_tflops=989), Links.of(H100, TCP), factors(None),
     )  # fmt: skip
     assert [name for name, _ in tcp.sources] == [*TERMS]  # nothing known across nodes: no rate to name
 
@@ -894,7 +892,8 @@ def test_groups_of_one_rank_have_no_source_and_groups_of_two_have_one():
 # CPU ranks (speed._cpu_step): the GEMM probe is the compute rate, and every other term is the file's
 
 TINY = dict(catalog.model("tiny-v2-experts").config)
-CT = counts(TINY, 128)
+ST = ModelShape.from_config(TINY)
+CT = counts(ST, 128)
 FT = flops_per_token(CT)
 #: the CPU calibration's readings: 0.5 TFLOP/s GEMM, host x1.5 and CPU Adam x2 the CPU reference's
 CPU_RATES = {AG: {"2x1": (2.0, 3e-4)}, RS: {"2x1": (1.5, 4e-4)}, EXCHANGE: {"2x1": (0.8, 5e-4)}}
@@ -916,23 +915,12 @@ def _cpu_step(
     cal: Calibration | None, *, ep: int, stage: int, ckpt_every: int = 2, tuning=None, threads: int = 3
 ):
     return speed.predict(
-        TINY,
-        CT,
-        FT if tuning is None else tuning.flops_per_token(CT),
-        gpu=CPU,
-        peak_tflops=None,
-        links=Links.of(CPU, TCP, cal),
-        layout=speed.Layout(world=2, per_node=2, ep_size=ep),
-        micro_batch=2,
-        grad_accum=3,
-        seq_len=128,
-        ckpt_every=ckpt_every,
-        offload=False,
-        zero_stage=stage,
-        tuning=tuning,
-        host_threads=threads,
-        scales=factors(cal),
-    )
+        Workload(ST, CT, FT if tuning is None else tuning.flops_per_token(CT), seq_len=128, per_rank=2 * 3, tuning=tuning),
+        Candidate(ep_size=ep, micro_batch=2, ckpt_every=ckpt_every, offload=False, zero_stage=stage),
+        Cluster(CPU, world=2, per_node=2, host_threads=threads),
+        Links.of(CPU, TCP, cal),
+        factors(cal),
+    )  # fmt: skip
 
 
 def _cpu_terms(*, ep: int, stage: int, frac: float, tuning=None, rates=CPU_RATES, threads: int = 3) -> dict:
@@ -944,7 +932,7 @@ def _cpu_terms(*, ep: int, stage: int, frac: float, tuning=None, rates=CPU_RATES
     layout = speed.Layout(world=2, per_node=2, ep_size=ep)
     fwd = 1 / 3 if tuning is None else tuning.forward_share(CT)
     flops = FT if tuning is None else tuning.flops_per_token(CT)
-    (gd, rd, _), (ge, re_, _) = speed._zero_groups(TINY, CT, layout, tuning)
+    (gd, rd, _), (ge, re_, _) = speed._zero_groups(ST, CT, layout, tuning)
     groups = [(gd, rd, layers)] + ([(ge, re_, moe)] if ep == 1 else [])  # EP 2: one-rank expert groups
 
     def t(op, nbytes, calls):
@@ -1007,7 +995,7 @@ def test_a_cpu_step_without_recompute_and_with_lora():
     parameters reduced and stepped."""
     _assert_terms(_cpu_step(_cpu_cal(), ep=2, stage=3, ckpt_every=0), _cpu_terms(ep=2, stage=3, frac=0.0))
     t = adapters.tuning(
-        TINY, CT, targets=["attention", "routed_experts"], r=4, dropout=0.0, base_precision="bf16"
+        ST, CT, targets=["attention", "routed_experts"], r=4, dropout=0.0, base_precision="bf16"
     )
     assert t.trainable < CT.total and t.forward_share(CT) != 1 / 3
     for stage in (3, 1):

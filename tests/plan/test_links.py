@@ -10,6 +10,7 @@ from dskit.plan import links, prefetch, speed
 from dskit.plan.build import build_plan
 from dskit.plan.links import Group, Links
 from dskit.plan.model_math import counts
+from dskit.plan.shape import ModelShape
 from dskit.spec import load_spec
 
 H100 = catalog.gpu("h100-80gb")
@@ -91,7 +92,7 @@ def test_zero3_prefetches_what_the_rendered_limit_leaves_and_the_model_counts_th
     config's. Where the default leaves room for a whole layer, all of it is fetched ahead."""
     plan = _v3(32, "overrides.zero_stage=3", "overrides.ep_size=8")
     z = plan.deepspeed["zero_optimization"]
-    c = counts(plan.model.config, plan.parallel.seq_len)
+    c = counts(ModelShape.from_config(plan.model.config), plan.parallel.seq_len)
     layer = prefetch.gathered_layer_params(c, plan.hardware.world_size, 8)
     assert layer > prefetch.MAX_LIVE_DEFAULT  # the case the default config could not prefetch at all
     assert z["stage3_max_live_parameters"] == layer + prefetch.PREFETCH_BUCKET
@@ -107,7 +108,7 @@ def test_a_moe_layer_is_prefetched_under_the_limit_the_largest_unit_sets():
     rendered limit is DeepSpeed's 1e9, which leaves a MoE layer's 0.23 B room for the whole next layer,
     not the 8% it leaves beside the embedding."""
     plan = _v3(32, "overrides.zero_stage=3", "overrides.ep_size=256")
-    c = counts(plan.model.config, plan.parallel.seq_len)
+    c = counts(ModelShape.from_config(plan.model.config), plan.parallel.seq_len)
     largest = prefetch.gathered_layer_params(c, 256, 256)
     live = plan.deepspeed["zero_optimization"]["stage3_max_live_parameters"]
     assert largest == c.largest_layer > 3 * c.moe_layer_non_expert and live == prefetch.MAX_LIVE_DEFAULT

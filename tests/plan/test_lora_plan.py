@@ -15,6 +15,7 @@ from dskit import catalog
 from dskit.plan import adapters
 from dskit.plan.build import build_plan
 from dskit.plan.model_math import counts
+from dskit.plan.shape import ModelShape
 from dskit.spec import load_spec
 from tests.conftest import dskit, render_tiny
 
@@ -49,7 +50,7 @@ def test_v3_lora_on_its_fp8_base_fits_one_h200_node_where_a_bf16_base_does_not()
     m = p.memory
     assert max(m["total_gib"], m["construction_gib"]) <= m["limit_gib"]
     assert m["construction_gib"] < m["total_gib"] and p.speed["tokens_per_s_per_gpu"] > 0
-    c = counts(p.model.config, p.parallel.seq_len)
+    c = counts(ModelShape.from_config(p.model.config), p.parallel.seq_len)
     share = c.total - c.experts_per_layer * c.moe_layers * (1 - 1 / 8)
     assert 0.95 * share < m["construction"]["shard_gib"] * 2**30 < 1.1 * share  # ~1 byte per weight held
     with pytest.raises(Exception, match="hardware.nodes|cannot be built"):
@@ -126,11 +127,11 @@ def test_frozen_weights_carry_no_gradients_or_optimizer_states():
 
 
 def test_fp8_counts_one_byte_and_its_block_scales_per_frozen_linear_weight():
-    cfg = catalog.model("deepseek-v3").config
-    c = counts(cfg, 4096)
+    shape = ModelShape.from_config(catalog.model("deepseek-v3").config)
+    c = counts(shape, 4096)
     kw = {"targets": ["attention"], "r": 16, "dropout": 0.0}
-    bf16 = adapters.tuning(cfg, c, base_precision="bf16", **kw)
-    fp8 = adapters.tuning(cfg, c, base_precision="fp8", **kw)
+    bf16 = adapters.tuning(shape, c, base_precision="bf16", **kw)
+    fp8 = adapters.tuning(shape, c, base_precision="fp8", **kw)
     assert bf16.expert_bytes == 2 and fp8.expert_bytes == 1 + 4 / 128**2
     # the embedding, lm_head and norms stay bf16, so the non-expert average sits between 1 and 2
     assert 1 < fp8.other_bytes < 1.25 and bf16.other_bytes == 2
@@ -219,10 +220,11 @@ def test_routed_adapters_are_counted_per_expert_and_sharded_by_ep():
     """r (in + out) per expert and projection, every expert of every MoE layer; a rank holds 1/ep under
     ZeRO-1/2, and the routed weight-gradient GEMMs are in the step's FLOPs."""
     cfg = catalog.model("deepseek-v2-lite").config
-    c = counts(cfg, 4096)
+    shape = ModelShape.from_config(cfg)
+    c = counts(shape, 4096)
     kw = {"r": 16, "dropout": 0.0, "base_precision": "bf16"}
-    base = adapters.tuning(cfg, c, targets=["attention"], **kw)
-    routed = adapters.tuning(cfg, c, targets=["attention", "routed_experts"], **kw)
+    base = adapters.tuning(shape, c, targets=["attention"], **kw)
+    routed = adapters.tuning(shape, c, targets=["attention", "routed_experts"], **kw)
     h, inter, E = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     want = c.moe_layers * E * 16 * 3 * (h + inter)
     assert routed.routed_adapters == want and routed.adapters == base.adapters + want
@@ -333,35 +335,25 @@ def test_a_lora_step_copies_only_the_trainable_gradients():
     """ZeRO-2's per-micro-step gradient copies are over what trains: the adapters (routed ones too,
     1/ep of them per rank), not the frozen base."""
     from dskit.plan import speed
+    from dskit.plan.candidate import Candidate, Cluster, Workload
     from dskit.plan.links import Links
 
-    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
-    c = counts(cfg, 4096)
+    shape = ModelShape.from_config(dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4))
+    c = counts(shape, 4096)
     t = adapters.tuning(
-        cfg,
+        shape,
         c,
         targets=["attention", "shared_experts", "routed_experts"],
         r=16,
         dropout=0.0,
         base_precision="bf16",
     )
-    layout = speed.Layout(world=8, per_node=8, ep_size=4)
     gpu = catalog.gpu("h200-141gb")
     step = speed.predict(
-        cfg,
-        c,
-        t.flops_per_token(c),
-        gpu=gpu,
-        peak_tflops=989,
-        links=Links(gpu.interconnect_gbs, None),
-        layout=layout,
-        micro_batch=2,
-        grad_accum=3,
-        seq_len=4096,
-        ckpt_every=0,
-        offload=False,
-        zero_stage=2,
-        tuning=t,
+        Workload(shape, c, t.flops_per_token(c), seq_len=4096, per_rank=2 * 3, tuning=t),
+        Candidate(ep_size=4, micro_batch=2, ckpt_every=0, offload=False, zero_stage=2),
+        Cluster(gpu, world=8, per_node=8, peak_tflops=989),
+        Links(gpu.interconnect_gbs, None),
     )
     dense, routed = t.trainable - t.routed_adapters, t.routed_adapters / 4
     want = (dense + routed) * speed.ZERO12_BUCKET_BYTES_PER_PARAM + (dense / 8 + routed / 2) * (

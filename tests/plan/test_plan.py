@@ -21,6 +21,7 @@ from dskit.plan.build import (
     resolve_fabric,
 )
 from dskit.plan.schema import PLAN_VERSION, dump_plan, load_plan
+from dskit.plan.shape import ModelShape
 from dskit.spec import load_spec
 
 
@@ -115,7 +116,7 @@ def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
     cfg, moe_layers = big.model.config, 3  # 4 layers, the first dense
     slots = 16 * 4096 * cfg["num_experts_per_tok"] * cfg["hidden_size"]
     assert (eager.memory["activations_gib"] - big.memory["activations_gib"]) * 2**30 == pytest.approx(
-        memory.combine_transient_bytes(cfg, 16 * 4096),
+        memory.combine_transient_bytes(ModelShape.from_config(cfg), 16 * 4096),
         abs=0.011 * 2**30,  # both rounded to 0.01 GiB
     )
     bw = catalog.gpu("h200-141gb").memory_bw_gbs * 1e9
@@ -421,7 +422,7 @@ def test_nothing_outside_the_planner_reads_the_spec_record():
 
 def test_plan_steps_run_alone():
     spec = load_spec(None, ["storage.root=/s"], {"hardware.nodes": 2})
-    model, model_counts = plan_model(spec)
+    model, _, model_counts = plan_model(spec)
     assert model.params_total == model_counts.total
     run, root = plan_storage(spec)
     assert root == "/s" and run.checkpoint_dir == "/s/dskit-run/checkpoints"

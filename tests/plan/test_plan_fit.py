@@ -18,7 +18,9 @@ from dskit import catalog
 from dskit.errors import SpecError
 from dskit.plan import fit, host_memory, memory
 from dskit.plan.build import build_plan
+from dskit.plan.candidate import Candidate, Cluster, Workload
 from dskit.plan.model_math import counts
+from dskit.plan.shape import ModelShape
 from dskit.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,22 +64,27 @@ def test_every_plan_fits_or_refuses(model, gpu):
             assert "GiB" in e.message and "use " in e.message, e
             continue
         par, m = p.parallel, p.memory
-        c = counts(p.model.config, par.seq_len)
+        shape = ModelShape.from_config(p.model.config)
+        c = counts(shape, par.seq_len)
         world = p.hardware.world_size
         steady = memory.estimate(
-            p.model.config,
-            c,
-            world=world,
-            ep_size=par.ep_size,
-            micro_batch=par.micro_batch,
-            seq_len=par.seq_len,
-            ckpt_every=par.activation_checkpointing,
-            offload_optimizer=par.offload_optimizer,
-            on_gpu=True,
-            loss="chunked" if par.loss_chunk_tokens else "full",
-            compiled=par.compile_regions,
-            zero_stage=par.zero_stage,
-            grad_accum=par.grad_accum,
+            Workload(
+                shape,
+                c,
+                p.model.flops_per_token,
+                seq_len=par.seq_len,
+                per_rank=par.micro_batch * par.grad_accum,
+                compiled=par.compile_regions,
+                loss="chunked" if par.loss_chunk_tokens else "full",
+            ),
+            Candidate(
+                ep_size=par.ep_size,
+                micro_batch=par.micro_batch,
+                ckpt_every=par.activation_checkpointing,
+                offload=par.offload_optimizer,
+                zero_stage=par.zero_stage,
+            ),
+            Cluster(catalog.gpu(gpu), world=world, per_node=PER_NODE),
         ).total_gib
         build = memory.construction(
             c, world=world, ep_size=par.ep_size, on_gpu=True, zero_stage=par.zero_stage
@@ -129,23 +136,18 @@ def test_checkpointing_every_2nd_layer_keeps_the_others_activations():
     their backward (measured on H200: bench/results/planner/h200x2-planner-E-2026-11-30.json, where counting
     only two layers' worth under-predicted the peak by 18%)."""
     cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=8)
-    c = counts(cfg, 2048)
+    shape = ModelShape.from_config(cfg)
+    c = counts(shape, 2048)
+    work = Workload(shape, c, 0.0, seq_len=2048, per_rank=8, loss="chunked")
     at = {
         n: memory.estimate(
-            cfg,
-            c,
-            world=1,
-            ep_size=1,
-            micro_batch=8,
-            seq_len=2048,
-            ckpt_every=n,
-            offload_optimizer=False,
-            on_gpu=True,
-            loss="chunked",
+            work,
+            Candidate(ep_size=1, micro_batch=8, ckpt_every=n, offload=False),
+            Cluster(catalog.gpu("h200-141gb"), world=1, per_node=1),
         ).activations_gib
         for n in (0, 1, 2)
     }
-    moe = memory._activation_bytes_per_token_layer(cfg, dense=False) * 8 * 2048 * memory.ACTIVATION_SLACK
+    moe = memory._activation_bytes_per_token_layer(shape, dense=False) * 8 * 2048 * memory.ACTIVATION_SLACK
     kept = 2 * cfg["hidden_size"] * 8 * 2048 * memory.ACTIVATION_SLACK
     assert at[1] < at[2] < at[0]
     assert at[2] * memory.GIB == pytest.approx(

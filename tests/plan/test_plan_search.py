@@ -9,8 +9,10 @@ import pytest
 from dskit import catalog
 from dskit.plan import speed
 from dskit.plan.build import build_plan_searched
+from dskit.plan.candidate import Candidate, Cluster, Workload
 from dskit.plan.links import Links
 from dskit.plan.model_math import counts, flops_per_token
+from dskit.plan.shape import ModelShape
 from dskit.spec import load_spec
 from tests.conftest import dskit
 
@@ -75,24 +77,18 @@ def _v2_lite_step(
 ) -> speed.StepTime:
     """4-layer V2-Lite at seq 4096 on H200, as the calibration runs were (ZeRO-1/2 with the fused step
     unless `fused` is False)."""
-    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
-    c = counts(cfg, 4096)
+    shape = ModelShape.from_config(dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4))
+    c = counts(shape, 4096)
+    gpu = catalog.gpu("h200-141gb")
     return speed.predict(
-        cfg,
-        c,
-        flops_per_token(c),
-        gpu=catalog.gpu("h200-141gb"),
-        peak_tflops=989,
-        links=Links(catalog.gpu("h200-141gb").interconnect_gbs, None),
-        layout=layout,
-        micro_batch=micro_batch,
-        grad_accum=grad_accum,
-        seq_len=4096,
-        ckpt_every=0,
-        offload=False,
-        zero_stage=zero_stage,
-        fused_step=fused and zero_stage < 3,
-    )
+        Workload(
+            shape, c, flops_per_token(c), seq_len=4096, per_rank=micro_batch * grad_accum,
+            fused_step=fused and zero_stage < 3,
+        ),
+        Candidate(ep_size=layout.ep_size, micro_batch=micro_batch, ckpt_every=0, offload=False, zero_stage=zero_stage),
+        Cluster(gpu, world=layout.world, per_node=layout.per_node, peak_tflops=989),
+        Links(gpu.interconnect_gbs, None),
+    )  # fmt: skip
 
 
 def test_small_micro_steps_are_host_bound_large_ones_gpu_bound():
@@ -290,8 +286,9 @@ def test_zero2_copies_gradients_every_micro_step_zero1_once_per_step():
     for z in (2, 1):
         flat = _v2_lite_step(grad_accum=4, zero_stage=z)
         assert flat.grad_copy_s == 0.0 and flat.boundary_s == 0.0
-    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
-    c = counts(cfg, 4096)
+    c = counts(
+        ModelShape.from_config(dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)), 4096
+    )
     copy = (
         c.total
         * (speed.ZERO12_BUCKET_BYTES_PER_PARAM + speed.ZERO12_PARTITION_BYTES_PER_PARAM)
@@ -310,8 +307,9 @@ def test_the_gradient_copy_buckets_every_held_gradient_and_partitions_each_over_
     """8 ranks, EP 4: every gradient a rank holds (the dense ones, its quarter of the experts) goes through
     a bucket; the fp32 copy is of its partition, the dense over 8 ranks, the experts over 8 / 4 = 2."""
     layout = speed.Layout(world=8, per_node=8, ep_size=4)
-    cfg = dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)
-    c = counts(cfg, 4096)
+    c = counts(
+        ModelShape.from_config(dict(catalog.model("deepseek-v2-lite").config, num_hidden_layers=4)), 4096
+    )
     experts = c.experts_per_layer * c.moe_layers
     dense, routed = c.total - experts, experts / 4
     bw = catalog.gpu("h200-141gb").memory_bw_gbs * speed.GB

@@ -7,6 +7,7 @@ import pytest
 from dskit import catalog
 from dskit.errors import SpecError
 from dskit.plan.model_math import counts
+from dskit.plan.shape import ModelShape
 
 REQUIRED_GPUS = {
     "a100-40gb",
@@ -98,7 +99,7 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_model_presets_have_their_published_size(name):
-    c = counts(catalog.model(name).config, 4096)
+    c = counts(ModelShape.from_config(catalog.model(name).config), 4096)
     total, active = PUBLISHED[name]
     assert c.total / 1e9 == pytest.approx(total, rel=0.02)
     assert c.active / 1e9 == pytest.approx(active, rel=0.1)
@@ -139,7 +140,7 @@ def test_tiny_presets_build_in_transformers(name):
     preset = catalog.model(name)
     model = AutoModelForCausalLM.from_config(hf_config(preset.config, "sdpa"))
     n = sum(p.numel() for p in model.parameters())
-    assert n == counts(preset.config, 128).total
+    assert n == counts(ModelShape.from_config(preset.config), 128).total
     assert model(input_ids=torch.zeros(1, 8, dtype=torch.long)).logits.shape == (
         1,
         8,

@@ -99,6 +99,7 @@ def test_the_device_holds_the_frozen_base_in_fp8(runs, twins):
     per FP8 weight. The plan's count of frozen bytes (dskit/plan/adapters.py) is what the trainer holds."""
     from dskit.plan import adapters
     from dskit.plan.model_math import counts
+    from dskit.plan.shape import ModelShape
     from dskit.train.fp8.loading import open_shards
 
     fmt = fp8_format(str(twins[0]))
@@ -110,9 +111,9 @@ def test_the_device_holds_the_frozen_base_in_fp8(runs, twins):
     assert fp8["float8_e4m3fn"] == want
     assert "float8_e4m3fn" not in bf16 and bf16["bfloat16"] == fp8["bfloat16"] + 2 * want
     plan = load_plan(runs["fp8"] / "run.yaml")
-    f, cfg = plan.finetune, plan.model.config
-    t = adapters.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
-                    base_precision="fp8")  # fmt: skip
+    f, shape = plan.finetune, ModelShape.from_config(plan.model.config)
+    t = adapters.tuning(shape, counts(shape, plan.parallel.seq_len), targets=f.targets, r=f.r,
+                        dropout=f.dropout, base_precision="fp8")  # fmt: skip
     assert sum(fp8.values()) == pytest.approx(t.frozen_weight_bytes(ep), rel=1e-3)
 
 
@@ -189,6 +190,7 @@ def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twi
 
     from dskit.plan import adapters
     from dskit.plan.model_math import counts
+    from dskit.plan.shape import ModelShape
     from dskit.train.fp8.blocks import Fp8Linear
     from dskit.train.fp8.construct import FUSED_EXPERTS
     from dskit.train.fp8.frozen_base import held_bytes
@@ -212,9 +214,9 @@ def test_the_fp8_base_is_built_from_the_meta_device_holding_only_what_trains(twi
             assert t.dtype == ref[n].dtype and torch.equal(t, ref[n]), n
     rotary = dict(twin.named_buffers())["model.rotary_emb.inv_freq"]
     assert torch.equal(dict(m.named_buffers())["model.rotary_emb.inv_freq"], rotary)
-    f, cfg = plan.finetune, plan.model.config
-    t = adapters.tuning(cfg, counts(cfg, plan.parallel.seq_len), targets=f.targets, r=f.r, dropout=f.dropout,
-                    base_precision="fp8")  # fmt: skip
+    f, shape = plan.finetune, ModelShape.from_config(plan.model.config)
+    t = adapters.tuning(shape, counts(shape, plan.parallel.seq_len), targets=f.targets, r=f.r,
+                        dropout=f.dropout, base_precision="fp8")  # fmt: skip
     for n, q in m.named_parameters():  # what LoRA will freeze: all but the router, which SETS trains
         q.requires_grad_(bool(q.is_meta) or n.endswith("mlp.gate.weight"))
     assert sum(held_bytes(m).values()) == pytest.approx(t.other_bytes * t.frozen_other, rel=2e-3)
