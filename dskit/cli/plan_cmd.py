@@ -30,7 +30,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         require("plan --plot", "report")
     plan, found = build_plan_searched(spec_from_args(a))
     if a.plot:  # first: a plot that cannot be written fails before anything is printed
-        from dskit.status.explain import plot
+        from dskit.plan.explain import plot
 
         try:
             written = plot(plan, found, Path(a.plot))
@@ -38,7 +38,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
             raise SpecError("--plot", f"cannot write {a.plot}: {e.strerror or e}") from None
         print(f"wrote {written}", file=sys.stderr)
     if a.explain:
-        from dskit.status.explain import row_dict, table
+        from dskit.plan.explain import row_dict, table
 
         if a.json:
             print(

@@ -214,7 +214,7 @@ def test_text_from_the_file_is_escaped_and_cut_where_it_is_echoed(tmp_path):
     cal = _cal(warnings=["a" * 300, "b" * 301, "c\x1b[31m\n"])
     assert calibration.warning_lines(cal) == ["a" * 300, "b" * 300 + "...", "c\\x1b[31m\\n"]
     # --explain prints the file's own words about where it was measured: escaped and cut too
-    from dskit.status.explain import calibration_lines
+    from dskit.plan.explain import calibration_lines
 
     hostile = {"device": "GPU\nPASS forged\x1b[31m", "torch": "t" * 400}
     data = _data({AG: {"8x1": (100.0, 1e-5)}})
@@ -225,7 +225,7 @@ def test_text_from_the_file_is_escaped_and_cut_where_it_is_echoed(tmp_path):
 
 def test_a_fit_without_its_points_is_explained_by_the_fit_alone():
     """A file written by hand may leave out the timed points (the plan reads only the fit)."""
-    from dskit.status.explain import calibration_lines
+    from dskit.plan.explain import calibration_lines
 
     lines = calibration_lines(_cal({AG: {"8x1": (100.0, 1e-5)}}))
     assert any(x.strip().startswith("all-gather over 8x1") and x.endswith("a call") for x in lines), lines

@@ -251,7 +251,7 @@ MUST_PLAN = {
 def test_explain_works_for_every_catalog_model_and_gpu(model, gpu, nodes):
     """A table, or the one-line refusal with the numbers: never a crash."""
     from dskit.errors import SpecError
-    from dskit.status.explain import row_dict, table
+    from dskit.plan.explain import row_dict, table
 
     per_node = 2 if gpu == "cpu" else 8
     sets = ["training.seq_len=256"] if model.startswith("tiny") else []

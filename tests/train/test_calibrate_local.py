@@ -76,7 +76,7 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
         assert c.predicted_tokens_per_s > 0  # predicted from this calibration's own probes
         assert c.candidate in r.stdout
     plan = dskit("plan", *SPEC, "--calibration", str(out), "--explain", check=True)
-    # what this calibration measured, and the step's terms that took it (tests/status/test_explain.py)
+    # what this calibration measured, and the step's terms that took it (tests/plan/test_explain.py)
     assert "what the calibration measured (1x2 cpu, cpu, gloo" in plan.stdout, plan.stdout
     assert f"compute: measured on this cluster ({cal.compute.gemm_tflops * 1e3:.0f} GFLOP/s" in plan.stdout
     # the run.yaml the job ran: a training run's, plus the calibrate section

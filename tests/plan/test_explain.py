@@ -1,4 +1,4 @@
-"""`dskit plan --calibration FILE --explain` (dskit/status/explain.py) on CPU ranks, as after `dskit
+"""`dskit plan --calibration FILE --explain` (dskit/plan/explain.py) on CPU ranks, as after `dskit
 calibrate local`: what the calibration measured, what each term of the step took from it, and where the
 chosen step's seconds go. The real `calibrate local` -> `plan --explain` loop runs in
 tests/train/test_calibrate_local.py."""
