@@ -13,7 +13,8 @@ import pytest
 
 from dskit import atomic, owner
 from dskit.atomic import MARKER, atomic_dir
-from tests.conftest import REPO, dskit
+from tests.conftest import REPO
+from tests.support.cli import cli
 
 
 def _build(out: Path, text: str, kind: str = "data", **kw) -> None:
@@ -102,10 +103,10 @@ def test_a_render_killed_mid_write_in_a_container_is_cleaned_up_by_the_next_rend
     (left,) = tmp_path.iterdir()
     assert left.name.startswith(".out.dskit-tmp-") and len(list(left.iterdir())) == 2  # marker, one file
     assert json.loads((left / MARKER).read_text())["host"] == "another-container"
-    dskit(*args, check=True)
+    cli(*args, check=True)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     fresh = tmp_path / "fresh"
-    dskit(*TINY_RENDER, "-o", str(fresh), check=True)
+    cli(*TINY_RENDER, "-o", str(fresh), check=True)
     for f in fresh.rglob("*"):
         if f.is_file() and f.name != MARKER:
             got = (out / f.relative_to(fresh)).read_text()

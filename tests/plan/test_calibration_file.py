@@ -17,7 +17,7 @@ from dskit.plan import links as links_mod
 from dskit.plan.build import build_plan_searched
 from dskit.plan.links import Group, Links
 from dskit.spec import load_spec
-from tests.conftest import dskit
+from tests.support.cli import cli
 
 TWO_NODES = ["hardware.nodes=2", "hardware.gpu=h100-80gb", "training.global_batch=256"]
 
@@ -145,9 +145,7 @@ def refusal(tmp: Path, cal: Path) -> str:
     """`dskit render slurm --calibration CAL` of the two-node plan, refused: its one line, having written
     nothing."""
     out = tmp / "run"
-    r = dskit(
-        "render", "slurm", "-o", str(out), "--calibration", str(cal), *(f"--set={s}" for s in TWO_NODES)
-    )
+    r = cli("render", "slurm", "-o", str(out), "--calibration", str(cal), *(f"--set={s}" for s in TWO_NODES))
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and not out.exists() and len(lines) == 1, r.stderr
     assert lines[0].startswith("dskit: error: hardware.calibration:"), lines[0]
@@ -164,7 +162,7 @@ def refusal(tmp: Path, cal: Path) -> str:
 )
 def test_a_calibration_of_other_hardware_is_refused(tmp_path, sets, says):
     p = _file(tmp_path, cross_node_gbs=50.0)
-    r = dskit("plan", "--calibration", str(p), *(f"--set={s}" for s in [*TWO_NODES, *sets]), check=False)
+    r = cli("plan", "--calibration", str(p), *(f"--set={s}" for s in [*TWO_NODES, *sets]), check=False)
     assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from dskit.plan.schema import load_plan
-from tests.conftest import dskit, render_tiny
+from tests.conftest import render_tiny
 from tests.support.calibration import bench
+from tests.support.cli import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,9 +90,9 @@ def test_refusals_in_the_table_are_one_line(rows):
 
 def test_the_default_global_batch_scales_with_the_cluster():
     """512 GPUs: the default is 4 sequences per GPU (2048), not 256 (which no world of 512 divides)."""
-    r = dskit("plan", "--model", "deepseek-v3", "--gpus-per-node", "8", "--nodes", "64", "--gpu", "h100-80gb")
+    r = cli("plan", "--model", "deepseek-v3", "--gpus-per-node", "8", "--nodes", "64", "--gpu", "h100-80gb")
     assert r.returncode == 0, r.stderr
     assert "global_batch: 2048" in r.stdout
-    bad = dskit("plan", "--gpus-per-node", "8", "--nodes", "64", "--set", "training.global_batch=256")
+    bad = cli("plan", "--gpus-per-node", "8", "--nodes", "64", "--set", "training.global_batch=256")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
     assert "nearest: 512" in bad.stderr and "512, 512" not in bad.stderr, bad.stderr

@@ -28,8 +28,9 @@ from dskit.render import ray, slurm
 from dskit.render.helm_values import ChartValues, values_schema_json
 from dskit.spec import load_spec
 from dskit.train.entry import LAUNCH_ENV_FILE
-from tests.conftest import REPO, dskit, render_tiny, slurm_launch
+from tests.conftest import REPO, render_tiny, slurm_launch
 from tests.render.test_render_slurm import SHELLCHECK
+from tests.support.cli import cli
 from tests.support.k8s_pods import JobController, Pods, container_env, expand, failure_action, wait_for
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (pip install -e .[test])")
@@ -317,16 +318,14 @@ def test_secrets_are_referenced_never_inlined(tmp_path):
         "name": "HF_TOKEN",
         "valueFrom": {"secretKeyRef": {"name": "hf-credentials", "key": "token"}},
     }
-    r = dskit(
-        "render", "helm", "--set", "kubernetes.secret_env={HF_TOKEN: s3cr3t}", "-o", str(tmp_path / "o")
-    )
+    r = cli("render", "helm", "--set", "kubernetes.secret_env={HF_TOKEN: s3cr3t}", "-o", str(tmp_path / "o"))
     assert r.returncode == EXIT_BAD_INPUT and "kubernetes.secret_env" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
 def test_render_helm_writes_values_and_the_chart_it_was_made_for(tmp_path):
     out = tmp_path / "run-helm"
-    r = dskit(
+    r = cli(
         "render", "helm", "--nodes", "2", "--set", f"storage.root={tmp_path}/s", "-o", str(out), check=True
     )
     assert f"helm install dskit-run {out / 'chart'} -f {out / 'values.yaml'}" in r.stdout
@@ -340,7 +339,7 @@ def test_render_helm_writes_values_and_the_chart_it_was_made_for(tmp_path):
 
 def test_render_helm_refuses_paths_the_pods_would_not_mount(tmp_path):
     out = tmp_path / "o"
-    r = dskit(
+    r = cli(
         "render",
         "helm",
         "--set",
@@ -517,7 +516,7 @@ def test_a_pod_whose_peers_never_appear_fails_its_init_step_with_the_reason(pods
 
 
 def test_status_without_a_cluster_config_is_one_clear_line(tmp_path):
-    r = dskit("status", "demo", env={"KUBECONFIG": str(tmp_path / "none"), "HOME": str(tmp_path)})
+    r = cli("status", "demo", env={"KUBECONFIG": str(tmp_path / "none"), "HOME": str(tmp_path)})
     assert r.returncode == EXIT_BAD_INPUT
     assert r.stderr.strip().splitlines() == [
         "dskit: error: --kubeconfig: no Kubernetes configuration: set KUBECONFIG, pass --kubeconfig, or run in a pod"

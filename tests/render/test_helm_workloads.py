@@ -24,7 +24,7 @@ from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.errors import EXIT_BAD_INPUT
 from dskit.plan.schema import load_plan
 from dskit.render import helm as helm_render
-from tests.conftest import REPO, dskit, render_tiny
+from tests.conftest import REPO, render_tiny
 from tests.render.test_helm import (
     CATALOG,
     CHART,
@@ -38,6 +38,7 @@ from tests.render.test_helm import (
     values_for,
 )
 from tests.support import crd_schemas
+from tests.support.cli import cli
 from tests.support.k8s_pods import JobSetController, Pods, job_failure, jobset_action, jobset_child, wait_for
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (pip install -e .[test])")
@@ -268,7 +269,7 @@ HOSTILE_CASES = [(f, v) for f, vs in HOSTILE.items() for v in vs]
 def test_hostile_values_in_the_new_fields_are_one_line_exit_2_nothing_written(tmp_path, field, value):
     sets = ["kubernetes.queue=q", "kubernetes.topology=preferred"] if "topology" in field else []
     out = tmp_path / "o"
-    r = dskit("render", "helm", "--gpu", "h100-80gb", *[a for s in sets for a in ("--set", s)],
+    r = cli("render", "helm", "--gpu", "h100-80gb", *[a for s in sets for a in ("--set", s)],
               "--set", f"{field}={json.dumps(value)}", "-o", str(out))  # fmt: skip
     assert r.returncode == EXIT_BAD_INPUT, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
@@ -289,7 +290,7 @@ def test_hostile_values_in_the_new_fields_are_one_line_exit_2_nothing_written(tm
 )
 def test_combinations_the_workload_cannot_take_are_refused(tmp_path, sets, field):
     out = tmp_path / "o"
-    r = dskit("render", "helm", "--gpu", "cpu", *[a for s in sets for a in ("--set", s)], "-o", str(out))
+    r = cli("render", "helm", "--gpu", "cpu", *[a for s in sets for a in ("--set", s)], "-o", str(out))
     assert r.returncode == EXIT_BAD_INPUT, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and field in r.stderr, r.stderr
     assert not out.exists()
@@ -429,7 +430,7 @@ def test_status_of_a_trainjob_gives_its_conditions_and_the_verdict(monkeypatch, 
 
 def test_render_helm_writes_the_jobset_and_says_how_to_submit_it(tmp_path):
     out = tmp_path / "run-js"
-    r = dskit("render", "helm", "--nodes", "2", "--set", f"storage.root={tmp_path}/s",
+    r = cli("render", "helm", "--nodes", "2", "--set", f"storage.root={tmp_path}/s",
               "--set", "kubernetes.workload=jobset", "-o", str(out), check=True)  # fmt: skip
     assert f"helm install dskit-run {out / 'chart'} -f {out / 'values.yaml'}" in r.stdout
     values = yaml.safe_load((out / "values.yaml").read_text())

@@ -19,6 +19,7 @@ import pytest
 from dskit import catalog
 from dskit.render import image
 from tests.conftest import REPO, dskit
+from tests.support.cli import cli
 
 IMAGES = REPO / "images"
 HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
@@ -69,10 +70,10 @@ def test_install_scripts_are_shellcheck_clean(name):
 
 def test_render_image_cli(tmp_path):
     out = tmp_path / "img"
-    r = dskit("render", "image", "--gpu", "a100-80gb", "--fabric", "efa", "-o", str(out), check=True)
+    r = cli("render", "image", "--gpu", "a100-80gb", "--fabric", "efa", "-o", str(out), check=True)
     assert "docker build -f" in r.stdout and "efa" in r.stdout
     assert (out / "Dockerfile").is_file() and os.access(out / "install.sh", os.X_OK)
-    bad = dskit("render", "image", "--gpu", "a100", "-o", str(tmp_path / "x"))
+    bad = cli("render", "image", "--gpu", "a100", "-o", str(tmp_path / "x"))
     assert bad.returncode == 2 and "hardware.gpu" in bad.stderr and not (tmp_path / "x").exists()
 
 
@@ -142,6 +143,7 @@ if sys.argv[1:3] == ["image", "inspect"]:
 def test_build_image_cli_with_a_stub_engine(tmp_path):
     log = _stub_engine(tmp_path / "bin")
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    # the console script's process, once for `dskit build` (its other tests run its main in this one)
     r = dskit("build", "image", "--gpu", "cpu", "--build-arg", "BUILDER_IMAGE=local/base:1", env=env)
     assert r.returncode == 0, r.stderr
     assert re.fullmatch(
@@ -172,7 +174,7 @@ def test_build_image_cli_with_a_stub_engine(tmp_path):
 )
 def test_build_image_bad_input_is_one_line(tmp_path, args, field):
     (tmp_path / "bin").mkdir()
-    r = dskit("build", "image", *args, env={"PATH": str(tmp_path / "bin")})
+    r = cli("build", "image", *args, env={"PATH": str(tmp_path / "bin")})
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith(f"dskit: error: {field}:") and r.stderr.count("\n") == 1, r.stderr
 
@@ -181,6 +183,6 @@ def test_build_image_reports_a_failed_build(tmp_path):
     log = _stub_engine(tmp_path / "bin")
     stub = tmp_path / "bin" / "podman"
     stub.write_text(stub.read_text() + "sys.exit(3)\n")
-    r = dskit("build", "image", "--gpu", "cpu", env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
+    r = cli("build", "image", "--gpu", "cpu", env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
     assert r.returncode == 1 and "podman build exited 3" in r.stderr
     assert len(log.read_text().splitlines()) == 1  # no size asked of a failed build

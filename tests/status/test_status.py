@@ -20,8 +20,9 @@ from dskit import local_run
 from dskit.contract import JOBS_FILE, TARGET_FILE
 from dskit.errors import SpecError
 from dskit.status import run_status
-from tests.conftest import dskit, render_tiny
+from tests.conftest import render_tiny
 from tests.conftest import status_table as table
+from tests.support.cli import cli
 
 # Slurm 22.05's `scontrol show job -o ID` for a requeued job running again (paths with a space)
 SCONTROL = (
@@ -134,7 +135,7 @@ def test_a_forgotten_job_with_accounting_comes_from_sacct(tmp_path):
             "sacct": 'echo "7|REQUEUED|0:0|00:01:00|node1"; echo "7|COMPLETED|0:0|00:02:00|node[1-2]"\n',
         },
     )
-    r = dskit("status", str(rd), env={"PATH": path})
+    r = cli("status", str(rd), env={"PATH": path})
     assert r.returncode == 0, r.stderr
     rows = table(r.stdout)
     assert rows["state"].startswith("COMPLETED: job 7, exit code 0:0")
@@ -166,7 +167,7 @@ def test_a_forgotten_job_with_accounting_comes_from_sacct(tmp_path):
 def test_errors_are_one_line_exit_2(tmp_path, setup, words):
     rd = render_tiny(tmp_path, name="err", steps=4)
     setup(rd)
-    r = dskit("status", str(rd), env={"PATH": "/nonexistent"})
+    r = cli("status", str(rd), env={"PATH": "/nonexistent"})
     assert r.returncode == 2 and r.stdout == "", r
     (line,) = r.stderr.splitlines()
     assert line.startswith("dskit: error: ") and words in line, line
@@ -177,7 +178,7 @@ def test_a_run_dir_neither_submitted_nor_trained_here_says_both_ways(tmp_path, f
     """Both suggested commands are pasteable as printed: the run dir is one shell word whatever it holds."""
     (tmp_path / folder).mkdir()
     rd = render_tiny(tmp_path / folder, name="new", steps=4)
-    r = dskit("status", str(rd), cwd=tmp_path)
+    r = cli("status", str(rd), cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     line = r.stderr.rstrip()
     submit = line.split(" — run ", 1)[1].split(" (", 1)[0]
@@ -250,10 +251,10 @@ def test_a_local_run_is_running_while_its_launcher_holds_the_record(tmp_path, ca
 
 
 def test_a_directory_without_run_yaml_is_not_taken_for_a_release(tmp_path):
-    r = dskit("status", str(tmp_path))
+    r = cli("status", str(tmp_path))
     assert r.returncode == 2 and "is not a run directory (no run.yaml in it)" in r.stderr
     rd = render_tiny(tmp_path, name="slurmrun", steps=4)
-    r = dskit("status", str(rd), "--address", "http://127.0.0.1:1")
+    r = cli("status", str(rd), "--address", "http://127.0.0.1:1")
     assert r.returncode == 2 and "--address: is for Ray runs" in r.stderr
 
 
@@ -316,7 +317,7 @@ def test_ray_submit_records_the_submission_id_and_address(tmp_path):
 def test_every_render_records_its_target(tmp_path):
     for target in ("helm", "image"):
         out = tmp_path / target
-        dskit(
+        cli(
             "render",
             target,
             "--gpu",
@@ -328,7 +329,7 @@ def test_every_render_records_its_target(tmp_path):
             check=True,
         )
         assert (out / TARGET_FILE).read_text() == f"{target}\n"
-    r = dskit("status", str(tmp_path / "image"))
+    r = cli("status", str(tmp_path / "image"))
     assert r.returncode == 2 and "rendered for the image target, which has no job" in r.stderr
 
 
