@@ -159,3 +159,30 @@ def test_the_trainer_does_not_import_data_prepare():
         "dskit.data.shards" in modules and "dskit.data.sampler" in modules
     )  # the walk sees entry's lazy imports
     assert _loaded_after_importing(modules, OFFLINE) == []
+
+
+def _contract_file_names() -> set[str]:
+    """The file and directory names dskit/contract.py gives a run: its upper-case strings that name a
+    file (a dot in them) and the storage root's default directories."""
+    from dskit import contract
+
+    names = {v for k, v in vars(contract).items() if k.isupper() and isinstance(v, str) and "." in v}
+    return names | {contract.CHECKPOINTS_DIR, contract.OUTPUTS_DIR}
+
+
+def test_a_run_file_name_is_spelled_only_in_the_launch_contract():
+    """A run's file names (run.yaml, metrics.jsonl, local-run.json, calibration.json, the default
+    checkpoints and outputs directories, ...) are written once, in dskit/contract.py: a writer and a
+    reader that spell one each drift apart on a rename."""
+    names = _contract_file_names()
+    assert {"run.yaml", "metrics.jsonl", "local-run.json", "checkpoints"} <= names  # the walk sees them
+    spelled = sorted(
+        f"{MODULES[m].relative_to(REPO)}:{node.lineno}: {node.value!r}"
+        for m in MODULES
+        if m != "dskit.contract"
+        for node in ast.walk(ast.parse(MODULES[m].read_text()))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and any(node.value == n or node.value.endswith("/" + n) for n in names)
+    )
+    assert spelled == []

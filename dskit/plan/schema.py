@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
 from dskit.spec import yamlsafe
 from dskit.spec.targets import KubernetesSpec, SlurmSpec
@@ -259,7 +260,7 @@ def load_plan(path: str | Path) -> Plan:
     p = Path(path)
     if not p.is_file():
         raise SpecError(str(p), "run.yaml not found")
-    data = yamlsafe.load_file(p, "run.yaml")
+    data = yamlsafe.load_file(p, RUN_YAML)
     if not isinstance(data, dict):
         raise SpecError(str(p), "run.yaml must be a mapping (render it with `dskit render`)")
     if data.get("version") not in READABLE_VERSIONS:

@@ -390,7 +390,7 @@ def write_html(
         *((("expert balance", b),) if (b := balance_text(last)) else ()),
         ("restarts (first step logged after each)", ", ".join(map(str, s.restarts)) or "none"),
     ]
-    env_rows = sorted((launch_env or {}).items()) or [("launch-env.json", "not written yet")]
+    env_rows = sorted((launch_env or {}).items()) or [(LAUNCH_ENV_FILE, "not written yet")]
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>",

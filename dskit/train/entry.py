@@ -17,12 +17,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from dskit import build_locks, env_vars, jit_ops
-from dskit.contract import LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
+from dskit.contract import LAUNCH_ENV_FILE, LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.refusals import fp8_base_zero_stage
 
 log = logging.getLogger("dskit.train")
-LAUNCH_ENV_FILE = "launch-env.json"  # what rank 0 saw of the contract: compared across targets by tests
 
 
 def setup_logging(rank: int) -> None:
