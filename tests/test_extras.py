@@ -5,6 +5,7 @@ dskit/extras.py."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -56,10 +57,10 @@ def _snapshot(d: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None) for p in sorted(d.rglob("*"))}
 
 
-@pytest.mark.parametrize("case", sorted(NEEDS))
-def test_a_command_needing_an_extra_is_refused_in_one_line_in_a_core_install(core_python, tmp_path, case):
-    args, command, extra, module = NEEDS[case]
-    # a rendered run, the input some of them read: the core install renders it
+@pytest.fixture(scope="module")
+def core_run(core_python, tmp_path_factory) -> Path:
+    """A rendered run, the input some of them read: the core install renders it (once for them all)."""
+    d = tmp_path_factory.mktemp("rendered")
     rendered = subprocess.run(
         [
             str(core_python),
@@ -69,15 +70,24 @@ def test_a_command_needing_an_extra_is_refused_in_one_line_in_a_core_install(cor
             "slurm",
             *TINY,
             "--set",
-            f"storage.root={tmp_path}",
+            f"storage.root={d}",
             "-o",
             "run",
         ],
-        cwd=tmp_path,
+        cwd=d,
         capture_output=True,
         text=True,
     )
     assert rendered.returncode == 0, rendered.stderr
+    return d / "run"
+
+
+@pytest.mark.parametrize("case", sorted(NEEDS))
+def test_a_command_needing_an_extra_is_refused_in_one_line_in_a_core_install(
+    core_python, core_run, tmp_path, case
+):
+    args, command, extra, module = NEEDS[case]
+    shutil.copytree(core_run, tmp_path / "run")
     (tmp_path / "a.txt").write_text("some text")
     before = _snapshot(tmp_path)
     r = subprocess.run([str(core_python), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
