@@ -23,6 +23,7 @@ from dskit.data.shards import TokenData
 from dskit.data.tokenizers import tokenizer
 from tests.conftest import dskit
 from tests.support.chat_data import conversations, make_tokenizer, write_jsonl
+from tests.support.cli import cli
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def tok_dir(tmp_path_factory) -> Path:
 def chat_shards(tmp_path_factory, tok_dir) -> Path:
     d = tmp_path_factory.mktemp("chat")
     write_jsonl(d / "chat.jsonl", conversations(120))
-    dskit(
+    cli(
         "data",
         "prepare",
         str(d / "chat.jsonl"),
@@ -215,7 +216,7 @@ def test_old_shards_are_refused_with_a_re_prepare_hint(tmp_path):
 
 def test_chat_records_with_the_byte_tokenizer_are_one_line_and_exit_2(tmp_path):
     write_jsonl(tmp_path / "chat.jsonl", conversations(2))
-    r = dskit("data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(tmp_path / "out"))
+    r = cli("data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(tmp_path / "out"))
     assert r.returncode == 2
     assert r.stderr == (
         "dskit: error: --tokenizer: chat records ('messages') need a local tokenizer dir with a chat template, "
@@ -226,7 +227,7 @@ def test_chat_records_with_the_byte_tokenizer_are_one_line_and_exit_2(tmp_path):
 
 def test_a_message_without_a_known_role_is_one_line_and_exit_2(tmp_path, tok_dir):
     write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "bot", "content": "hi"}]}])
-    r = dskit(
+    r = cli(
         "data",
         "prepare",
         str(tmp_path / "chat.jsonl"),
@@ -292,7 +293,7 @@ def test_every_input_format_gives_byte_identical_shards(tmp_path, tok_dir, kind)
 
 
 def test_a_hub_name_is_refused_with_how_to_download_it(tmp_path):
-    r = dskit("data", "prepare", "deepseek-ai/some-dataset", "-o", str(tmp_path / "out"))
+    r = cli("data", "prepare", "deepseek-ai/some-dataset", "-o", str(tmp_path / "out"))
     assert r.returncode == 2
     assert r.stderr == (
         "dskit: error: inputs: deepseek-ai/some-dataset is not a local path; dskit downloads nothing: fetch it first "
@@ -307,7 +308,7 @@ def test_a_parquet_file_without_the_text_column_names_its_columns(tmp_path):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.Table.from_pylist([{"content": "x", "id": 1}]), tmp_path / "a.parquet")
-    r = dskit("data", "prepare", str(tmp_path / "a.parquet"), "-o", str(tmp_path / "out"))
+    r = cli("data", "prepare", str(tmp_path / "a.parquet"), "-o", str(tmp_path / "out"))
     assert r.returncode == 2
     assert r.stderr == (
         f"dskit: error: {tmp_path / 'a.parquet'}: has columns content, id; none is 'text' (--text-field) or "
@@ -324,7 +325,7 @@ def test_a_datasets_dict_asks_for_one_split(tmp_path):
             "test": datasets.Dataset.from_list([{"text": "b"}]),
         }
     ).save_to_disk(str(tmp_path / "dd"))
-    r = dskit("data", "prepare", str(tmp_path / "dd"), "-o", str(tmp_path / "out"))
+    r = cli("data", "prepare", str(tmp_path / "dd"), "-o", str(tmp_path / "out"))
     assert r.returncode == 2
     assert (
         r.stderr
@@ -360,7 +361,7 @@ def test_a_mixture_draws_by_weight_as_a_pure_function_of_the_sample_number(tmp_p
 def test_data_sources_with_data_path_is_one_line_and_exit_2(tmp_path):
     spec = tmp_path / "dskit.yaml"
     spec.write_text("data:\n  path: x\n  sources:\n    - {path: y, weight: 1}\n")
-    r = dskit("plan", str(spec), "--gpu", "cpu")
+    r = cli("plan", str(spec), "--gpu", "cpu")
     assert r.returncode == 2
     assert r.stderr == (
         "dskit: error: data.sources: given with data.path; use one of them (a one-source mixture is data.path)\n"
@@ -398,7 +399,7 @@ def test_a_bad_record_in_a_tokenizer_process_is_the_same_one_line(tmp_path, tok_
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
     (plain / "chat_template.jinja").unlink(missing_ok=True)
     write_jsonl(tmp_path / "chat.jsonl", conversations(3))
-    r = dskit(
+    r = dskit(  # a real process: the error crosses from a spawned tokenizer process
         "data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(tmp_path / "out"),
         "--tokenizer", str(plain), "--workers", "2",
     )  # fmt: skip
@@ -437,7 +438,7 @@ def test_an_unknown_input_type_is_refused_not_read_as_one_text(tmp_path):
     """A .json (or .csv) read as plain text would become one garbled training document."""
     write_jsonl(tmp_path / "chat.json", conversations(2))
     out = tmp_path / "out"
-    r = dskit("data", "prepare", str(tmp_path / "chat.json"), "-o", str(out))
+    r = cli("data", "prepare", str(tmp_path / "chat.json"), "-o", str(out))
     _refused(r, out, "chat.json: unknown input type; one of: .txt/.text/.md (one document per file), .jsonl")
 
 
@@ -452,10 +453,10 @@ def test_a_cut_off_zstd_file_is_refused_not_read_short(tmp_path):
     prepare([str(tmp_path / "two-frames.jsonl.zst")], str(tmp_path / "two"))
     assert json.loads((tmp_path / "two" / "index.json").read_text())["documents"] == 4000  # every frame
     out = tmp_path / "out"
-    r = dskit("data", "prepare", str(tmp_path / "cut.jsonl.zst"), "-o", str(out))
+    r = cli("data", "prepare", str(tmp_path / "cut.jsonl.zst"), "-o", str(out))
     _refused(r, out, "the zstd stream ends inside a frame (truncated file?)")
     (tmp_path / "not.jsonl.zst").write_text("plain text\n")
-    r = dskit("data", "prepare", str(tmp_path / "not.jsonl.zst"), "-o", str(out))
+    r = cli("data", "prepare", str(tmp_path / "not.jsonl.zst"), "-o", str(out))
     _refused(r, out, "not.jsonl.zst: cannot read it: not a zstd stream or damaged")
 
 
@@ -489,14 +490,14 @@ def test_chat_template_errors_and_assistant_first_conversations_are_one_line(tmp
     write_jsonl(tmp_path / "chat.jsonl", conversations(3))
     out = tmp_path / "out"
     for workers in ("1", "2"):
-        r = dskit(
+        r = cli(
             "data", "prepare", str(tmp_path / "chat.jsonl"), "-o", str(out),
             "--tokenizer", str(bad), "--workers", workers,
         )  # fmt: skip
         _refused(r, out, "--tokenizer: ")
         assert "its chat template failed: roles must alternate" in r.stderr
     write_jsonl(tmp_path / "af.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}])
-    r = dskit("data", "prepare", str(tmp_path / "af.jsonl"), "-o", str(out), "--tokenizer", str(tok_dir))
+    r = cli("data", "prepare", str(tmp_path / "af.jsonl"), "-o", str(out), "--tokenizer", str(tok_dir))
     _refused(r, out, "af.jsonl:1: starts with an 'assistant' message")
 
 
@@ -504,13 +505,13 @@ def test_workers_are_bounded_by_the_cpus(tmp_path):
     write_jsonl(tmp_path / "t.jsonl", [{"text": "x"}])
     out = tmp_path / "out"
     for n in ("0", "1000000"):
-        r = dskit("data", "prepare", str(tmp_path / "t.jsonl"), "-o", str(out), "--workers", n)
+        r = cli("data", "prepare", str(tmp_path / "t.jsonl"), "-o", str(out), "--workers", n)
         _refused(r, out, f"--workers: {n}: give 1 to ")
 
 
 def test_a_missing_relative_file_is_not_found_not_a_hub_name(tmp_path):
     out = tmp_path / "out"
-    r = dskit("data", "prepare", "data/train.jsonl", "-o", str(out))
+    r = cli("data", "prepare", "data/train.jsonl", "-o", str(out))
     _refused(r, out, "inputs: data/train.jsonl not found")
 
 
@@ -525,7 +526,7 @@ def test_sources_of_different_tokenizers_are_not_mixed(tmp_path):
 def test_a_source_too_light_to_be_sampled_is_refused_at_plan_time(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("data:\n  sources:\n    - {path: /a, weight: 1000000}\n    - {path: /b, weight: 1}\n")
-    r = dskit("plan", "--gpu", "cpu", "--model", "tiny-v2", str(spec))
+    r = cli("plan", "--gpu", "cpu", "--model", "tiny-v2", str(spec))
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "data.sources" in r.stderr and "would never be sampled" in r.stderr
 
@@ -540,5 +541,5 @@ def test_a_cut_off_arrow_stream_is_one_line(tmp_path):
     data = (tmp_path / "whole.arrow").read_bytes()
     (tmp_path / "cut.arrow").write_bytes(data[: len(data) // 2 + 7])
     out = tmp_path / "out"
-    r = dskit("data", "prepare", str(tmp_path / "cut.arrow"), "-o", str(out))
+    r = cli("data", "prepare", str(tmp_path / "cut.arrow"), "-o", str(out))
     _refused(r, out, "cut.arrow: cannot read it (damaged or cut off?)")
