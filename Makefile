@@ -13,7 +13,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "torch==2.13.0"
-	$(BIN)/python -m pip install -q -e ".[train,ray,test,data,track]"
+	$(BIN)/python -m pip install -q -e ".[train,ray,test,data,track,fp8]"
 	touch $@
 
 setup: $(BIN)/.installed

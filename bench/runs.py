@@ -54,8 +54,18 @@ def header() -> dict:
             "cudnn": torch.backends.cudnn.version(),
             "deepspeed": deepspeed.__version__,
             "transformers": transformers.__version__,
+            "torchao": _version("torchao"),  # FP8 training's kernels (dskit/train/fp8/compute.py)
         },
     }
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def _cpu_model() -> str:
@@ -114,6 +124,14 @@ def add_rows_args(ap, predict_help: str) -> None:
     ap.add_argument("--predict", action="store_true", help=predict_help)
 
 
+def ran_record(run_dir: Path) -> dict:
+    """The trainer's `ran` record of a finished run (construction-rank0.json, dskit/train/entry.py)."""
+    from dskit.plan.schema import load_plan
+
+    out = load_plan(run_dir / "run.yaml").run.output_dir
+    return json.loads(Path(out, "construction-rank0.json").read_text()).get("ran") or {}
+
+
 def ran_otherwise(run_dir: Path) -> str | None:
     """Why a finished run is not a measurement of its plan: the attention kernel it fell back to, a
     compile it did not do, another optimizer step or gradient path (the trainer's `ran` record in construction-rank0.json,
@@ -141,6 +159,12 @@ def ran_otherwise(run_dir: Path) -> str | None:
     combine = plan.deepspeed["expert_parallel"].get("combine_impl", "weighted_sum")
     if ran.get("moe_combine", ["weighted_sum"]) not in ([combine], []):
         wrong.append(f"MoE combine {ran.get('moe_combine')} (planned {combine})")
+    fp8 = ran.get("fp8") or {}
+    planned = (p.fp8, p.fp8_experts, bool(p.fp8_linears))
+    if (fp8.get("recipe"), bool(fp8.get("expert_layers")), bool(fp8.get("linears"))) != planned:
+        wrong.append(
+            f"fp8 {fp8 or 'off'} (planned {p.fp8 or 'off'}: {p.fp8_linears}, experts {p.fp8_experts})"
+        )
     return "ran " + ", ".join(wrong) if wrong else None
 
 

@@ -19,6 +19,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "train": ("torch", "deepspeed", "transformers", "accelerate", "safetensors", "numpy", "tqdm"),
     "report": ("matplotlib",),
     "data": ("pyarrow", "zstandard"),
+    "fp8": ("torchao",),
 }
 
 

@@ -29,3 +29,14 @@ def no_fp8_checkpoint(path: str | None) -> SpecError:
         f"fp8 keeps model.path's FP8 weights as the frozen base, and {where} (DeepSeek-V3's format: e4m3 "
         "weights with 128 x 128 weight_scale_inv); one of: auto, bf16 (or set model.path to the FP8 checkpoint)",
     )
+
+
+#: compute capability FP8 training needs: the routed experts' FP8 grouped GEMM (torch._scaled_grouped_mm)
+#: runs on sm_90 and newer only
+FP8_MIN_CAPABILITY = (9, 0)
+
+
+def fp8_compute_unsupported(gpu: str, why: str) -> SpecError:
+    """`training.fp8` on a GPU that cannot run it: the plan on the catalog's word, the trainer on the
+    device it finds (a run.yaml moved to other hardware)."""
+    return SpecError("training.fp8", f"{gpu} {why}; one of: off (FP8 needs Hopper or newer: h100, h200)")

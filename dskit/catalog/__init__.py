@@ -31,6 +31,7 @@ class GPU:
     bf16: bool
     peak_tflops_bf16: float | None
     peak_tflops_fp16: float | None
+    peak_tflops_fp8: float | None  # dense, fp32 accumulate; None: no FP8 tensor cores
     memory_bw_gbs: float | None
     interconnect_gbs: float | None  # GPU to GPU inside a node, per GPU and direction
     interconnect_source: str

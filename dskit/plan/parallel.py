@@ -18,7 +18,7 @@ from dskit import catalog
 from dskit.calibrate import scales
 from dskit.calibrate.calibration import Calibration
 from dskit.errors import SpecError, one_of
-from dskit.plan import fit, host_memory, links, memory, search, speed
+from dskit.plan import fit, fp8_training, host_memory, links, memory, search, speed
 from dskit.plan.adapters import Tuning
 from dskit.plan.candidate import Candidate, Cluster, Workload
 from dskit.plan.model_math import ModelCounts
@@ -98,8 +98,23 @@ def plan_parallel(
         gradients="flat"
         if memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
         else "buckets",
+        **_fp8(spec, model.shape, hw, warnings),
     )
     return parallel, found
+
+
+def _fp8(spec: Spec, shape: ModelShape, hw: Hardware, warnings: list[str]) -> dict[str, Any]:
+    """ParallelPlan's FP8 fields: the recipe, the linears that pay, the experts (dskit/plan/fp8_training.py)."""
+    recipe = fp8_training.recipe(spec.training.fp8, hw.gpu, hw.precision)
+    if recipe is None:
+        return {}
+    roles, experts = fp8_training.linear_roles(shape), fp8_training.experts(spec.overrides.fp8_experts, shape)
+    if not roles and not experts:
+        warnings.append(
+            f"training.fp8: no linear of this model is large enough to run faster in FP8 (the smallest "
+            f"measured to: {fp8_training.MIN_ELEMENTS:,} elements) and its experts stay bf16: it computes in bf16"
+        )
+    return {"fp8": recipe, "fp8_linears": roles, "fp8_experts": experts}
 
 
 def speed_section(found: search.Search) -> dict[str, Any] | None:

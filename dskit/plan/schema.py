@@ -98,6 +98,11 @@ class ParallelPlan(_Frozen):
     # ZeRO-1/2's gradients on one rank in bf16 with the fused step: straight into flat buffers
     # (dskit/train/flat_grads.py, dskit/plan/memory.py `flat_gradients`); run.yaml files from before: buckets
     gradients: Literal["buckets", "flat"] = "buckets"
+    # FP8 matrix products (training.fp8; dskit/plan/fp8_training.py): the linears' recipe (None: bf16, as every
+    # run.yaml from before), the linears in FP8 by role (`self_attn.o_proj`), and the routed experts (rowwise)
+    fp8: Literal["rowwise", "tensorwise"] | None = None
+    fp8_linears: list[str] = []
+    fp8_experts: bool = False
 
 
 class OptimPlan(_Frozen):
@@ -222,6 +227,13 @@ class Plan(_Frozen):
     # the experiment trackers (dskit/train/trackers.py); None, and left out of run.yaml: TensorBoard alone
     tracking: TrackingSpec | None = None
 
+    def _fp8_words(self) -> str:
+        p = self.parallel
+        if not p.fp8:
+            return ""
+        experts = ", experts" if p.fp8_experts else ""
+        return f" + FP8 {p.fp8} ({len(p.fp8_linears)} kinds of linear{experts})"
+
     def summary(self) -> str:
         p, h = self.parallel, self.hardware
         return (
@@ -229,7 +241,8 @@ class Plan(_Frozen):
             f"ZeRO-{p.zero_stage}, EP {p.ep_size}, "
             f"micro-batch {p.micro_batch}, grad accum {p.grad_accum}, "
             f"{'activation checkpointing, ' if p.activation_checkpointing else ''}"
-            f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}, "
+            f"{'optimizer offload, ' if p.offload_optimizer else ''}{p.precision}"
+            f"{self._fp8_words()}, "
             f"{'torch.compile regions' if p.compile_regions else ''}"
             f"{' + attention' if p.compile_attention else ''}{', ' if p.compile_regions else ''}"
             f"{'fused AdamW step, ' if p.optimizer_step == 'fused' else ''}"

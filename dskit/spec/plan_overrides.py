@@ -63,6 +63,12 @@ class PlanOverrides(_Section):
         "micro-batch 2: 6-11% more tokens/s in two calls); deepspeed: DeepSpeed's FusedAdam step, as before. auto: fused "
         "wherever it applies (ZeRO-1/2 without optimizer offload; ZeRO-3 and offload keep DeepSpeed's).",
     )
+    fp8_experts: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="With training.fp8: the routed experts' grouped GEMMs in FP8 (torchao's rowwise scaled "
+        "grouped GEMM). auto: where measured faster than bf16, which on Hopper with torchao 0.18 is nowhere "
+        "yet (0.65x at DeepSeek-V2-Lite's widths, 0.88x at V3's, on an H100: bench/results/training/h100-fp8-gemm-v3-2026-12-05.json).",
+    )
     loss: Literal["auto", "chunked", "full"] = Field(
         "auto",
         description="Language-model loss. chunked: output projection + cross-entropy a few thousand tokens "

@@ -21,15 +21,15 @@ class TrainingSpec(_Section):
         "world size (264 at 24 GPUs).",
     )
     steps: int = Field(1000, ge=1, description="Optimizer steps.")
-    fp8: Literal["off", "on", "rowwise", "tensorwise", "blockwise"] = Field(
+    fp8: Literal["off", "on", "rowwise", "tensorwise"] = Field(
         "off",
-        description="FP8 matrix products (torchao) in the decoder's linears and the routed experts' grouped "
-        "GEMMs, with bf16 master weights, optimizer states and the layers the plan keeps in bf16 (router, "
-        "embeddings, output head). It changes the numerics, so it is off unless asked: on lets the plan pick "
-        "the fastest recipe for the GPU; rowwise: one scale per row of each operand; tensorwise: one per "
-        "tensor in the dense linears (the experts stay rowwise); blockwise: DeepSeek-V3's 1x128 activation "
-        "and 128x128 weight tiles. Hopper and newer only (the experts' FP8 grouped GEMM). `dskit plan "
-        "--explain` shows bf16 beside FP8.",
+        description="FP8 matrix products (torchao) with bf16 weights, gradients and optimizer states. It changes "
+        "the numerics, so it is off unless asked. The plan then puts in FP8 the linears measured faster so "
+        "(large enough to amortise the casts: e.g. DeepSeek-V3's o_proj and dense MLPs, not MLA's small "
+        "projections) and keeps the router, embeddings, output head and routed experts bf16 "
+        "(`overrides.fp8_experts`); `dskit plan --explain` lists them and shows bf16 beside FP8. on: the "
+        "fastest recipe (tensorwise); rowwise: one scale per row (closer to bf16's loss, slower); tensorwise: "
+        "one per tensor. Hopper and newer only.",
     )
     lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")
     warmup_ratio: float = Field(

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit import build_locks, env_vars, jit_ops
+from dskit import build_locks, env_vars, extras, jit_ops
 from dskit.contract import LAUNCH_ENV_FILE, LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.refusals import fp8_base_zero_stage
+from dskit.refusals import fp8_base_zero_stage, fp8_compute_unsupported
 
 log = logging.getLogger("dskit.train")
 
@@ -243,6 +243,15 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         device=device,
         fp8_base=fp8_base,
     )
+    fp8 = None
+    if plan.parallel.fp8:  # before LoRA (an adapter's base layer is the FP8 one) and before ZeRO hooks
+        from dskit.train.fp8 import compute
+
+        extras.require("training.fp8", "fp8")
+        why = compute.device_unmet(device)
+        if why:  # the plan checked the catalog's GPU; this is the device the run landed on
+            raise fp8_compute_unsupported(compute.device_name(device), why)
+        fp8 = compute.convert_linears(model, plan.parallel.fp8, plan.parallel.fp8_linears)
     params = model.parameters()
     if plan.finetune is not None:
         from dskit.train.lora.inject import attach
@@ -273,6 +282,16 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
             len(fp8_experts),
             sum(fp8_experts.values()) / 2**30,
         )
+    if fp8 is not None:
+        if plan.parallel.fp8_experts:  # AutoEP's experts exist only now, inside the engine
+            fp8.expert_layers = compute.convert_experts(engine.module)
+        log.info(
+            "fp8 %s: %d linears (%s) and the routed experts of %d MoE layers compute in FP8; the rest bf16",
+            fp8.recipe,
+            len(fp8.linears),
+            ", ".join(plan.parallel.fp8_linears) or "none",
+            fp8.expert_layers,
+        )
     compiled: dict[str, int] = {}
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
@@ -287,6 +306,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         "optimizer_step": "fused" if fused_step.installed(engine) else "deepspeed",  # installed, not asked
         "gradients": fused_step.gradients(engine),
         # AutoEP's top-k combine in its layers (resolved: "weighted_sum" or "fused_weighted_sum")
+        "fp8": fp8.as_record() if fp8 is not None else None,
         "moe_combine": sorted(
             {m.combine_impl for m in engine.module.modules() if hasattr(m, "combine_impl")}
         ),
