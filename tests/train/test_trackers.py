@@ -369,6 +369,9 @@ def test_a_run_whose_trackers_cannot_be_reached_warns_once_each_and_completes(
 ):
     # the server from the trainer's environment, with a credential that must reach no log and no file
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://user:{SENTINEL}@127.0.0.1:{free_port()}")
+    # MLflow's client still retries (dskit's count), without its seconds of backoff between the tries
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0")
     rd = render_tiny(
         tmp_path, steps=2, name="unreached", extra=["tracking.mlflow={}", "tracking.wandb.mode=online"]
     )
