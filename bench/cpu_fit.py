@@ -32,12 +32,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
+from bench import runs  # noqa: E402
 from dskit.atomic import write_file  # noqa: E402
 from dskit.plan import speed  # noqa: E402
-
-import runs  # noqa: E402
 
 #: what is fitted, and the step each is kept at in speed.py
 ROUND = {
@@ -190,6 +188,29 @@ def fit(data: dict) -> tuple[dict[str, float], list[dict]]:
     return fitted, out
 
 
+def committed_runs(path: Path) -> dict:
+    """A committed file's runs and calibration, without the fit it was written with."""
+    data = json.loads(path.read_text())
+    data["rows"] = [{k: r[k] for k in ("model", "candidate", "measured_step_s")} for r in data["rows"]]
+    return data
+
+
+def _run(r: dict) -> str:
+    return f"{r['model']} {r['candidate']}"
+
+
+def compare(data: dict) -> tuple[dict, list[dict], list[str]]:
+    """Refit `data`'s runs: the fitted constants, the runs with today's predictions, and what is off: each
+    constant whose fit differs from speed.py's at its rounding, each run predicted beyond TOLERANCE
+    (`--check`'s exit 1; tests/plan/test_cpu_plan.py)."""
+    fitted, rows = fit(data)
+    off = [
+        name for name, value in fitted.items() if abs(getattr(speed, name) - value) > ROUND[name] / 2 + 1e-12
+    ]
+    off += [_run(r) for r in rows if abs(r["error"]) > TOLERANCE]
+    return fitted, rows, off
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
@@ -201,21 +222,16 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="dskit-cpu-fit-") as tmp:
             data = measure(Path(tmp))
     else:
-        data = json.loads(Path(a.check or a.refit).read_text())
-        data["rows"] = [{k: r[k] for k in ("model", "candidate", "measured_step_s")} for r in data["rows"]]
-    fitted, rows = fit(data)
-    bad = []
+        data = committed_runs(Path(a.check or a.refit))
+    fitted, rows, bad = compare(data)
     for name, value in fitted.items():
         now = getattr(speed, name)
-        same = abs(now - value) <= ROUND[name] / 2 + 1e-12
-        print(f"{name:32s} fit {value:<10g} speed.py {now:<10g} {'' if same else '<- differs'}")
-        bad += [] if same else [name]
+        print(f"{name:32s} fit {value:<10g} speed.py {now:<10g} {'<- differs' if name in bad else ''}")
     for r in rows:
-        miss = abs(r["error"]) > TOLERANCE
+        miss = _run(r) in bad
         print(
             f"{r['model']:16s} {r['candidate']} measured {r['measured_step_s']:.4f} predicted {r['predicted_step_s']:.4f} ({r['error']:+.1%}){' <- miss' if miss else ''}"
         )
-        bad += [r["model"]] if miss else []
     out = a.out or a.refit
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

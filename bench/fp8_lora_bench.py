@@ -29,9 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-import runs  # noqa: E402  (bench/runs.py, beside this script)
+from bench import runs  # noqa: E402
 
 SHARD_BYTES = 4 * 2**30
 WARMUP_STEPS = 3

@@ -29,14 +29,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-import fp8_lora_bench  # noqa: E402  (bench/, beside this script)
-
+from bench import fp8_lora_bench, plan_bench, runs  # noqa: E402
 from dskit.plan import speed  # noqa: E402
-
-import plan_bench  # noqa: E402
-import runs  # noqa: E402
 
 GRIDS: dict[str, tuple[float, ...]] = {
     "ZERO12_STEP_BYTES_PER_PARAM": (48.0, 54.0, 60.0, 66.0, 72.0, 78.0),
@@ -184,14 +179,14 @@ def refit(near: bool = False) -> list[tuple[str, float, float, str]]:
 
 def _flat_rows() -> list[dict]:
     """The one-GPU runs beside torchtitan (series small-shapes) whose gradients went flat."""
-    import peer_bench
+    from bench import peer_bench
 
     rows = peer_bench.derived(runs.results("small-shapes"), predict=False)
     return [r for r in rows if r["_date"] >= runs.FLAT_SINCE]
 
 
 def _flat_tok_s(rows: list[dict], **values: float) -> list[float]:
-    import peer_bench
+    from bench import peer_bench
 
     with constants(**values):
         return [peer_bench.repredict(r, r["_date"])["tokens_per_s_per_gpu"] for r in rows]

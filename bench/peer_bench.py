@@ -39,10 +39,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-import runs  # noqa: E402  (bench/runs.py, beside this script)
-import train_bench  # noqa: E402
+from bench import runs, train_bench  # noqa: E402
 
 GPU = "h200-141gb"
 TT_STEPS = 12

@@ -239,6 +239,13 @@ def _short(c) -> str:
     return short + (", offload" if c.offload else "")
 
 
+def as_json(model: str, gpu: str, nodes: int, gpus_per_node: int, sets: list[str], label: str) -> dict:
+    """The result with `summary`, its docs table row under `label`: what `--json LABEL` prints and
+    tests/plan/test_pipeline_what_if.py reads."""
+    result = what_if(model, gpu, nodes, gpus_per_node, sets)
+    return {**result, "summary": summary(result, label)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="deepseek-v3")
@@ -258,13 +265,13 @@ def main() -> None:
     from dskit.errors import SpecError
 
     try:
+        if a.json:
+            json.dump(as_json(a.model, a.gpu, a.nodes, a.gpus_per_node, a.set, a.json), sys.stdout)
+            return
         result = what_if(a.model, a.gpu, a.nodes, a.gpus_per_node, a.set)
     except SpecError as e:
         print(f"pipeline_what_if: {e.field}: {e.message}", file=sys.stderr)
         sys.exit(2)
-    if a.json:
-        json.dump({**result, "summary": summary(result, a.json)}, sys.stdout)
-        return
     print(markdown(result, a.top))
     print("\ndocs/planner.md row:\n" + summary(result, f"{result['gpus']} x {a.gpu.split('-')[0].upper()}"))
     if a.out:

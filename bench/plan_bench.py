@@ -30,9 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-import runs  # noqa: E402  (bench/runs.py, beside this script)
+from bench import runs  # noqa: E402
 
 _L4 = ["model.num_layers=4", "training.seq_len=4096", "training.global_batch=16"]
 # name -> (spec sets, GPUs). A and B: the first fit; C: held out from it, then fitted with A; D: held out.
@@ -471,8 +470,8 @@ def load_rows(files: list[Path]) -> list[dict]:
 
 
 def derived(files: list[Path], predict: bool) -> list[dict]:
-    """`--rows`: the measured rows of these files as the calibration tests read them (the tests run this
-    script; they import nothing from bench/), each with `_source` (its file under bench/results/),
+    """`--rows`: the measured rows of these files as the calibration tests read them (tests/support/calibration.py
+    imports this), each with `_source` (its file under bench/results/),
     `_index` (its place among the file's measured rows), the forced overrides, the configuration key
     and whether it is a partial-offload row; `predict`: also today's prediction, verdict and pick, or
     `_error` where today's plan cannot be rebuilt for the row."""

@@ -161,6 +161,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def as_json() -> dict:
+    """The rows, the markdown table and GPUs per node: what `--json` prints and tests/plan/test_scale_table.py
+    reads."""
+    rows = table()
+    return {"rows": rows, "markdown": markdown(rows), "per_node": PER_NODE}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="JSON file to write")
@@ -170,10 +177,10 @@ def main() -> None:
         help="print the rows, the markdown table and GPUs per node as JSON (what tests/plan/test_scale_table.py reads)",
     )
     a = ap.parse_args()
-    rows = table()
     if a.json:
-        json.dump({"rows": rows, "markdown": markdown(rows), "per_node": PER_NODE}, sys.stdout)
+        json.dump(as_json(), sys.stdout)
         return
+    rows = table()
     print(markdown(rows))
     if a.out:
         head = {

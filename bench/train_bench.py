@@ -23,9 +23,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-import runs  # noqa: E402  (bench/runs.py, beside this script)
+from bench import runs  # noqa: E402
 
 # name -> (extra spec overrides, DeepSpeed config sections patched into run.yaml). Shape of the reference
 # baseline: 4 layers, seq 4096, micro-batch 2. AutoEP knobs are measured here before any becomes a

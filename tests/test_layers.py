@@ -186,3 +186,62 @@ def test_a_run_file_name_is_spelled_only_in_the_launch_contract():
         and any(node.value == n or node.value.endswith("/" + n) for n in names)
     )
     assert spelled == []
+
+
+#: the bench modules tests import: what they check of bench (tests/support/calibration.py reads the
+#: measured rows and their re-predictions through the first three's `derived`)
+BENCH_FOR_TESTS = {
+    "bench.plan_bench",
+    "bench.fp8_lora_bench",
+    "bench.peer_bench",
+    "bench.scale_table",
+    "bench.pipeline_what_if",
+    "bench.optimizer_refit",
+    "bench.cpu_fit",
+    "bench.memsnap.sitecustomize",
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module `path` names in an import statement (`from a import b`: a and a.b)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.update({node.module, *(f"{node.module}.{a.name}" for a in node.names)})
+    return found
+
+
+def _bench_scripts_run_as_programs(path: Path) -> list[str]:
+    """A path built to a script under bench/ (`REPO / "bench" / "SCRIPT.py"`, `REPO / "bench" / script`,
+    "bench/SCRIPT.py") in `path`'s code: a test that runs a bench script as a program, which neither a reader
+    nor this file can follow."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        parts: list = []
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            stack = [node]
+            while stack:  # the operands of a / b / c, left to right
+                n = stack.pop()
+                if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div):
+                    stack += [n.right, n.left]
+                else:
+                    parts.append(n.value if isinstance(n, ast.Constant) else None)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            parts = node.value.split("/") if node.value.startswith("bench/") else []
+        if "bench" in parts[:-1] and (parts[-1] is None or str(parts[-1]).endswith((".py", ".sh"))):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_bench_sits_above_dskit_and_tests_import_what_they_check_of_it():
+    """bench/ builds on dskit and the tests build on bench: no dskit module imports bench; the tests import
+    BENCH_FOR_TESTS (and nothing else of bench), and run no bench script as a program."""
+    assert not [
+        m for m, p in MODULES.items() if any(i.split(".")[0] == "bench" for i in _imported_modules(p))
+    ]
+    tests = [p for p in sorted((REPO / "tests").rglob("*.py")) if "__pycache__" not in p.parts]
+    imported = {i for p in tests for i in _imported_modules(p) if i.split(".")[0] == "bench"}
+    assert {i for i in imported if i not in ("bench", "bench.memsnap")} == BENCH_FOR_TESTS
+    assert [hit for p in tests for hit in _bench_scripts_run_as_programs(p)] == []

@@ -8,7 +8,7 @@ the peak of allocated bytes. Writes OUT/rank{RANK}.json: the peak, the reserved 
 their own peak, and the live allocations at the peak grouped by where they were made.
 
 Run as a program it replays a trace (a JSON list of the allocator's events) and prints `analyse`'s
-result as JSON: what tests/train/test_memory_peak.py checks, without importing bench/.
+result as JSON; tests/train/test_memory_peak.py imports `analyse` (bench.memsnap.sitecustomize).
 
     python bench/memsnap/sitecustomize.py --analyse TRACE.json --start N
 """

@@ -7,12 +7,11 @@ calibration those runs were predicted with."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench import cpu_fit
 from dskit.plan import speed
 from dskit.plan.build import build_plan_searched
 from dskit.spec import load_spec
@@ -37,14 +36,8 @@ def _plan(*sets: str):
 def test_the_cpu_constants_are_the_fit_of_the_committed_runs():
     """`--check` refits the committed runs: speed.py's constants are the fit (at their rounding) and
     every run is predicted within the script's tolerance (15%)."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "cpu_fit.py"), "--check", str(FIT)],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "differs" not in proc.stdout and "miss" not in proc.stdout, proc.stdout
+    fitted, rows, off = cpu_fit.compare(cpu_fit.committed_runs(FIT))
+    assert fitted and rows and off == [], (off, fitted)
 
 
 def test_a_cpu_plan_weighs_candidates_only_with_a_measured_compute_rate(calibration_file):

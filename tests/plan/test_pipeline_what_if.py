@@ -1,7 +1,7 @@
 """Pipeline parallelism on paper (`bench/pipeline_what_if.py`, docs/planner.md "Pipeline parallelism,
 on paper"): the docs' table is what the planner's terms say today, and the composition behaves as its
 docstring says (a stage is a shallower model trained by world / pp ranks, under a 1F1B bubble).
-The what-if is the bench script's: it runs here as a program (`--json LABEL`), and the measured rows
+The what-if is the bench script's, imported (what its `--json LABEL` prints), and the measured rows
 come through the manifest (tests/support/calibration.py)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import pipeline_what_if
 from tests.support import calibration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,8 +32,8 @@ DOCS_ROWS = (
 def what_if(gpu: str, sets: tuple[str, ...], label: str = "-") -> dict:
     """`bench/pipeline_what_if.py` for DeepSeek-V3 on 32 x 8 GPUs: its result, with `summary`, the
     docs table's row for it under `label`."""
-    args = ["--model", "deepseek-v3", "--gpu", gpu, "--nodes", "32", "--gpus-per-node", "8"]
-    return calibration.bench("pipeline_what_if.py", *args, *(f"--set={s}" for s in sets), "--json", label)
+    result = pipeline_what_if.as_json("deepseek-v3", gpu, 32, 8, list(sets), label)
+    return json.loads(json.dumps(result))  # as `--json` prints it: tuples as lists
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ fails in CI (no GPU needed, nothing outside the repository read):
   (`h200-zero12-*.json`): the bounds and the pick.
 
 The files are picked by their series in bench/results/MANIFEST.yaml; their rows and today's prediction
-of each come from the bench script that wrote them, run as a program (tests/support/calibration.py).
+of each come from the bench script that wrote them, imported (tests/support/calibration.py).
 """
 
 from __future__ import annotations

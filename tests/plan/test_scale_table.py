@@ -7,18 +7,19 @@ runs each ZeRO stage (tests/train/test_zero_stages.py) and EP across nodes (test
 offload, which V2 and V3 picks use, is not run on CPU here (DeepSpeed's CPU Adam on the cpu
 accelerator was never exercised by these tests).
 
-The table is the bench script's: it runs here as a program (`bench/scale_table.py --json`).
+The table is the bench script's, imported (`bench.scale_table.as_json`, what its `--json` prints).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from bench import scale_table
 from dskit.plan.schema import load_plan
 from tests.conftest import render_tiny
-from tests.support.calibration import bench
 from tests.support.cli import cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def table() -> dict:
     """The table as the planner gives it now (a fixture, not collection time: it plans ~90 configs):
     its rows, its markdown and the GPUs per node it assumes."""
-    return bench("scale_table.py", "--json")
+    return json.loads(json.dumps(scale_table.as_json()))  # as `--json` prints it: tuples as lists
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,6 @@ def test_the_table_covers_the_new_choices(rows):
 
 
 def test_each_pick_shrunk_to_cpu_renders(rows, tmp_path):
-    import json
-
     for i, sets in enumerate(_picks(rows)):
         rd = render_tiny(tmp_path / str(i), nodes=2, gpus_per_node=2, extra=list(sets))
         ds = json.loads((rd / "deepspeed.json").read_text())

@@ -1,27 +1,33 @@
-"""The committed GPU measurements as the calibration tests read them, without importing bench/.
+"""The committed GPU measurements as the calibration tests read them.
 
 Result files are picked from bench/results/MANIFEST.yaml by their `series` (never by a file-name
-glob). Their rows, and today's re-prediction of each, come from the bench script that wrote them, run
-as a program (`python bench/plan_bench.py --rows FILE... [--predict]`): how a measured row maps back
-onto a spec is the bench's, and a test only compares what it prints with what was measured.
-Collection reads the rows (cheap); the first test that needs a prediction runs one `--predict` call
-over every file this process has asked rows of, and the answers are kept for the session.
+glob). Their rows, and today's re-prediction of each, come from the bench script that wrote them,
+imported (`bench.plan_bench.derived(files, predict)`, what its `--rows FILE... [--predict]` prints): how a
+measured row maps back onto a spec is the bench's, and a test only compares it with what was measured.
+Collection reads the rows (cheap); the first test that needs a prediction asks for the predictions of
+every file this process has asked rows of at once, and the answers are kept for the session.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from bench import fp8_lora_bench, peer_bench, plan_bench
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 MANIFEST = RESULTS / "MANIFEST.yaml"
 #: the keys every manifest entry has (tests/test_results_manifest.py)
+#: the bench scripts whose measured rows the tests read, by file name: each one's `derived(files, predict)`
+DERIVED = {
+    "plan_bench.py": plan_bench.derived,
+    "fp8_lora_bench.py": fp8_lora_bench.derived,
+    "peer_bench.py": peer_bench.derived,
+}
 REQUIRED = ("path", "topic", "series", "measured", "script", "hardware", "date", "command", "commit")
 
 
@@ -43,13 +49,10 @@ def result(name: str) -> Path:
     return path
 
 
-def bench(script: str, *args: str) -> object:
-    """Run `bench/SCRIPT ARGS` and read the JSON it prints."""
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True, cwd=REPO
-    )
-    assert proc.returncode == 0, f"bench/{script} {' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr}"
-    return json.loads(proc.stdout)
+def derived(script: str, files: tuple[Path, ...], predict: bool) -> list[dict]:
+    """`bench/SCRIPT`'s rows of these result files (with today's predictions), as its `--rows` prints
+    them: through JSON, so a row reads the same as the printed one (tuples as lists, keys as strings)."""
+    return json.loads(json.dumps(DERIVED[script](list(files), predict)))
 
 
 _ASKED: dict[str, set[Path]] = {}
@@ -65,12 +68,12 @@ def rows(script: str, *series: str) -> list[dict]:
 
 @functools.cache
 def _rows(script: str, files: tuple[Path, ...]) -> list[dict]:
-    return bench(script, "--rows", *map(str, files))
+    return derived(script, files, predict=False)
 
 
 @functools.cache
 def _predictions(script: str, files: tuple[Path, ...]) -> dict[tuple[str, int], dict]:
-    return {(r["_source"], r["_index"]): r for r in bench(script, "--rows", *map(str, files), "--predict")}
+    return {(r["_source"], r["_index"]): r for r in derived(script, files, predict=True)}
 
 
 def predicted(script: str, row: dict) -> dict:

@@ -1,37 +1,21 @@
 """bench/memsnap's replay of the allocator's history: the peak it reports is the one torch's statistics
 keep, and the allocations live at it are grouped by the code that made them. The replay is the bench
-script's: it runs here as a program (`--analyse TRACE.json --start N`), not imported."""
+script's, imported (what its `--analyse TRACE.json --start N` prints)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.memsnap import sitecustomize
 
 
 class _Memsnap:
-    """bench/memsnap/sitecustomize.py's `analyse`, through its command line."""
+    """bench/memsnap/sitecustomize.py's `analyse`, imported; its result through JSON, as `--analyse`
+    prints it."""
 
     @staticmethod
     def analyse(trace: list[dict], start: int) -> dict | None:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            path.write_text(json.dumps(trace))
-            env = {k: v for k, v in os.environ.items() if k != "DSKIT_MEMSNAP_OUT"}  # records nothing
-            proc = subprocess.run(
-                [sys.executable, str(REPO / "bench" / "memsnap" / "sitecustomize.py"), "--analyse", str(path)]
-                + ["--start", str(start)],
-                capture_output=True,
-                text=True,
-                env=env,
-            )
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
+        return json.loads(json.dumps(sitecustomize.analyse(trace, start)))
 
 
 def _memsnap() -> _Memsnap:
