@@ -109,7 +109,10 @@ FA2_CUTE = "raise ModuleNotFoundError(\"No module named 'cuda'\")\n"
 
 
 def _flash_checks(env: dict) -> dict[str, dict]:
-    r = dskit("doctor", "--build", "--json", env=env)
+    """doctor's checks by name; in a process of its own where a PYTHONPATH stands for the image's
+    site-packages (the kernels it holds import there, and must not be left imported in this one)."""
+    run = dskit if "PYTHONPATH" in env else cli
+    r = run("doctor", "--build", "--json", env=env)
     return {c["name"]: c for c in json.loads(r.stdout)}
 
 
