@@ -15,28 +15,26 @@ import pytest
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
 from tests.train.test_train import assert_same_run, losses, run, stop_with_sigterm
+from tests.train.test_zero_stages import STEPS, zero3_reference
 
 pytestmark = pytest.mark.train
-STEPS = 20
 #: bf16 on CPU: the host's and torch's Adam round differently (measured drift here: < 1e-3)
 CURVE_RTOL = 2e-2
-OFFLOADS = {"resident": ["overrides.offload_optimizer=none"], "offload": ["overrides.offload_optimizer=cpu"]}
 
 
-def _render(tmp: Path, how: str) -> Path:
-    extra = ["overrides.zero_stage=3", "checkpoint.every=10", *OFFLOADS[how]]
+def _render(tmp: Path) -> Path:
+    """test_zero_stages' ZeRO-3 run with its optimizer offloaded."""
+    extra = ["overrides.zero_stage=3", "checkpoint.every=10", "overrides.offload_optimizer=cpu"]
     return render_tiny(tmp, "tiny-v2", steps=STEPS, extra=extra)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    out = {}
-    for how in OFFLOADS:
-        tmp = tmp_path_factory.mktemp(how)
-        rd = _render(tmp, how)
-        assert run(rd, tmp / "train.log", timeout=900) == 0, (tmp / "train.log").read_text()[-4000:]
-        out[how] = rd
-    return out
+    """The offloaded run, and the resident one it follows: test_zero_stages' ZeRO-3 reference."""
+    tmp = tmp_path_factory.mktemp("offload")
+    rd = _render(tmp)
+    assert run(rd, tmp / "train.log", timeout=900) == 0, (tmp / "train.log").read_text()[-4000:]
+    return {"resident": zero3_reference(tmp_path_factory), "offload": rd}
 
 
 def test_the_deepspeed_config_offloads_to_pinned_host_memory(runs):
@@ -55,7 +53,7 @@ def test_first_loss_is_the_resident_runs_and_the_curve_stays_on_it(runs):
 
 
 def test_an_offloaded_run_resumes_on_its_curve_and_exports(runs, tmp_path):
-    rd = _render(tmp_path, "offload")
+    rd = _render(tmp_path)
     stopped = stop_with_sigterm(rd, tmp_path / "a.log", 12)
     assert run(rd, tmp_path / "b.log", timeout=900) == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert "resumed from" in (tmp_path / "b.log").read_text()

@@ -18,6 +18,7 @@ import pytest
 
 from dskit.plan.schema import load_plan
 from tests.conftest import RESHARD_RTOL, dskit, render_tiny
+from tests.support.shared import built_once, run_root
 from tests.train.test_train import assert_same_run, losses, run, stop_with_sigterm
 
 pytestmark = pytest.mark.train
@@ -31,15 +32,31 @@ def _render(tmp: Path, stage: int, **kw) -> Path:
     return render_tiny(tmp, "tiny-v2", steps=STEPS, extra=extra, **kw)
 
 
+def _trained(tmp: Path, stage: int, **kw) -> Path:
+    rd = _render(tmp, stage, **kw)
+    assert load_plan(rd / "run.yaml").deepspeed["zero_optimization"]["stage"] == stage
+    assert run(rd, tmp / "train.log") == 0, (tmp / "train.log").read_text()[-4000:]
+    return rd
+
+
+def zero3_reference(factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted ZeRO-3 run, its optimizer resident: the curve the other stages here and
+    test_offload's offloaded run must follow, trained once per run for both modules and only read
+    (tests/support/shared.py). Its storage lies beside the shared folder, which is renamed when built."""
+    storage = run_root(factory) / "shared" / "zero3-reference-storage"
+
+    def build(d: Path) -> None:
+        shutil.rmtree(storage, ignore_errors=True)  # a failed build's checkpoints: never resumed from
+        _trained(d, 3, extra=["overrides.offload_optimizer=none", f"storage.root={storage}"])
+
+    return built_once(factory, "zero3-reference", build) / "run"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, Path]:
-    out = {}
-    for stage in (3, 2, 1):
-        tmp = tmp_path_factory.mktemp(f"zero{stage}")
-        rd = _render(tmp, stage)
-        assert load_plan(rd / "run.yaml").deepspeed["zero_optimization"]["stage"] == stage
-        assert run(rd, tmp / "train.log") == 0, (tmp / "train.log").read_text()[-4000:]
-        out[stage] = rd
+    out = {3: zero3_reference(tmp_path_factory)}
+    for stage in (2, 1):
+        out[stage] = _trained(tmp_path_factory.mktemp(f"zero{stage}"), stage)
     return out
 
 
