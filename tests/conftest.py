@@ -35,7 +35,8 @@ TINY_SETS = [
 def dskit(
     *args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False, timeout: float = 600
 ) -> subprocess.CompletedProcess:
-    """Run the real CLI in a subprocess (exit codes and stderr are part of the contract)."""
+    """Run the real CLI in a subprocess (exit codes and stderr are part of the contract). A test of what a
+    command decides and prints, not of its process, runs its main in the test's: tests/support/cli.py."""
     proc = subprocess.run(
         [sys.executable, "-m", "dskit", *args],
         cwd=cwd,
