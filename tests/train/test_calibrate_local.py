@@ -17,6 +17,7 @@ from dskit.calibrate import calibration, candidates
 from dskit.calibrate.measures import calibration_name
 from dskit.plan import links
 from tests.conftest import TINY_SETS, dskit
+from tests.support.cli import cli
 
 pytestmark = pytest.mark.train
 
@@ -75,7 +76,7 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
         assert c.measured_tokens_per_s > 0 and c.measured_peak_gib > 0 and c.steps == 8
         assert c.predicted_tokens_per_s > 0  # predicted from this calibration's own probes
         assert c.candidate in r.stdout
-    plan = dskit("plan", *SPEC, "--calibration", str(out), "--explain", check=True)
+    plan = cli("plan", *SPEC, "--calibration", str(out), "--explain", check=True)
     # what this calibration measured, and the step's terms that took it (tests/plan/test_explain.py)
     assert "what the calibration measured (1x2 cpu, cpu, gloo" in plan.stdout, plan.stdout
     assert f"compute: measured on this cluster ({cal.compute.gemm_tflops * 1e3:.0f} GFLOP/s" in plan.stdout
@@ -88,7 +89,7 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
 
 
 def test_candidates_are_trained_here_only(tmp_path):
-    r = dskit("calibrate", "slurm", "--candidates", "2", "-o", str(tmp_path / "x"), "--gpu", "cpu")
+    r = cli("calibrate", "slurm", "--candidates", "2", "-o", str(tmp_path / "x"), "--gpu", "cpu")
     assert r.returncode == 2 and "dskit: error: --candidates: trains here" in r.stderr
     assert not (tmp_path / "x").exists()
 

@@ -25,6 +25,7 @@ from dskit.plan.memory import LOSS_CHUNK_TOKENS
 from dskit.plan.schema import load_plan
 from dskit.train.profile import COMMUNICATION, host_table
 from tests.conftest import dskit, render_tiny, status_table
+from tests.support.cli import cli
 
 pytestmark = pytest.mark.train
 STEPS = 40
@@ -95,7 +96,7 @@ def shards(tmp_path_factory) -> Path:
     docs = embedded_corpus()
     (d / "a.txt").write_text("\n\n".join(docs[: len(docs) // 2]))
     (d / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[len(docs) // 2 :]))
-    dskit("data", "prepare", str(d / "a.txt"), str(d / "b.jsonl"), "-o", str(d / "shards"), check=True)
+    cli("data", "prepare", str(d / "a.txt"), str(d / "b.jsonl"), "-o", str(d / "shards"), check=True)
     return d / "shards"
 
 
@@ -172,7 +173,7 @@ def test_status_shows_a_finished_local_run_as_it_shows_a_cluster_run(reference):
     """The README's demo path: `dskit train --local RUN_DIR`, then `dskit status RUN_DIR` (no scheduler
     asked: the launcher's record says how the run went, the run's files the rest)."""
     rd = reference["tiny-v2"]
-    r = dskit("status", str(rd), env={"PATH": "/nonexistent"})
+    r = cli("status", str(rd), env={"PATH": "/nonexistent"})
     assert r.returncode == 0, r.stderr
     rows = status_table(r.stdout)
     assert rows["state"].startswith("finished: dskit train --local, exit 0, ran "), rows
@@ -359,7 +360,7 @@ def test_usr1_to_the_launcher_checkpoints_and_exits_for_requeue(tmp_path):
     p = start(rd, tmp_path / "a.log")
     try:
         wait_for_step(rd, p, 3)
-        running = status_table(dskit("status", str(rd), check=True).stdout)
+        running = status_table(cli("status", str(rd), check=True).stdout)
         p.send_signal(signal.SIGUSR1)
         rc = p.wait(timeout=300)
     finally:
@@ -370,7 +371,7 @@ def test_usr1_to_the_launcher_checkpoints_and_exits_for_requeue(tmp_path):
     # `dskit status` followed it: running under the launcher's pid, then stopped to be resumed
     assert running["state"].startswith(f"running: dskit train --local, pid {p.pid} on "), running
     assert running["ETA"] not in ("done", "- (not running)")
-    stopped_row = status_table(dskit("status", str(rd), check=True).stdout)["state"]
+    stopped_row = status_table(cli("status", str(rd), check=True).stdout)["state"]
     assert stopped_row.startswith("stopped: dskit train --local, checkpointed on request (exit 75)")
     stopped = max(losses(rd))
     assert (Path(plan.run.checkpoint_dir) / f"step{stopped:08d}" / "dskit.json").is_file()
@@ -403,7 +404,7 @@ def test_status_shows_a_local_run_that_failed(tmp_path):
     """A local run whose ranks refuse their input: the launcher relays exit 2, its record says so."""
     rd = render_tiny(tmp_path, "tiny-v2", extra=[f"data.path={tmp_path / 'nope'}"])
     assert run(rd, tmp_path / "train.log") == 2, (tmp_path / "train.log").read_text()[-3000:]
-    rows = status_table(dskit("status", str(rd), check=True).stdout)
+    rows = status_table(cli("status", str(rd), check=True).stdout)
     assert rows["state"].startswith(
         "failed: dskit train --local, bad input (exit 2): the error line is in its output"
     )

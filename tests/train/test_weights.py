@@ -18,6 +18,7 @@ import torch
 from dskit import catalog
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
+from tests.support.cli import cli
 from tests.support.hf_reference import first_step_loss
 from tests.support.shared import built_once
 from tests.train.test_train import losses, run
@@ -128,7 +129,7 @@ def test_a_missing_shard_is_refused_at_render_and_at_start(tmp_path, tmp_path_fa
     r = dskit("train", "--local", str(rd))
     assert r.returncode == 2, r.stdout[-3000:]
     assert f"model.path: {ckpt}: 1 shard(s) listed in model.safetensors.index.json are missing" in r.stderr
-    again = dskit("plan", "--gpu", "cpu", "--set", f"model.path={ckpt}")
+    again = cli("plan", "--gpu", "cpu", "--set", f"model.path={ckpt}")
     assert again.returncode == 2 and again.stderr.strip().count("\n") == 0
     assert victim.name in again.stderr
 
@@ -137,7 +138,7 @@ def test_a_truncated_shard_is_one_line_and_exit_2(tmp_path, tmp_path_factory):
     ckpt = saved_copy(tmp_path_factory, "tiny-v3", tmp_path / "hf")
     victim = sorted(ckpt.glob("model-*.safetensors"))[0]
     victim.write_bytes(victim.read_bytes()[:-100])
-    r = dskit("plan", "--gpu", "cpu", "--set", f"model.path={ckpt}")
+    r = cli("plan", "--gpu", "cpu", "--set", f"model.path={ckpt}")
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert f"{victim} is truncated" in r.stderr
 
