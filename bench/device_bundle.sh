@@ -2,7 +2,7 @@
 # On the development machine: build the wheel bundle bench/device_setup.sh unpacks on the lent GPU
 # machine (python 3.12, torch 2.11 + cu130 already there; no index reachable from it), split into
 # parts that fit one call's carry (64 MiB). dskit's trainer wheels (DeepSpeed, pydantic, hjson,
-# transformers, tokenizers, safetensors) and FlashAttention-4 with exactly the lock of
+# transformers, tokenizers, safetensors, torchao for training.fp8) and FlashAttention-4 with exactly the lock of
 # dskit/catalog/images.yaml `flash_attn_4` go unpacked into site.tar.xz; peft and accelerate as wheels
 # in dsw/. With TT_REF (shared/reference/torchtitan: tt_run.py, base.toml, make_assets.py), torchtitan's
 # runner, its assets and its wheels (tt.tar.xz, ttw/) are added for bench/peer_bench.py.
@@ -24,7 +24,8 @@ DS_BUILD_OPS=0 "$pip" wheel -q --no-deps --no-build-isolation -w "$W/site-whl" d
   typing-inspection hjson transformers==5.24.0 tokenizers safetensors==0.8.0 \
   flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
   nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 quack-kernels==0.6.5 \
-  apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.3.1 cuda-pathfinder
+  apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-bindings==13.3.1 cuda-pathfinder \
+  torchao==0.18.0
 "$pip" download -q "${P[@]}" -d "$W/b/dsw" peft==0.21.2 accelerate==1.15.0
 "$pip" install -q "${P[@]}" --target "$W/site" "$W"/site-whl/*.whl
 dsl="$W/site/nvidia_cutlass_dsl/dsl_packages/cutlass"

@@ -18,9 +18,8 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
-import runs  # noqa: E402  (bench/runs.py, beside this script)
+from bench import runs  # noqa: E402
 
 # The two widths (dskit/catalog/models.yaml): DeepSeek-V2-Lite (hidden 2048, 16 heads of 192 (q) / 128 (v),
 # kv rank 512, 64 routed experts of 1408, top-6, 2 shared, a dense layer of 10944) and DeepSeek-V3 (hidden

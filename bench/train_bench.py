@@ -160,6 +160,17 @@ HOST_SYNC: dict[str, tuple[list[str], dict]] = {
     for layers, seq, gb in ((6, 1024, 2), (3, 4096, 1), (8, 2048, 1), (4, 2048, 2))
     for side, patch in (("plan default", {}), ("ThroughputTimer synchronised (before)", TIMER_ON))
 }
+S300 = ["training.steps=300", "training.log_every=1"]
+FP8_SHAPES = {"mb2": [], "gb16": GB16}
+FP8: dict[str, tuple[list[str], dict]] = {  # speed: bf16 and each recipe in one call, per shape
+    f"{shape}, {recipe}": ([*sets, f"training.fp8={recipe}"], {})
+    for shape, sets in FP8_SHAPES.items()
+    for recipe in ("off", "rowwise", "tensorwise")
+}
+FP8_CURVES: dict[str, tuple[list[str], dict]] = {  # numerics: 300 steps, bf16 twice for its own spread
+    f"300 steps, {recipe}{suffix}": ([*S300, f"training.fp8={recipe}"], {})
+    for recipe, suffix in (("off", ""), ("off", " (repeat)"), ("rowwise", ""), ("tensorwise", ""))
+}
 PROFILED = {  # profiled separately: the profiler slows the steps it watches
     "profile: full-logits loss": (["overrides.loss=full", "training.profile_steps=3"], {}),
     "profile: plan default": (["training.profile_steps=3"], {}),
@@ -176,6 +187,7 @@ BASE = [
 WARMUP_STEPS = 3
 #: the catalog profile of the GPU the rows run on (--gpu)
 GPU = "h200-141gb"
+MODEL = "deepseek-v2-lite"
 
 
 def spec_for(name: str, sets: list[str], work: Path, gpus: int):
@@ -185,7 +197,7 @@ def spec_for(name: str, sets: list[str], work: Path, gpus: int):
     flags = {
         "hardware.gpu": GPU,
         "hardware.gpus_per_node": gpus,
-        "model.preset": "deepseek-v2-lite",
+        "model.preset": MODEL,
         "runtime.kind": "none",
         "storage.root": str(work / "storage"),
         "name": re.sub(r"[^a-z0-9]+", "-", name.lower())[:40].strip("-"),
@@ -243,6 +255,7 @@ def run_dskit(
         "overrides": sets,
         "deepspeed_patch": ds_patch,
         "losses": [r["loss"] for r in recs],
+        "fp8": runs.ran_record(run_dir).get("fp8"),  # which modules computed in FP8, with which kernels
     }
     profile = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "profile.json"
     if profile.is_file():
@@ -287,7 +300,7 @@ def run_baseline(script: Path, variant: str, sdpa: str, gpus: int) -> dict:
 
 
 def main() -> None:
-    global GPU  # --gpu sets the profile spec_for uses
+    global GPU, MODEL  # --gpu and --model set what spec_for uses
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write (rewritten after every variant)")
     ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
@@ -306,8 +319,13 @@ def main() -> None:
     ap.add_argument("--small-batch", action="store_true", help="run only SMALL_BATCH (small probes)")
     ap.add_argument("--attention", action="store_true", help="run only ATTENTION (FA4 against cuDNN SDPA)")
     ap.add_argument("--host-sync", action="store_true", help="run only HOST_SYNC (the timer's syncs)")
+    ap.add_argument("--fp8", action="store_true", help="run only FP8: bf16 and each FP8 recipe, per shape")
+    ap.add_argument("--fp8-curves", action="store_true", help="run only FP8_CURVES (300-step loss curves)")
+    ap.add_argument("--model", default=MODEL, help=f"the model preset (default {MODEL}), cut to --layers")
+    ap.add_argument("--layers", type=int, help="decoder layers of every row (default 4)")
+    ap.add_argument("--seq-len", type=int, help="sequence length of every row (default 4096)")
     a = ap.parse_args()
-    GPU = a.gpu
+    GPU, MODEL = a.gpu, a.model
     import torch
 
     result = {
@@ -336,6 +354,8 @@ def main() -> None:
         "small_batch": SMALL_BATCH,
         "attention": ATTENTION,
         "host_sync": HOST_SYNC,
+        "fp8": FP8,
+        "fp8_curves": FP8_CURVES,
     }
     chosen = [g for g in groups if getattr(a, g)]
     if len(chosen) > 1:
@@ -350,10 +370,16 @@ def main() -> None:
             if a.gpus == 1:
                 record(run_baseline(a.baseline, "z3leaf", "cudnn", a.gpus))
             record(run_baseline(a.baseline, "autoep", "default", a.gpus))
+        shape = [f"model.num_layers={a.layers}"] * bool(a.layers) + [f"training.seq_len={a.seq_len}"] * bool(
+            a.seq_len
+        )
         for name, (sets, ds_patch, *env) in variants.items():
             if a.only and a.only not in name:
                 continue
-            record(run_dskit(name, sets, ds_patch, Path(tmp), a.gpus, *env))
+            record(run_dskit(name, [*shape, *sets], ds_patch, Path(tmp), a.gpus, *env))
+    if a.fp8 or a.fp8_curves:
+        speedup_vs_bf16(result["rows"])
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n{result['hardware']} | {result['date']} | {result['versions']}")
     print(
         f"{'variant':52s} {'step s':>7s} {'tok/s/GPU':>10s} {'MFU':>7s} {'alloc GiB':>10s} {'resv GiB':>9s}"
@@ -370,6 +396,26 @@ def main() -> None:
             print(f"\n{r['variant']}: {r['profile']['ms_per_step']} ms/step of GPU kernel time")
             for k, v in r["profile"]["categories"].items():
                 print(f"  {k:40s} {v['ms_per_step']:8.2f} ms  {100 * v['share']:5.1f}%")
+
+
+def speedup_vs_bf16(rows: list[dict]) -> None:
+    """Each FP8 row's tokens/s over the bf16 row of its shape (same call, the row named `SHAPE, off`), and
+    for the curves, its largest relative loss difference from bf16 beside bf16's own run-to-run spread."""
+    by_name = {r["variant"]: r for r in rows if "error" not in r}
+    for r in by_name.values():
+        shape, _, recipe = r["variant"].rpartition(", ")
+        bf16 = by_name.get(f"{shape}, off")
+        if recipe in ("rowwise", "tensorwise") and bf16:
+            r["speedup_vs_bf16"] = round(r["tok_s_gpu"] / bf16["tok_s_gpu"], 3)
+            curve, ref = r["losses"], bf16["losses"]
+            r["max_rel_loss_diff_vs_bf16"] = max(
+                abs(x - y) / abs(y) for x, y in zip(curve, ref, strict=False)
+            )
+            repeat = by_name.get(f"{shape}, off (repeat)")
+            if repeat:
+                r["bf16_run_to_run"] = max(
+                    abs(x - y) / abs(y) for x, y in zip(repeat["losses"], ref, strict=False)
+                )
 
 
 def loss_spread(rows: list[dict]) -> dict[str, float]:

@@ -47,6 +47,16 @@ def _version(mod: str) -> str | None:
         return f"IMPORT ERROR: {str(e).splitlines()[0][:200]}"
 
 
+def _dist_version(dist: str) -> str | None:
+    """An installed distribution's version from its metadata, without importing it; None if absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
 @contextlib.contextmanager
 def _stdout_to_stderr():
     """DeepSpeed logs to stdout from import time on; keep the report (and --json) clean."""
@@ -219,6 +229,35 @@ def _flash_attn(host: _Host) -> list[Check]:
     return checks
 
 
+def _fp8(host: _Host) -> list[Check]:
+    """torchao, which training.fp8 needs (the fp8 extra; the cu130 images carry it): its version, read
+    without importing it; on a GPU that can train in FP8, imported and one FP8 GEMM run through the path
+    the trainer takes (dskit/train/fp8/compute.py), eager: a broken install shows here, not in rank 0."""
+    version = _dist_version("torchao")
+    if version is None:
+        return [Check("torchao", PASS, "not installed (training.fp8 needs it: pip install 'dskit[fp8]')")]
+    if not host.gpu:
+        return [Check("torchao", PASS, f"{version} (FP8 GEMM not run: no GPU here)")]
+    import torch
+
+    from dskit.refusals import FP8_MIN_CAPABILITY
+
+    if torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+        return [Check("torchao", PASS, f"{version} (this GPU cannot train in FP8)")]
+    try:
+        from dskit.train.fp8.compute import fp8_product
+
+        x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+        y = fp8_product("tensorwise", compiled=False)(x, w)
+        err = ((y.float() - x.float() @ w.float().t()).norm() / (x.float() @ w.float().t()).norm()).item()
+    except Exception as e:  # any failure of the FP8 path is this line's FAIL, not doctor's crash
+        return [Check("torchao", FAIL, f"{version}: one FP8 GEMM failed: {type(e).__name__}: {e}")]
+    if not err < 0.1:
+        return [Check("torchao", FAIL, f"{version}: one FP8 GEMM is {err:.0%} off the bf16 product")]
+    return [Check("torchao", PASS, f"{version}: one FP8 GEMM ran ({err:.1%} off the bf16 product)")]
+
+
 def _deepspeed(host: _Host) -> list[Check]:
     dv = _version("deepspeed")
     if dv is None or dv.startswith("IMPORT ERROR"):
@@ -378,6 +417,7 @@ CHECKS: tuple[Callable[[_Host], list[Check]], ...] = (
     _bf16,
     _nccl,
     _flash_attn,
+    _fp8,
     _deepspeed,
     _build_locks,
     _triton,

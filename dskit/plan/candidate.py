@@ -45,6 +45,24 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class Fp8Compute:
+    """The products a run computes in FP8 (dskit/plan/fp8_training.py): their training FLOPs per token and
+    the speed-up measured for them over bf16 (below 1: slower)."""
+
+    linear_flops_per_token: float
+    linear_speedup: float
+    expert_flops_per_token: float = 0.0
+    expert_speedup: float = 1.0
+
+    @property
+    def flops_saved_per_token(self) -> float:
+        """bf16-equivalent FLOPs per token the FP8 products take off the step (negative: they add)."""
+        return self.linear_flops_per_token * (1 - 1 / self.linear_speedup) + self.expert_flops_per_token * (
+            1 - 1 / self.expert_speedup
+        )
+
+
+@dataclass(frozen=True)
 class Workload:
     """What every candidate of one plan trains, and the plan-wide choices it trains with."""
 
@@ -60,6 +78,7 @@ class Workload:
     compiled_attention: bool = False  # whole attention blocks compiled where the stage allows it
     fused_step: bool = False  # overrides.optimizer_step is not deepspeed (where ZeRO-1/2 admit it)
     loss: str = "auto"  # overrides.loss: auto | chunked | full (memory.loss_chunk_for)
+    fp8: Fp8Compute | None = None  # training.fp8: the products in FP8 (None: all bf16)
 
     def grad_accum(self, c: Candidate) -> int:
         return self.per_rank // c.micro_batch

@@ -111,6 +111,7 @@ def table(plan: Plan, found: Search) -> str:
         tail += [f"  {term}: {source}" for term, source in s.sources]
     if found.calibration is not None:
         tail += calibration_lines(found.calibration)
+    tail += precision_lines(plan, s, found.precision_alternative)
 
     if found.unforced_best is not None:
         tail.append(
@@ -197,6 +198,27 @@ def step_breakdown(s) -> str:
 
 #: the calibration file's names of what it times, as the step-time model's terms call them
 OP_NAMES = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", EXCHANGE: "AutoEP's exchange"}
+
+
+def precision_lines(plan: Plan, chosen, alternative) -> list[str]:
+    """bf16 beside FP8 at the chosen candidate: the plan's FP8 beside bf16, or what `training.fp8=on` would
+    give on a GPU that has FP8 (dskit/plan/fp8_training.py; FP8 changes the numerics: docs/trainer.md)."""
+    if alternative is None or chosen is None:
+        return []
+    other, speed = alternative
+    p = plan.parallel
+    here = (
+        f"FP8 {p.fp8} on {', '.join(p.fp8_linears) or 'no linear'}{', the routed experts' if p.fp8_experts else ''}"
+        if p.fp8
+        else "bf16"
+    )
+    line = f"precision: {here}: {chosen.tokens_per_s:,.0f} tokens/s/GPU predicted"
+    if speed is None:
+        return [line + f"; {other}: not predicted"]
+    line += f"; {other}: {speed.tokens_per_s:,.0f} ({speed.tokens_per_s / chosen.tokens_per_s:.2f}x)"
+    if not p.fp8:
+        line += "; FP8 changes the numerics (docs/trainer.md, 'FP8 training')"
+    return [line]
 
 
 def calibration_lines(cal: Calibration) -> list[str]:

@@ -4,11 +4,12 @@ numerics; the plan checks the GPU can, names the recipe, and decides which produ
 
 Measured on one H100 with torchao 0.18 and torch 2.11 by bench/fp8_gemm_bench.py (bench/results/training/
 h100-fp8-gemm-v3-2026-12-05.json and h100-fp8-gemm-v2-lite-2026-12-05.json), each product forward + backward
-at 8,192 tokens a micro-step:
-- a linear in FP8 pays only compiled, and only large: tensorwise 1.10-1.58x bf16 where in x out >= 14.7M
-  elements and both sides >= 1,536 (V3's q_b_proj, o_proj, shared experts, dense MLP; V2-Lite's dense MLP
-  0.96-1.17x); smaller ones lose (MLA's kv_a 0.45-0.81x, kv_b 0.41-0.71x, V2-Lite's attention 0.94-0.95x).
-  Rowwise pays less (1.20-1.24x on the largest) but its loss stays closer to bf16's.
+at 8,192 tokens a micro-step, against the bf16 linear as the trainer runs it (eager):
+- a linear in FP8 pays only compiled, and only large: tensorwise 1.10-1.58x bf16 from V3's q_b_proj
+  (1536 x 24576) up (o_proj, the dense MLP); below that it loses (V3's shared experts, 7168 x 2048: 0.82-0.85x;
+  MLA's kv_a 0.46x, kv_b 0.68x; every V2-Lite linear, its 2048 x 10944 dense MLP included: 1.00x together).
+  Rowwise pays less (1.13-1.28x on o_proj and the dense MLP, 0.89x on q_b_proj) and its loss stays closer
+  to bf16's (docs/trainer.md "FP8 training").
 - the routed experts' FP8 grouped GEMM loses at both widths (0.65x V2-Lite, 0.88x V3): they stay bf16
   unless `overrides.fp8_experts=on`.
 """
@@ -17,14 +18,21 @@ from __future__ import annotations
 
 from dskit.catalog import GPU
 from dskit.errors import SpecError
+from dskit.plan.candidate import Fp8Compute
 from dskit.plan.shape import ModelShape
 from dskit.refusals import FP8_MIN_CAPABILITY, fp8_compute_unsupported
 
 FASTEST = "tensorwise"  # what `on` resolves to: the faster recipe in every row measured faster than bf16
-MIN_ELEMENTS = 14_680_064  # in x out of the smallest linear measured faster in FP8 (7168 x 2048)
-MIN_SIDE = 1536  # its shortest side (V3's q_b_proj, 1536 -> 24576: 1.10x)
+#: the smallest linear (in x out) measured faster in FP8 than in bf16, per recipe: tensorwise V3's q_b_proj
+#: (1536 x 24576, 1.10x), rowwise V3's o_proj (16384 x 7168, 1.22x; its q_b_proj ran 0.89x)
+MIN_ELEMENTS = {"tensorwise": 2**25, "rowwise": 16384 * 7168}
+MIN_SIDE = 1536  # the shortest side measured faster (q_b_proj's 1536); MLA's kv_b (512 in) ran 0.55-0.71x
 ALIGN = 16  # both sides of an FP8 GEMM operand (torch._scaled_mm)
-EXPERTS_FASTER = False  # the experts' FP8 grouped GEMM, measured slower than bf16 (module docstring)
+#: the converted linears' time in bf16 (eager, as the trainer runs them) over FP8 (compiled), at V3's widths
+LINEAR_SPEEDUP = {"tensorwise": 1.48, "rowwise": 1.22}
+#: the routed experts' FP8 grouped GEMM over bf16's: measured slower (0.65x at V2-Lite's widths)
+EXPERTS_SPEEDUP = 0.88
+EXPERTS_FASTER = EXPERTS_SPEEDUP > 1  # what `overrides.fp8_experts: auto` decides
 
 
 def capability(gpu: GPU) -> tuple[int, int] | None:
@@ -89,15 +97,15 @@ def linear_sides(s: ModelShape) -> dict[str, tuple[int, int]]:
     return sides
 
 
-def pays(sides: tuple[int, int]) -> bool:
-    """A linear measured (or as large as one measured) faster in FP8 than in bf16."""
+def pays(sides: tuple[int, int], recipe: str) -> bool:
+    """A linear as large as one measured faster in FP8 with `recipe` than in bf16."""
     i, o = sides
-    return i * o >= MIN_ELEMENTS and min(i, o) >= MIN_SIDE and not (i % ALIGN or o % ALIGN)
+    return i * o >= MIN_ELEMENTS[recipe] and min(i, o) >= MIN_SIDE and not (i % ALIGN or o % ALIGN)
 
 
-def linear_roles(s: ModelShape) -> list[str]:
+def linear_roles(s: ModelShape, recipe: str) -> list[str]:
     """The roles the trainer converts: those that pay."""
-    return [r for r, sides in linear_sides(s).items() if pays(sides)]
+    return [r for r, sides in linear_sides(s).items() if pays(sides, recipe)]
 
 
 def experts(asked: str, s: ModelShape) -> bool:
@@ -109,3 +117,18 @@ def experts(asked: str, s: ModelShape) -> bool:
             f"({s.hidden} x {s.expert_intermediate} here); one of: auto, off",
         )
     return asked == "on" or (asked == "auto" and EXPERTS_FASTER)
+
+
+def _layers_with(s: ModelShape, role: str) -> int:
+    if role.startswith("mlp.shared_experts."):
+        return s.moe_layers
+    return s.dense_layers if role.startswith("mlp.") else s.layers
+
+
+def compute(recipe: str, roles: list[str], with_experts: bool, s: ModelShape) -> Fp8Compute:
+    """What the FP8 products weigh in the step-time model: 6 FLOPs a weight a token (forward, both
+    backward products) at their measured speed-ups."""
+    sides = linear_sides(s)
+    linear = sum(6 * sides[r][0] * sides[r][1] * _layers_with(s, r) for r in roles)
+    routed = 6 * 3 * s.hidden * s.expert_intermediate * s.active_experts * s.moe_layers if with_experts else 0
+    return Fp8Compute(linear, LINEAR_SPEEDUP[recipe], routed, EXPERTS_SPEEDUP)

@@ -20,7 +20,7 @@ from dskit.calibrate.calibration import Calibration
 from dskit.errors import SpecError, one_of
 from dskit.plan import fit, fp8_training, host_memory, links, memory, search, speed
 from dskit.plan.adapters import Tuning
-from dskit.plan.candidate import Candidate, Cluster, Workload
+from dskit.plan.candidate import Candidate, Cluster, Fp8Compute, Workload
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
 from dskit.plan.shape import ModelShape
@@ -71,13 +71,24 @@ def plan_parallel(
     compiled = _compiled(spec, gpu, warnings)
     seq_len = spec.training.seq_len
     attention = attention_compile(spec.overrides.compile, gpu)
-    setting = _setting(spec, model, hw, per_rank, compiled=compiled, compiled_attention=attention)
+    fp8 = _fp8(spec, model.shape, hw, warnings)
+    setting = _setting(
+        spec,
+        model,
+        hw,
+        per_rank,
+        compiled=compiled,
+        compiled_attention=attention,
+        fp8=_fp8_compute(fp8, model.shape),
+    )
     speed_of = _speed_of(setting, hw)
     # CPU ranks have a step time only where a calibration measured their compute rate (speed._cpu_step)
     weighs = not gpu.is_cpu or bool(calibration is not None and calibration.compute.gemm_tflops)
     found = _search(spec.overrides, setting, per_rank, speed_of, hw.fabric.name, warnings, weighs=weighs)
-    found = dataclasses.replace(found, calibration=calibration)
     c = found.chosen.candidate
+    found = dataclasses.replace(
+        found, calibration=calibration, precision_alternative=_precision_alternative(fp8, setting, hw, c)
+    )
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
     parallel = ParallelPlan(
         zero_stage=c.zero_stage,
@@ -98,7 +109,7 @@ def plan_parallel(
         gradients="flat"
         if memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
         else "buckets",
-        **_fp8(spec, model.shape, hw, warnings),
+        **fp8,
     )
     return parallel, found
 
@@ -108,13 +119,40 @@ def _fp8(spec: Spec, shape: ModelShape, hw: Hardware, warnings: list[str]) -> di
     recipe = fp8_training.recipe(spec.training.fp8, hw.gpu, hw.precision)
     if recipe is None:
         return {}
-    roles, experts = fp8_training.linear_roles(shape), fp8_training.experts(spec.overrides.fp8_experts, shape)
+    roles = fp8_training.linear_roles(shape, recipe)
+    experts = fp8_training.experts(spec.overrides.fp8_experts, shape)
     if not roles and not experts:
         warnings.append(
-            f"training.fp8: no linear of this model is large enough to run faster in FP8 (the smallest "
-            f"measured to: {fp8_training.MIN_ELEMENTS:,} elements) and its experts stay bf16: it computes in bf16"
+            f"training.fp8: no linear of this model is large enough to run faster in FP8 {recipe} (the smallest "
+            f"measured to: {fp8_training.MIN_ELEMENTS[recipe]:,} weights) and its experts stay bf16: it computes "
+            "in bf16"
         )
     return {"fp8": recipe, "fp8_linears": roles, "fp8_experts": experts}
+
+
+def _fp8_compute(fields: dict[str, Any], shape: ModelShape) -> Fp8Compute | None:
+    if not fields:
+        return None
+    return fp8_training.compute(fields["fp8"], fields["fp8_linears"], fields["fp8_experts"], shape)
+
+
+def _precision_alternative(
+    fields: dict[str, Any], setting: fit.Setting, hw: Hardware, chosen: Candidate
+) -> tuple[str, speed.StepTime | None] | None:
+    """The chosen candidate's step time with the other choice of `training.fp8` (`--explain` shows both):
+    bf16 beside a planned FP8, or what `on` would give beside bf16 where the GPU has FP8."""
+    if fields:
+        other, work = "bf16", dataclasses.replace(setting.work, fp8=None)
+    elif fp8_training.unmet(hw.gpu) is None and hw.precision == "bf16":
+        shape = setting.work.shape
+        recipe = fp8_training.FASTEST
+        roles = fp8_training.linear_roles(shape, recipe)
+        fp8 = fp8_training.compute(recipe, roles, fp8_training.EXPERTS_FASTER, shape)
+        other = f"training.fp8=on ({recipe} on {', '.join(roles) or 'no linear: none is large enough'})"
+        work = dataclasses.replace(setting.work, fp8=fp8)
+    else:
+        return None
+    return other, _speed_of(dataclasses.replace(setting, work=work), hw)(chosen)
 
 
 def speed_section(found: search.Search) -> dict[str, Any] | None:
@@ -212,7 +250,14 @@ def _compiled(spec: Spec, gpu: catalog.GPU, warnings: list[str]) -> bool:
 
 
 def _setting(
-    spec: Spec, model: Trained, hw: Hardware, per_rank: int, *, compiled: bool, compiled_attention: bool
+    spec: Spec,
+    model: Trained,
+    hw: Hardware,
+    per_rank: int,
+    *,
+    compiled: bool,
+    compiled_attention: bool,
+    fp8: Fp8Compute | None = None,
 ) -> fit.Setting:
     """What every candidate's fit and speed depend on besides the candidate."""
     per_node = hw.plan.procs_per_node
@@ -229,6 +274,7 @@ def _setting(
         compiled_attention=compiled_attention,
         fused_step=spec.overrides.optimizer_step != "deepspeed",
         loss=spec.overrides.loss,
+        fp8=fp8,
     )
     # an offloaded optimizer steps on the rank's OMP_NUM_THREADS cores (hardware.cpus_per_node)
     threads = host_memory.threads_per_rank(spec.hardware.cpus_per_node, per_node, hw.gpu.is_cpu)

@@ -193,6 +193,8 @@ class Search:
     chosen: Row
     unforced_best: Row | None  # the planner's own pick when overrides narrowed the search; else None
     calibration: Calibration | None = None  # what the rows' speeds were predicted from (`--explain`)
+    # the chosen candidate with the other choice of training.fp8, and what that choice is (`--explain`)
+    precision_alternative: tuple[str, StepTime | None] | None = None
 
     @property
     def forced_cost(self) -> float | None:

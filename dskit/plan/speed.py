@@ -339,9 +339,10 @@ def predict(
 
     attention = w.compiled_attention and zero_stage < 3  # the plan's compile_attention
     fwd = None if tuning is None else tuning.forward_share(c)
-    compute = _compute_s(
-        T, _scaled_flops(c, w.flops_per_token, scales), frac, peak_tflops * 1e12, w.compiled, fwd, attention
-    )
+    flops = _scaled_flops(c, w.flops_per_token, scales)
+    if w.fp8 is not None:  # the FP8 products at their measured speed-up (dskit/plan/fp8_training.py)
+        flops -= w.fp8.flops_saved_per_token * scales.compute
+    compute = _compute_s(T, flops, frac, peak_tflops * 1e12, w.compiled, fwd, attention)
     if tuning is not None:  # before the windows ZeRO's transfers hide behind: LoRA's compute is longer
         compute *= LORA_COMPUTE_FACTOR
     groups = _zero_groups(w.shape, c, layout, tuning)

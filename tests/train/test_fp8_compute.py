@@ -97,3 +97,27 @@ def test_the_experts_get_the_fp8_forward_and_16_row_groups(monkeypatch):
 
 def test_a_device_without_fp8_is_refused_by_the_trainer():
     assert compute.device_unmet(torch.device("cpu")) == "has no FP8 tensor cores"
+
+
+def test_a_lora_adapter_over_an_fp8_linear_trains(tiny):
+    """LoRA attaches after the conversion (dskit/train/entry.py): the frozen base's product is FP8, the
+    adapter's own products are not, and it gets gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = tiny
+    _convert(model)
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["o_proj"], lora_alpha=8))
+    layer = lora.base_model.model.model.layers[1].self_attn.o_proj
+    assert "forward" in vars(layer.base_layer)  # the base is the FP8 one
+    x = torch.randn(8, layer.base_layer.in_features, dtype=torch.bfloat16)
+    layer(x).sum().backward()
+    a = layer.lora_A["default"].weight
+    assert "forward" not in vars(layer.lora_A["default"]) and a.grad is not None
+    assert layer.base_layer.weight.grad is None  # frozen
+
+
+def test_doctor_reports_torchao_without_importing_it_on_a_host_without_a_gpu():
+    from dskit.doctor import run_checks
+
+    (line,) = [c for c in run_checks() if c.name == "torchao"]
+    assert line.status == "PASS" and line.detail == "0.18.0 (FP8 GEMM not run: no GPU here)"
