@@ -21,9 +21,9 @@ setup: $(BIN)/.installed
 # DeepSpeed's compiled ops, built into torch's extension cache before anything trains, as the CPU image's
 # install.sh prebuilds them: a first build inside a run's start (minutes on 2 cores) runs into the
 # launcher's and the tests' deadlines, and one killed midway hangs every later start. Built, it is a
-# check of a few seconds; not a stamp, since the cache lives outside the venv (dskit/jit_ops.py).
+# check of a few seconds; not a stamp, since the cache lives outside the venv (dskit/host/jit_ops.py).
 ops: setup
-	$(BIN)/python -m dskit.jit_ops
+	$(BIN)/python -m dskit.host.jit_ops
 
 # The main job on the embedded default: tiny DeepSeek-V2 (MLA + MoE), 2 CPU ranks, EP=2, ZeRO-3,
 # rendered exactly like a cluster job, trained on real text, then exported to Hugging Face format.

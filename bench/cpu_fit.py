@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench import runs  # noqa: E402
-from dskit.atomic import write_file  # noqa: E402
+from dskit.io.atomic import write_file  # noqa: E402
 from dskit.plan import speed  # noqa: E402
 
 #: what is fitted, and the step each is kept at in speed.py

@@ -45,7 +45,7 @@ def write_fp8_checkpoint(model: str, layers: int, out: Path, device: str) -> dic
     from transformers import AutoModelForCausalLM
 
     from dskit import catalog
-    from dskit.hf_checkpoint import FP8_BLOCK
+    from dskit.formats.hf_checkpoint import FP8_BLOCK
     from dskit.train.fp8.blocks import quantize_blocks
     from dskit.train.model import hf_config
 

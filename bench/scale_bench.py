@@ -103,7 +103,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def torchrun_line(log: Path) -> str | None:
     for line in log.read_text().splitlines():
-        if line.startswith("+ ") and "dskit.torchrun" in line:
+        if line.startswith("+ ") and "dskit.launch.torchrun" in line:
             return line[2:]
     return None
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dskit.text import escape
+from dskit.io.text import escape
 
 #: Exit code for bad input (spec, CLI flags, run.yaml, missing data). Matches argparse's usage errors.
 EXIT_BAD_INPUT = 2
@@ -11,7 +11,7 @@ EXIT_BAD_INPUT = 2
 class SpecError(Exception):
     """Bad input. ``field`` is a dotted path into the run spec (or a CLI flag / file name).
 
-    Both parts are escaped (dskit.text.escape): a path or key with a newline in it still makes one line.
+    Both parts are escaped (dskit.io.text.escape): a path or key with a newline in it still makes one line.
     """
 
     def __init__(self, field: str, message: str):

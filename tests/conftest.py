@@ -160,9 +160,9 @@ def small_disk(tmp_path):
 
 def pytest_configure(config):
     """Every process the tests start (their own DeepSpeed engines, clusters, scripts) builds with this
-    venv's ninja, as the trainer does (dskit/jit_ops.py): a second ninja on the same cache rebuilds
+    venv's ninja, as the trainer does (dskit/host/jit_ops.py): a second ninja on the same cache rebuilds
     every op, minutes each, inside some test's deadline."""
-    from dskit.jit_ops import use_own_builds
+    from dskit.host.jit_ops import use_own_builds
 
     use_own_builds()
 
@@ -170,7 +170,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def _extensions_root() -> Path:
     """torch's JIT extension cache under the suite's own environment (before any test changes it)."""
-    from dskit.build_locks import extensions_root
+    from dskit.host.build_locks import extensions_root
 
     return extensions_root()
 
@@ -178,7 +178,7 @@ def _extensions_root() -> Path:
 def _remove_orphaned_locks(root: Path, when: str) -> None:
     """Remove the build locks no process holds, seen so twice a second apart with the same inode: a lock
     between a live build's close and its own removal, or created anew meanwhile, is left alone."""
-    from dskit.build_locks import orphaned
+    from dskit.host.build_locks import orphaned
 
     first = {lock: lock.stat().st_ino for lock in orphaned(root) if lock.exists()}
     if not first:

@@ -1,4 +1,4 @@
-"""dskit.atomic: the destination always names a whole directory, leftovers of killed builds go away."""
+"""dskit.io.atomic: the destination always names a whole directory, leftovers of killed builds go away."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dskit import atomic, owner
-from dskit.atomic import MARKER, atomic_dir
+from dskit.io import atomic, owner
+from dskit.io.atomic import MARKER, atomic_dir
 from tests.conftest import REPO
 from tests.support.cli import cli
 
@@ -61,7 +61,7 @@ def test_a_killed_builds_leftover_is_removed_by_the_next_run(tmp_path):  # marke
 def test_kill_9_mid_render_leaves_the_target_absent_and_the_next_render_cleans_up(tmp_path):
     out = tmp_path / "out"
     code = (
-        "import os, signal; from dskit.atomic import atomic_dir\n"
+        "import os, signal; from dskit.io.atomic import atomic_dir\n"
         f"with atomic_dir({str(out)!r}, kind='data') as tmp:\n"
         "    (tmp / 'half').write_text('x'); os.kill(os.getpid(), signal.SIGKILL)\n"
     )
@@ -116,7 +116,7 @@ def test_a_render_killed_mid_write_in_a_container_is_cleaned_up_by_the_next_rend
 HOLD_OPEN = """
 import socket, sys
 socket.gethostname = lambda: "another-container"
-from dskit.atomic import atomic_dir
+from dskit.io.atomic import atomic_dir
 with atomic_dir(sys.argv[1], kind="data") as tmp:
     (tmp / "half").write_text("x")
     print("building", flush=True)

@@ -57,7 +57,7 @@ def test_a_cuda_torch_without_a_c_compiler_fails_before_step_one(tmp_path, monke
     """Triton compiles its CUDA launcher at the first compiled kernel (the fused loss, the regional
     compile): a GPU image without a C compiler or Python's headers would die at step 1. A stand-in
     `triton` package makes the check reachable on this CPU machine; the compiler lookup is real."""
-    from dskit.doctor import FAIL, PASS, WARN, _triton_toolchain
+    from dskit.host.doctor import FAIL, PASS, WARN, _triton_toolchain
 
     (tmp_path / "site" / "triton").mkdir(parents=True)
     (tmp_path / "site" / "triton" / "__init__.py").write_text('__version__ = "0.0-standin"\n')
@@ -209,9 +209,9 @@ FORGER = "x\nPASS  gpu                      forged\r\x1b[31m\x07\u202e"
 @pytest.mark.parametrize("locked", [False, True], ids=["no lock", "an orphaned lock"])
 def test_every_check_is_one_line_whatever_a_path_or_value_holds(locked, tmp_path, monkeypatch):
     """Every value doctor prints (here the torch extension cache's path, with or without a lock in it,
-    and the GPU profile it was handed) is escaped as error messages are (dskit.text.escape): one line
+    and the GPU profile it was handed) is escaped as error messages are (dskit.io.text.escape): one line
     per check, the checks --json lists and no other, no raw control character."""
-    from dskit.text import escape, first_unsafe
+    from dskit.io.text import escape, first_unsafe
     from tests.support.build_lock import plant, use_cache
 
     use_cache("TORCH_EXTENSIONS_DIR", tmp_path / f"cache{FORGER}", monkeypatch)

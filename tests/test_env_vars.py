@@ -1,6 +1,6 @@
-"""Every environment variable dskit reads goes through dskit/env_vars.py, and a value that does not parse
-is one line naming the variable and the form it allows: in `dskit doctor` a FAIL line (doctor reports,
-exit 1), in the trainer and `python -m dskit.jit_ops` a refusal (exit 2), never a traceback."""
+"""Every environment variable dskit reads goes through dskit/launch/env_vars.py, and a value that does not
+parse is one line naming the variable and the form it allows: in `dskit doctor` a FAIL line (doctor reports,
+exit 1), in the trainer and `python -m dskit.host.jit_ops` a refusal (exit 2), never a traceback."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from dskit import env_vars
 from dskit.errors import SpecError
+from dskit.launch import env_vars
 from tests.conftest import REPO, render_tiny
 from tests.support.cli import cli, import_first
 
@@ -80,7 +80,7 @@ def test_every_environment_read_under_dskit_goes_through_env_vars():
         r for p in sorted((REPO / "dskit").rglob("*.py")) if p.name != "env_vars.py" for r in _env_reads(p)
     ]
     assert reads == []
-    assert _env_reads(REPO / "dskit" / "env_vars.py")  # the walk sees a read where there is one
+    assert _env_reads(REPO / "dskit" / "launch" / "env_vars.py")  # the walk sees a read where there is one
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

@@ -1,6 +1,6 @@
 """A core install (no extra: no torch, DeepSpeed, matplotlib) renders jobs, and every command that needs an
 extra refuses in one line naming it, exit 2, before it writes anything: through the one guard,
-dskit/extras.py."""
+dskit/host/extras.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from dskit.extras import MODULES
+from dskit.host.extras import MODULES
 from tests.support import core_install
 
 TINY = ["--gpu", "cpu", "--gpus-per-node", "2", "--model", "tiny-v2", "--set", "training.seq_len=128"]
@@ -41,7 +41,12 @@ NEEDS = {
         "report",
         "matplotlib",
     ),
-    "python -m dskit.jit_ops": (["-m", "dskit.jit_ops"], "python -m dskit.jit_ops", "train", "torch"),
+    "python -m dskit.host.jit_ops": (
+        ["-m", "dskit.host.jit_ops"],
+        "python -m dskit.host.jit_ops",
+        "train",
+        "torch",
+    ),
     "python -m dskit.train": (["-m", "dskit.train"], "python -m dskit.train", "train", "torch"),
 }
 

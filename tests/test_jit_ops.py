@@ -1,5 +1,5 @@
-"""DeepSpeed's compiled ops in a virtualenv (dskit/jit_ops.py): built once ahead of the run, and not built
-again by a rank whose launcher gave it another PATH."""
+"""DeepSpeed's compiled ops in a virtualenv (dskit/host/jit_ops.py): built once ahead of the run, and not
+built again by a rank whose launcher gave it another PATH."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from dskit.build_locks import build_directory
-from dskit.jit_ops import cached, prebuilt, use_own_builds, wanted
+from dskit.host.build_locks import build_directory
+from dskit.host.jit_ops import cached, prebuilt, use_own_builds, wanted
 from tests.conftest import REPO, dskit
 from tests.support.build_lock import LAYOUTS, use_cache
 
 LOAD = """
 import sys
-from dskit.jit_ops import use_own_builds
+from dskit.host.jit_ops import use_own_builds
 if sys.argv[1] == "own":
     use_own_builds()
 from deepspeed.ops.op_builder.all_ops import ALL_OPS
@@ -66,7 +66,7 @@ def test_the_build_directory_is_torchs_own_once_the_environment_is_pinned(cache,
     use_cache(cache, tmp_path, monkeypatch)
     named = build_directory("cpu_adam")
     assert not named.exists() and named.is_relative_to(tmp_path)  # named, not created
-    use_own_builds()  # as the trainer and `python -m dskit.jit_ops` do before DeepSpeed loads an op
+    use_own_builds()  # as the trainer and `python -m dskit.host.jit_ops` do before DeepSpeed loads an op
     assert str(named) == _get_build_directory("cpu_adam", verbose=False)
 
 
@@ -82,7 +82,7 @@ def test_each_environment_builds_into_its_own_cache(tmp_path, monkeypatch):
     ).stdout.strip()  # fmt: skip
     # this environment's packages (torch, dskit) seen from the other one, whose prefix differs
     Path(site, "this-env.pth").write_text(f"{sysconfig.get_path('purelib')}\n{REPO}\n")
-    show = "from dskit.build_locks import extensions_root; print(extensions_root())"
+    show = "from dskit.host.build_locks import extensions_root; print(extensions_root())"
     roots = [
         subprocess.run([py, "-c", show], capture_output=True, text=True, check=True).stdout.strip()
         for py in (sys.executable, str(other / "bin" / "python"))
@@ -130,15 +130,18 @@ def test_an_op_built_ahead_is_not_built_again_by_a_rank_with_the_shells_path(tmp
 @pytest.mark.parametrize("flag", ["--gpu", "--frobnicate"])
 def test_an_unknown_flag_is_refused_in_one_line_before_anything_is_built(flag):
     """As the dskit CLI refuses one (its parser, dskit/cli/args.py): no usage block, exit 2."""
-    r = subprocess.run([sys.executable, "-m", "dskit.jit_ops", flag], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "dskit.host.jit_ops", flag], capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr == f"dskit: error: python -m dskit.jit_ops: unrecognized arguments: {flag} (see --help)\n"
+    assert (
+        r.stderr
+        == f"dskit: error: python -m dskit.host.jit_ops: unrecognized arguments: {flag} (see --help)\n"
+    )
 
 
 def _jit_ops(env: dict | None = None) -> tuple[int, list[str]]:
-    """`python -m dskit.jit_ops`'s exit code and its own lines (DeepSpeed logs to stdout at import)."""
+    """`python -m dskit.host.jit_ops`'s exit code and its own lines (DeepSpeed logs to stdout at import)."""
     r = subprocess.run(
-        [sys.executable, "-m", "dskit.jit_ops"],
+        [sys.executable, "-m", "dskit.host.jit_ops"],
         capture_output=True,
         text=True,
         env={**os.environ, **(env or {})},
@@ -164,7 +167,7 @@ def test_an_orphaned_lock_is_one_line_whatever_its_path_holds_and_its_fix_remove
     """A cache directory named with a newline, CR, ESC, BEL and a bidi override: one escaped line that
     poses as nothing else and sends no control character to the terminal, and the `rm -f` it names,
     pasted into bash, removes exactly that lock."""
-    from dskit.text import first_unsafe
+    from dskit.io.text import first_unsafe
     from tests.support.build_lock import plant
 
     use_cache("TORCH_EXTENSIONS_DIR", tmp_path / FORGER, monkeypatch)
@@ -172,7 +175,7 @@ def test_an_orphaned_lock_is_one_line_whatever_its_path_holds_and_its_fix_remove
     code, lines = _jit_ops()
     assert code == 1
     (line,) = lines
-    assert line.startswith("dskit.jit_ops: ") and first_unsafe(line) is None, line
+    assert line.startswith("dskit.host.jit_ops: ") and first_unsafe(line) is None, line
     fix = line.split("without a message: ")[1].split(" (unless ")[0]
     subprocess.run(["bash", "-c", fix], check=True, cwd=tmp_path)
     assert not lock.exists() and lock.parent.is_dir()
@@ -196,7 +199,7 @@ def test_deepspeed_is_imported_without_mlflow_unless_the_run_logs_to_it():
     """DeepSpeed's autotuner imports MLflow, a second of each rank's start: hidden from it unless the run
     tracks to MLflow, and importable again afterwards."""
     code = (
-        "import sys\nfrom dskit.jit_ops import import_deepspeed\n"
+        "import sys\nfrom dskit.host.jit_ops import import_deepspeed\n"
         "import_deepspeed(mlflow={})\n"
         "from deepspeed.autotuning import autotuner\n"
         "print('RESULT', 'mlflow' in sys.modules, autotuner.has_mlflow)\n"
@@ -217,7 +220,7 @@ def test_a_process_ended_without_teardown_still_finishes_its_threads_and_exit_ha
     and the code is the process's status."""
     code = f"""
 import atexit, concurrent.futures, pathlib, threading, time
-from dskit.torchrun import exit_without_teardown
+from dskit.launch.torchrun import exit_without_teardown
 out = pathlib.Path({str(tmp_path)!r})
 def late():
     time.sleep(0.5)

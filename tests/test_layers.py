@@ -126,7 +126,9 @@ def test_the_trainer_imports_no_deciding_plan_module():
     out of every rank (a refusal both sides raise lives in dskit/refusals.py). A calibration job's ranks
     (dskit/calibrate/job.py) are trainer ranks."""
     trainer = [
-        m for m in MODULES if m.startswith("dskit.train") or m in ("dskit.ray_train", "dskit.calibrate.job")
+        m
+        for m in MODULES
+        if m.startswith("dskit.train") or m in ("dskit.launch.ray_train", "dskit.calibrate.job")
     ]
     climbs = {
         m: sorted(d for d in GRAPH[m] if d.startswith("dskit.plan") and d != "dskit.plan.schema")
@@ -162,9 +164,9 @@ def test_the_trainer_does_not_import_data_prepare():
 
 
 def _contract_file_names() -> set[str]:
-    """The file and directory names dskit/contract.py gives a run: its upper-case strings that name a
+    """The file and directory names dskit/launch/contract.py gives a run: its upper-case strings that name a
     file (a dot in them) and the storage root's default directories."""
-    from dskit import contract
+    from dskit.launch import contract
 
     names = {v for k, v in vars(contract).items() if k.isupper() and isinstance(v, str) and "." in v}
     return names | {contract.CHECKPOINTS_DIR, contract.OUTPUTS_DIR}
@@ -172,14 +174,14 @@ def _contract_file_names() -> set[str]:
 
 def test_a_run_file_name_is_spelled_only_in_the_launch_contract():
     """A run's file names (run.yaml, metrics.jsonl, local-run.json, calibration.json, the default
-    checkpoints and outputs directories, ...) are written once, in dskit/contract.py: a writer and a
+    checkpoints and outputs directories, ...) are written once, in dskit/launch/contract.py: a writer and a
     reader that spell one each drift apart on a rename."""
     names = _contract_file_names()
     assert {"run.yaml", "metrics.jsonl", "local-run.json", "checkpoints"} <= names  # the walk sees them
     spelled = sorted(
         f"{MODULES[m].relative_to(REPO)}:{node.lineno}: {node.value!r}"
         for m in MODULES
-        if m != "dskit.contract"
+        if m != "dskit.launch.contract"
         for node in ast.walk(ast.parse(MODULES[m].read_text()))
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)

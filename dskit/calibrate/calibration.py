@@ -18,9 +18,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from dskit import bounded_read, catalog
-from dskit.atomic import write_file
+from dskit import catalog
 from dskit.errors import SpecError
+from dskit.io import bounded_read
+from dskit.io.atomic import write_file
 
 VERSION = 2
 #: a calibration of a few hundred groups and sizes is tens of KiB: anything near this is not one
@@ -225,7 +226,7 @@ def _shape(key: str) -> tuple[int, int]:
 
 def echo(text: str) -> str:
     """File text fit for one line of a terminal: escaped, and cut."""
-    from dskit.text import escape
+    from dskit.io.text import escape
 
     text = escape(text)
     return text if len(text) <= ECHO_CHARS else text[:ECHO_CHARS] + "..."

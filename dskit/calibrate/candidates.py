@@ -18,10 +18,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from dskit import bounded_read
-from dskit.atomic import write_file
 from dskit.calibrate.measures import job_name
-from dskit.contract import METRICS_FILE
+from dskit.io import bounded_read
+from dskit.io.atomic import write_file
+from dskit.launch.contract import METRICS_FILE
 from dskit.plan.build import build_plan_searched
 from dskit.spec import Spec
 from dskit.status.report import MAX_METRICS_LINE

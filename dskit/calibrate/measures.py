@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from dskit.catalog import GPU, Fabric
-from dskit.contract import CALIBRATION_FILE
+from dskit.launch.contract import CALIBRATION_FILE
 from dskit.plan import links, search
 from dskit.plan.host_memory import threads_per_rank
 from dskit.plan.model_math import ModelCounts

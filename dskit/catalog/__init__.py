@@ -11,9 +11,9 @@ from typing import Any
 
 import yaml
 
-from dskit import bounded_read
 from dskit.errors import SpecError, one_of
-from dskit.hf_checkpoint import check_quantization_config, json_depth
+from dskit.formats.hf_checkpoint import check_quantization_config, json_depth
+from dskit.io import bounded_read
 from dskit.plan.shape import ModelShape
 
 _HERE = Path(__file__).parent

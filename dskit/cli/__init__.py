@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dskit import stdout
 from dskit.cli import calibrate_cmd, data_cmd, host_cmd, plan_cmd, run_cmd, spec_cmd
 from dskit.cli.args import Parser, refuse_empty_values
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.text import escape
+from dskit.io import stdout
+from dskit.io.text import escape
 
 COMMANDS = (
     spec_cmd.add_init,
@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # every command's output (--help included) goes through one guard: a full disk or a closed pipe
-    # behind stdout is one line or a quiet exit (dskit/stdout.py), never a traceback
+    # behind stdout is one line or a quiet exit (dskit/io/stdout.py), never a traceback
     return stdout.guarded(lambda: _run(argv))
 
 

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 from dskit.errors import EXIT_BAD_INPUT
-from dskit.text import ascii_int, escape
+from dskit.io.text import ascii_int, escape
 
 # what add_subparsers() returns; argparse names no public type for it
 Subparsers = argparse._SubParsersAction
@@ -17,7 +17,7 @@ Subparsers = argparse._SubParsersAction
 class Parser(argparse.ArgumentParser):
     """argparse with the one-line promise: a bad flag or value is `dskit: error: ...`, exit 2, without
     the usage block (`--help` still shows it). Sub-commands inherit this class; `python -m` entry points
-    outside the CLI (dskit.jit_ops) use it too."""
+    outside the CLI (dskit.host.jit_ops) use it too."""
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(EXIT_BAD_INPUT, f"dskit: error: {escape(self.prog)}: {escape(message)} (see --help)\n")

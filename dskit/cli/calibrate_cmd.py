@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from dskit.cli.args import Subparsers, add_spec_args, count, spec_from_args, spec_words
 from dskit.errors import SpecError
-from dskit.extras import require
+from dskit.host.extras import require
 
 if TYPE_CHECKING:
     from dskit.render import Step

@@ -7,14 +7,14 @@ import os
 
 from dskit.cli.args import Subparsers, count, fraction
 from dskit.errors import SpecError
-from dskit.extras import MODULES, missing, require
+from dskit.host.extras import MODULES, missing, require
 
 #: what `data prepare` imports of the train extra: no torch (a tokenizer directory adds transformers)
 PREPARE_NEEDS = ("numpy", "tqdm")
 
 
 def cmd_data(a: argparse.Namespace) -> int:
-    from dskit.atomic import check_replaceable
+    from dskit.io.atomic import check_replaceable
 
     tokenizer_dir = None if a.tokenizer == "byte" else a.tokenizer
     require(

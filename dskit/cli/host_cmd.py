@@ -8,7 +8,7 @@ from dskit.cli.args import Subparsers
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    from dskit.doctor import main as doctor_main
+    from dskit.host.doctor import main as doctor_main
 
     return doctor_main(as_json=a.json, build=a.build)
 
@@ -25,7 +25,7 @@ def add_doctor(sub: Subparsers) -> None:
 
 
 def cmd_build(a: argparse.Namespace) -> int:
-    from dskit.image_builder import build_image
+    from dskit.host.image_builder import build_image
 
     return build_image(
         a.gpu,

@@ -11,7 +11,7 @@ from typing import Any, TextIO
 
 from dskit.cli.args import Subparsers, add_spec_args, spec_from_args
 from dskit.errors import SpecError
-from dskit.extras import require
+from dskit.host.extras import require
 
 
 def cmd_plan(a: argparse.Namespace) -> int:

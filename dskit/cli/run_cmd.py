@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dskit.cli.args import Subparsers, count
 from dskit.errors import SpecError
-from dskit.extras import require
+from dskit.host.extras import require
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -36,8 +36,8 @@ def add_train(sub: Subparsers) -> None:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from dskit.atomic import check_replaceable
-    from dskit.contract import RUN_YAML
+    from dskit.io.atomic import check_replaceable
+    from dskit.launch.contract import RUN_YAML
     from dskit.plan.schema import load_plan
 
     require("export", "train")

@@ -8,14 +8,14 @@ from pathlib import Path
 
 from dskit.cli.args import Subparsers
 from dskit.errors import SpecError
-from dskit.text import command, escape
+from dskit.io.text import command, escape
 
 
 def cmd_init(a: argparse.Namespace) -> int:
     import os
     import stat
 
-    from dskit.atomic import write_file
+    from dskit.io.atomic import write_file
     from dskit.spec import starter_yaml
 
     if a.output == "-":  # the usual convention: to stdout, e.g. to pipe or diff

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dskit.atomic import atomic_dir
 from dskit.data import tokenizers
 from dskit.data.encode import encoded
 from dskit.data.readers import has_messages, records
 from dskit.data.shards import EVAL_DIR, ShardWriter
 from dskit.errors import SpecError
+from dskit.io.atomic import atomic_dir
 
 
 def held_out(doc: int, fraction: float) -> bool:

@@ -10,5 +10,5 @@
   `candidate` module's Candidate, Workload and Cluster.
 - `explain`: `dskit plan --explain` and `--plot`, the search's candidates as a table (computes nothing).
 What both sides need lies below the plan: refusals in dskit/refusals.py, the launch contract's rules
-(the collective timeout, exit codes) in dskit/contract.py. tests/test_layers.py enforces this.
+(the collective timeout, exit codes) in dskit/launch/contract.py. tests/test_layers.py enforces this.
 """

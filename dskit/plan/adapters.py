@@ -238,7 +238,7 @@ def base_precision(f: FinetuneSpec, path: str | None) -> str:
     """`finetune.base_precision` resolved: auto is fp8 where model.path holds DeepSeek-V3's FP8 format
     and the base is frozen (LoRA), else bf16. fp8 from a checkpoint without FP8 weights is refused:
     the trainer keeps the checkpoint's own FP8 bytes and does not quantise a bf16 base."""
-    from dskit.hf_checkpoint import fp8_format
+    from dskit.formats.hf_checkpoint import fp8_format
 
     fp8_checkpoint = path is not None and fp8_format(path) is not None
     if f.base_precision == "auto":

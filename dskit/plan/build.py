@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dskit import catalog, hf_checkpoint
+from dskit import catalog
 from dskit.calibrate import calibration
 from dskit.calibrate.calibration import Calibration
-from dskit.contract import CHECKPOINTS_DIR, OUTPUTS_DIR, Env
 from dskit.errors import SpecError
+from dskit.formats import hf_checkpoint
+from dskit.io.text import describe, first_unsafe
+from dskit.launch.contract import CHECKPOINTS_DIR, OUTPUTS_DIR, Env
 from dskit.plan import host_memory, search
 from dskit.plan.adapters import base_precision, plan_finetune
 from dskit.plan.balancing import plan_balance
@@ -35,7 +37,6 @@ from dskit.plan.schema import (
 )
 from dskit.plan.shape import ModelShape
 from dskit.spec import Spec, spec_record
-from dskit.text import describe, first_unsafe
 
 DEFAULT_MODEL = "deepseek-v2-lite"
 
@@ -350,7 +351,7 @@ def plan_launch(spec: Spec, gpu: catalog.GPU, fabric: catalog.Fabric, storage_ro
 def launch_env(
     spec: Spec, gpu: catalog.GPU, fabric: catalog.Fabric, run: RunPlan, launch: LaunchPlan
 ) -> dict[str, str]:
-    """The launch contract every target exports (dskit/contract.py), minus RUN_FILE."""
+    """The launch contract every target exports (dskit/launch/contract.py), minus RUN_FILE."""
     per_node = spec.hardware.gpus_per_node
     omp = host_memory.threads_per_rank(spec.hardware.cpus_per_node, per_node, gpu.is_cpu)
     env = {

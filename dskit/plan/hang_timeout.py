@@ -6,7 +6,7 @@ collective timeout that GPU jobs already live with, so nothing that works today 
 
     timeout = max(FLOOR_S, STEP_MARGIN x predicted step, SAVE_MARGIN x predicted save)
 
-The process group's collective timeout is the same number plus COLLECTIVE_GRACE_S (dskit/contract.py):
+The process group's collective timeout is the same number plus COLLECTIVE_GRACE_S (dskit/launch/contract.py):
 the watchdog fires first and names the rank that stopped; the collective timeout is the backstop for a
 rank whose watchdog thread cannot run (a C call holding the GIL), and it too ends in a restart.
 """

@@ -12,8 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
+from dskit.launch.contract import RUN_YAML
 from dskit.spec import yamlsafe
 from dskit.spec.targets import KubernetesSpec, SlurmSpec
 from dskit.spec.tracking import TrackingSpec

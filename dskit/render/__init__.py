@@ -10,17 +10,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dskit.contract import TARGET_FILE
+from dskit.io.text import command
+from dskit.launch.contract import TARGET_FILE
 from dskit.plan.schema import Plan
 from dskit.render import helm, image, ray, slurm
 from dskit.status.run_status import HelmRelease, NoJob, RecordedJobs, Status, ask_ray, ask_slurm
-from dskit.text import command
 
 
 @dataclass(frozen=True)
 class Step:
     """A command dskit suggests (`next: ...`), kept as its words until printed: `line` quotes each
-    (dskit.text.command), so the line pasted into a shell runs exactly these words, whatever a run
+    (dskit.io.text.command), so the line pasted into a shell runs exactly these words, whatever a run
     directory or a storage path holds (`$(...)`, quotes, spaces)."""
 
     label: str  # next, or, then

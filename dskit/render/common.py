@@ -10,14 +10,14 @@ from pathlib import Path
 import jinja2
 import yaml
 
-from dskit import torchrun
-from dskit.atomic import atomic_dir
-from dskit.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.errors import SpecError
+from dskit.io.atomic import atomic_dir
+from dskit.io.text import comment
+from dskit.launch import torchrun
+from dskit.launch.contract import DEEPSPEED_JSON, RUN_YAML
 from dskit.plan.schema import Plan, dump_plan
 from dskit.spec import yamlsafe
 from dskit.spec.values import ENV_NAME_RE
-from dskit.text import comment
 
 
 def package_data_dir(installed: str, checkout: str) -> Path:
@@ -103,7 +103,7 @@ def dump_yaml_all(docs: list[object]) -> str:
 
 def comment_block(*lines: str) -> str:
     """Comment lines for a rendered shell script or YAML file; each line stays one line whatever it
-    holds (dskit.text.comment)."""
+    holds (dskit.io.text.comment)."""
     return "".join(comment(line) + "\n" for line in lines)
 
 
@@ -115,7 +115,7 @@ def k8s_literal(word: str) -> str:
 
 def torchrun_words(plan: Plan, *, quote: Callable[[str], str], endpoint: str, rdzv_id: str) -> list[str]:
     """What every node runs, on every target that starts one process per node (Slurm task, Kubernetes
-    pod): torchrun with a c10d rendezvous on the first node, then the trainer (dskit/torchrun.py).
+    pod): torchrun with a c10d rendezvous on the first node, then the trainer (dskit/launch/torchrun.py).
 
     `quote` escapes the one user-supplied word (the interpreter) for the target's syntax; `endpoint` and
     `rdzv_id` arrive in that syntax already (shell `${VAR}` for Slurm, `$(VAR)` for Kubernetes).
@@ -153,7 +153,7 @@ def write_output(
     executable: tuple[str, ...] = (),
     inputs: Iterable[str | Path | None] = (),
 ) -> Path:
-    """Write all files or none (see dskit.atomic); `inputs` are paths the output must not contain."""
+    """Write all files or none (see dskit.io.atomic); `inputs` are paths the output must not contain."""
     with atomic_dir(out_dir, kind="run", force=force, inputs=inputs) as tmp:
         for rel, text in files.items():
             path = tmp / rel

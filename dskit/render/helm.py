@@ -14,7 +14,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from dskit import __version__, catalog
-from dskit.contract import (
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.launch.contract import (
     COMPLETE_FILE,
     EXIT_DISK_FULL,
     EXIT_REQUEUE,
@@ -24,7 +25,6 @@ from dskit.contract import (
     RUN_YAML,
     STOP_FILE,
 )
-from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan.schema import Plan, dump_plan
 from dskit.render.common import (
     comment_block,

@@ -1,7 +1,7 @@
 """Ray target: plan -> runtime_env.yaml + submit.sh (`ray job submit`) and a KubeRay RayJob manifest.
 
 The job directory is the job's working_dir: run.yaml travels with it, and DSKIT_RUN_FILE names it
-relative to that dir (dskit.ray_train makes it absolute for the workers).
+relative to that dir (dskit.launch.ray_train makes it absolute for the workers).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dskit import __version__
-from dskit.contract import JOBS_FILE, RUN_YAML, Env
-from dskit.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.errors import SpecError
+from dskit.launch.contract import JOBS_FILE, RUN_YAML, Env
+from dskit.launch.contract import K8S_CONFIG_MOUNT as CONFIG_MOUNT
 from dskit.plan.schema import Plan, dump_plan
 from dskit.render.common import (
     comment_block,
@@ -25,7 +25,7 @@ from dskit.render.common import (
 )
 
 RUNTIME_ENV, SUBMIT, RAYJOB = "runtime_env.yaml", "submit.sh", "rayjob.yaml"
-ENTRY_MODULE = "dskit.ray_train"
+ENTRY_MODULE = "dskit.launch.ray_train"
 RAY_VERSION = "2.60.0"
 
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from dskit.atomic import check_replaceable
 from dskit.errors import SpecError
+from dskit.io.atomic import check_replaceable
 from dskit.plan.build import build_plan
 from dskit.plan.schema import Plan
 from dskit.render import TARGETS, Step, Target, common

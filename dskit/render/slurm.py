@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dskit import __version__
-from dskit.contract import (
+from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.launch.contract import (
     COMPLETE_FILE,
     EXIT_DIR_ENV,
     EXIT_DISK_FULL,
@@ -14,7 +15,6 @@ from dskit.contract import (
     RUN_YAML,
     STOP_FILE,
 )
-from dskit.errors import EXIT_BAD_INPUT, SpecError
 from dskit.plan.schema import Plan
 from dskit.render.common import comment_block, env_lines, q, render_template, run_files, sq, torchrun_words
 

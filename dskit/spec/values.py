@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
-from dskit.text import describe, first_unsafe
+from dskit.io.text import describe, first_unsafe
 
 # Identifiers land in #SBATCH lines, Kubernetes names and file names: keep them to a safe alphabet.
 # Every pattern ends in \Z, not $ (which also matches before a trailing newline), and spells digits

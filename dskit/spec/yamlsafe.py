@@ -21,8 +21,8 @@ from typing import Any
 import yaml
 from yaml.nodes import MappingNode, Node, SequenceNode
 
-from dskit import bounded_read
 from dskit.errors import SpecError
+from dskit.io import bounded_read
 
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 64
@@ -138,7 +138,7 @@ def loads(text: str, where: str) -> Any:
 
 
 def read_text(path: str | Path, what: str = "file") -> str:
-    """A user's text file: at most MAX_BYTES (dskit.bounded_read), UTF-8 (a leading BOM is dropped)."""
+    """A user's text file: at most MAX_BYTES (dskit.io.bounded_read), UTF-8 (a leading BOM is dropped)."""
     p = Path(path)
     try:
         if not p.is_file():

@@ -14,9 +14,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, exit_verdict
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.text import escape
+from dskit.io.text import escape
+from dskit.launch.contract import EXIT_DISK_FULL, EXIT_REQUEUE, exit_verdict
 
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 #: the trainer's container: "trainer" in the chart's pods, "node" in a TrainJob's (its runtime's name)

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dskit import bounded_read
-from dskit.contract import LAUNCH_ENV_FILE, METRICS_FILE, RUN_YAML
 from dskit.errors import SpecError
+from dskit.io import bounded_read
+from dskit.launch.contract import LAUNCH_ENV_FILE, METRICS_FILE, RUN_YAML
 from dskit.plan.balancing import describe as describe_balance
 from dskit.train.progress import throughput_text
 

@@ -11,7 +11,7 @@ as unknown), Ray through its job client, Helm through the Kubernetes API (dskit.
 release named like the run). Step, loss, throughput, ETA and the last checkpoint come from the run's
 own files: OUTPUT_DIR/metrics.jsonl, read with `dskit report`'s reader, and the checkpoint dir's
 complete tags. A run dir trained on this machine (`dskit train --local`) has no job to ask about: its
-state comes from the record the local launcher keeps in it (dskit/local_run.py).
+state comes from the record the local launcher keeps in it (dskit/launch/local_run.py).
 
 No torch, and nothing beyond dskit's core dependencies (plus ray's client for a Ray run, the
 kubernetes client for a Helm run): it runs on a login node without the train extra.
@@ -28,11 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dskit import bounded_read, local_run
-from dskit.checkpoint_layout import DONE, TAG_RE, complete_tags
-from dskit.contract import COMPLETE_FILE, JOBS_FILE, METRICS_FILE, RUN_YAML, TARGET_FILE
 from dskit.errors import SpecError
-from dskit.text import command, escape
+from dskit.formats.checkpoint_layout import DONE, TAG_RE, complete_tags
+from dskit.io import bounded_read
+from dskit.io.text import command, escape
+from dskit.launch import local_run
+from dskit.launch.contract import COMPLETE_FILE, JOBS_FILE, METRICS_FILE, RUN_YAML, TARGET_FILE
 
 SLURM_ID_RE = re.compile(r"[0-9]{1,18}")
 RAY_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,200}")
@@ -166,7 +167,7 @@ def _first_line(text: str) -> str:
 
 def _ray_detail(message: str) -> str:
     """Ray's message for a failed job quotes the entrypoint's last logs: the dskit error line there
-    (the driver's last word, dskit/ray_train.py) says why in one line."""
+    (the driver's last word, dskit/launch/ray_train.py) says why in one line."""
     errors = [ln.strip() for ln in message.splitlines() if ln.strip().startswith("dskit: error: ")]
     if errors:
         head = message.split(",", 1)[0] if "exit code" in message.split("\n", 1)[0] else ""

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dskit.flash_kernels import KERNELS, probe
+from dskit.host.flash_kernels import KERNELS, probe
 
 #: the transformers attention implementation each plan backend becomes. No "flash" in the names:
 #: transformers treats any such name as its own FlashAttention integration (it would try to import a

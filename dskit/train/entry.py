@@ -1,6 +1,6 @@
 """`python -m dskit.train`: read the launch contract, build model + engine, train. Nothing else.
 
-`run()` is shared by every launcher: torchrun (this module's `main`) and Ray Train (`dskit.ray_train`,
+`run()` is shared by every launcher: torchrun (this module's `main`) and Ray Train (`dskit.launch.ray_train`,
 whose workers arrive with a process group Ray already set up).
 """
 
@@ -16,9 +16,17 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from dskit import build_locks, env_vars, extras, jit_ops
-from dskit.contract import LAUNCH_ENV_FILE, LAUNCHER_ENV, REQUIRED, Env, collective_timeout_s, record_exit
 from dskit.errors import EXIT_BAD_INPUT, SpecError
+from dskit.host import build_locks, extras, jit_ops
+from dskit.launch import env_vars
+from dskit.launch.contract import (
+    LAUNCH_ENV_FILE,
+    LAUNCHER_ENV,
+    REQUIRED,
+    Env,
+    collective_timeout_s,
+    record_exit,
+)
 from dskit.refusals import fp8_base_zero_stage, fp8_compute_unsupported
 
 log = logging.getLogger("dskit.train")

@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from dskit.atomic import atomic_dir
 from dskit.errors import SpecError
-from dskit.hf_checkpoint import INDEX, SINGLE
+from dskit.formats.hf_checkpoint import INDEX, SINGLE
+from dskit.io.atomic import atomic_dir
 from dskit.train.checkpoints import universal
 
 if TYPE_CHECKING:  # torch is imported where it is used: `dskit export --help` stays light
@@ -117,7 +117,7 @@ def export(
 
 def _inputs(run: str, output: str, *, force: bool, adapter_only: bool = False) -> tuple[Plan, Path, Path]:
     """(the run's plan, its newest verified checkpoint, the output path), or SpecError before any work."""
-    from dskit.checkpoint_layout import newest_verified_tag
+    from dskit.formats.checkpoint_layout import newest_verified_tag
     from dskit.plan.schema import load_plan
     from dskit.train.local import run_file_of
 
@@ -208,7 +208,7 @@ def _write_meta(work: Path, src: Path, plan: Plan) -> dict:
 
 def _step_of(src: Path) -> int:
     """The verified checkpoint's step, read again within dskit.json's limits."""
-    from dskit.checkpoint_layout import read_done
+    from dskit.formats.checkpoint_layout import read_done
 
     done, problem = read_done(src)
     if problem:  # changed since it was verified

@@ -12,10 +12,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dskit import local_run
-from dskit.contract import EXIT_DIR_ENV, RUN_YAML, STOP_FILE, Env, exit_verdict, read_exit_codes
 from dskit.errors import SpecError
-from dskit.torchrun import torchrun_words
+from dskit.launch import local_run
+from dskit.launch.contract import EXIT_DIR_ENV, RUN_YAML, STOP_FILE, Env, exit_verdict, read_exit_codes
+from dskit.launch.torchrun import torchrun_words
 
 
 def run_file_of(run: str | None) -> Path:

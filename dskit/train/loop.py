@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dskit.contract import COMPLETE_FILE, EVAL_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.data import IGNORE_INDEX
 from dskit.data.sampler import DataPosition, Mixture, Sampler
+from dskit.launch.contract import COMPLETE_FILE, EVAL_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan.schema import Plan
 from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap

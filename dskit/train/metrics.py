@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dskit.contract import METRICS_FILE
+from dskit.launch.contract import METRICS_FILE
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap, load_stats
 from dskit.train.progress import Progress, format_eta

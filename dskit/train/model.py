@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dskit.errors import SpecError
-from dskit.flash_kernels import KERNELS
+from dskit.host.flash_kernels import KERNELS
 from dskit.refusals import fp8_base_zero_stage
 from dskit.train.attention import kernels_missing
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dskit.contract import PROFILE_FILE, PROFILE_TRACE_FILE
+from dskit.launch.contract import PROFILE_FILE, PROFILE_TRACE_FILE
 
 log = logging.getLogger("dskit.train")
 WARMUP_STEPS = 5  # the first steps JIT-compile kernels and grow the allocator: not representative

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from dskit import env_vars
-from dskit.bounded_read import KiB, read_json
+from dskit.io.bounded_read import KiB, read_json
+from dskit.launch import env_vars
 from dskit.plan.schema import Plan
 from dskit.spec.tracking import MlflowSpec, TrackingSpec, WandbSpec
 from dskit.train.tensorboard import TensorBoardLog

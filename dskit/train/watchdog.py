@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dskit import bounded_read
-from dskit.contract import EXIT_REQUEUE, record_exit
+from dskit.io import bounded_read
+from dskit.launch.contract import EXIT_REQUEUE, record_exit
 
 log = logging.getLogger("dskit.train")
 HEARTBEAT_DIR = "heartbeats"

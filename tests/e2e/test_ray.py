@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from dskit.calibrate import calibration
-from dskit.checkpoint_layout import newest_verified_tag
 from dskit.errors import EXIT_BAD_INPUT
+from dskit.formats.checkpoint_layout import newest_verified_tag
 from dskit.plan import links
 from dskit.plan.schema import load_plan
 from dskit.status.run_status import read_jobs
@@ -145,7 +145,7 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
     )
     logs = logs.stdout + logs.stderr
     assert "SUCCEEDED" in status.upper(), (status, logs[-4000:])
-    # the driver, not Ray's FailurePolicy, starts the new worker group (dskit/ray_train.py)
+    # the driver, not Ray's FailurePolicy, starts the new worker group (dskit/launch/ray_train.py)
     assert "dskit: attempt 1 ended (" in logs and "failure 1, starting a new worker group" in logs, logs[
         -4000:
     ]

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from dskit import catalog
-from dskit.checkpoint_layout import newest_verified_tag
-from dskit.contract import STOP_FILE
+from dskit.formats.checkpoint_layout import newest_verified_tag
+from dskit.launch.contract import STOP_FILE
 from dskit.plan.build import build_plan
 from dskit.plan.schema import load_plan
 from dskit.render import slurm
@@ -195,7 +195,7 @@ def test_a_lost_node_ends_the_job_and_a_resubmission_on_the_node_left_resumes(cl
     ranks = [
         p
         for p in cluster.node_pids(2)
-        if "dskit.train" in _cmdline(p) and "dskit.torchrun" not in _cmdline(p)
+        if "dskit.train" in _cmdline(p) and "dskit.launch.torchrun" not in _cmdline(p)
     ]
     assert ranks, "no trainer process on node2"
     t0 = time.time()
@@ -244,7 +244,7 @@ def test_a_hung_rank_ends_the_job_with_75_and_slurm_requeues_it(cluster, tmp_pat
     ranks = [
         p
         for p in cluster.node_pids(2)
-        if "dskit.train" in _cmdline(p) and "dskit.torchrun" not in _cmdline(p)
+        if "dskit.train" in _cmdline(p) and "dskit.launch.torchrun" not in _cmdline(p)
     ]
     assert ranks, "no trainer process on node2"
     for p in ranks:

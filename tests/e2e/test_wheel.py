@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.image_builder import make_context
+from dskit.host.image_builder import make_context
 from dskit.plan.build import build_plan
 from dskit.render import slurm
 from dskit.spec import load_spec

@@ -19,8 +19,8 @@ import yaml
 
 from dskit import catalog
 from dskit.calibrate import calibration
-from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE, REQUIRED
 from dskit.errors import EXIT_BAD_INPUT
+from dskit.launch.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE, REQUIRED
 from dskit.plan.build import build_plan
 from dskit.plan.schema import load_plan
 from dskit.render import helm as helm_render

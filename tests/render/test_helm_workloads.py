@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from dskit import catalog
-from dskit.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.errors import EXIT_BAD_INPUT
+from dskit.launch.contract import COMPLETE_FILE, EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.plan.schema import load_plan
 from dskit.render import helm as helm_render
 from tests.conftest import REPO, render_tiny

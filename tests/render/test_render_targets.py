@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dskit.contract import RUN_YAML
+from dskit.launch.contract import RUN_YAML
 from dskit.plan.build import build_plan
 from dskit.render import TARGETS, ray
 from dskit.spec import load_spec
@@ -100,7 +100,7 @@ def test_the_charts_launch_script_is_generated_from_the_shared_template():
 def test_the_pods_entrypoint_exits_with_the_ranks_verdict(tmp_path, codes, want):
     """launch.sh runs a command that plays the ranks (each writes DSKIT_EXIT_DIR/rankN, as
     contract.record_exit does) and fails as torchrun would: its exit is contract.exit_verdict's."""
-    from dskit.contract import exit_verdict
+    from dskit.launch.contract import exit_verdict
     from dskit.render import helm
 
     script = tmp_path / "launch.sh"

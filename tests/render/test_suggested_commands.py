@@ -154,7 +154,7 @@ def test_a_word_with_a_line_break_or_control_stays_one_line_and_the_same_bytes(w
     """A path dskit did not vet (a torch extension lock under TORCH_EXTENSIONS_DIR) may hold anything:
     the suggested command stays one line with no raw control character, and bash, given it in the C
     locale, hands the program exactly that path's bytes (an undecodable byte, U+DC80, as its byte)."""
-    from dskit.text import command, first_unsafe
+    from dskit.io.text import command, first_unsafe
 
     line = command(["dskit", word])
     assert first_unsafe(line) is None

@@ -595,7 +595,7 @@ def test_a_jsonl_with_a_byte_order_mark_is_read(tmp_path):
 
 def test_shards_linked_into_a_cache_are_accepted(tmp_path):
     # the Hugging Face cache layout: snapshots/REV/*.safetensors are links to ../../blobs/HASH
-    from dskit.hf_checkpoint import check_checkpoint
+    from dskit.formats.hf_checkpoint import check_checkpoint
 
     blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
     blobs.mkdir()

@@ -1,4 +1,4 @@
-"""Bounded reads (dskit/bounded_read.py), walked rather than listed:
+"""Bounded reads (dskit/io/bounded_read.py), walked rather than listed:
 
 - the package: every call of a parser or whole-file read (json.load(s), yaml.*load, safe_open,
   load_file, read_text, read_bytes) outside the two bounded readers is one of EXEMPT, each with its
@@ -20,23 +20,23 @@ from pathlib import Path
 
 import pytest
 
-from dskit import bounded_read
+from dskit.io import bounded_read
 from tests.conftest import REPO
 from tests.support.cli import cli
 
 PARSERS = {"loads", "load", "safe_load", "full_load", "unsafe_load", "safe_open", "load_file"}
 WHOLE_READS = {"read_text", "read_bytes"}
-BOUNDED = {"dskit/bounded_read.py", "dskit/spec/yamlsafe.py"}
+BOUNDED = {"dskit/io/bounded_read.py", "dskit/spec/yamlsafe.py"}
 #: (file, function) -> why it needs no bound: dskit's own files, or a bound elsewhere
 EXEMPT = {
     ("dskit/catalog/__init__.py", "_load"): "the package's own catalogs",
     ("dskit/render/image.py", "toolchains"): "the package's own images.yaml",
     ("dskit/render/helm.py", "chart_files"): "the package's own Helm chart",
     ("dskit/calibrate/scales.py", "reference"): "the package's own reference calibration",
-    ("dskit/image_builder.py", "source_root"): "dskit's own pyproject.toml",
-    ("dskit/image_builder.py", "image_size"): "the container tool's answer on stdout, not a file",
-    ("dskit/owner.py", "gone"): "os.pread of 64 KiB: bounded by the call",
-    ("dskit/contract.py", "read_exit_codes"): "one integer per file in the run's exit dir",
+    ("dskit/host/image_builder.py", "source_root"): "dskit's own pyproject.toml",
+    ("dskit/host/image_builder.py", "image_size"): "the container tool's answer on stdout, not a file",
+    ("dskit/io/owner.py", "gone"): "os.pread of 64 KiB: bounded by the call",
+    ("dskit/launch/contract.py", "read_exit_codes"): "one integer per file in the run's exit dir",
     ("dskit/status/report.py", "_img"): "a PNG this command has just written",
     ("dskit/train/lora/adapter_state.py", "load"): "the run's own adapter; safetensors bounds its header",
     ("dskit/train/checkpoints/routing_bias.py", "read"): "a file of the run's own verified checkpoint",
@@ -90,7 +90,7 @@ CALLS = _calls()
 
 def test_the_walk_finds_the_readers():
     files = {f for f, *_ in CALLS}
-    assert {"dskit/bounded_read.py", "dskit/catalog/__init__.py"} <= files and len(CALLS) > 20
+    assert {"dskit/io/bounded_read.py", "dskit/catalog/__init__.py"} <= files and len(CALLS) > 20
 
 
 def test_every_parser_outside_the_bounded_readers_is_exempt_for_a_reason():
@@ -99,7 +99,7 @@ def test_every_parser_outside_the_bounded_readers_is_exempt_for_a_reason():
         for f, fn, line, name in CALLS
         if f not in BOUNDED and (f, fn) not in EXEMPT
     ]
-    assert not loose, "read through dskit.bounded_read (or exempt, with a reason):\n" + "\n".join(loose)
+    assert not loose, "read through dskit.io.bounded_read (or exempt, with a reason):\n" + "\n".join(loose)
 
 
 def test_no_exemption_is_stale():

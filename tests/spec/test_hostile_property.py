@@ -11,7 +11,7 @@ controls, non-ASCII digits) into several spec fields at once, then:
   literally, validates against the chart's values.schema.json, and the chart's rendered Job (Helm's own
   engine) gives the pod, after Kubernetes' $(VAR) rule, the same env, STOP/COMPLETE paths and argv;
 - Ray: submit.sh passes `bash -n`, runtime_env.yaml and the RayJob's runtimeEnvYAML carry the env
-  byte for byte, the entrypoint splits (as a shell would) into exactly [python, -m, dskit.ray_train],
+  byte for byte, the entrypoint splits (as a shell would) into exactly [python, -m, dskit.launch.ray_train],
   and the RayJob's pods see the same env after $(VAR) expansion;
 - image: renders (only catalog names reach it).
 EXAMPLES (400) examples plus 200 for --set: about 40 s on 2 cores (the Helm engine dominates);
@@ -33,8 +33,8 @@ import jsonschema
 import pytest
 import yaml
 
-from dskit.contract import COMPLETE_FILE, RUN_YAML, STOP_FILE, Env
 from dskit.errors import SpecError
+from dskit.launch.contract import COMPLETE_FILE, RUN_YAML, STOP_FILE, Env
 from dskit.plan.build import build_plan
 from dskit.render import helm, image, ray, slurm
 from dskit.render.helm_values import ChartValues, values_schema
@@ -266,7 +266,7 @@ def schema() -> dict:
 )
 @given(
     fields=st.dictionaries(st.sampled_from(FREE_TEXT * 3 + sorted(FIELDS)), hostile, min_size=1, max_size=3),
-    # no surrogates: a UTF-8 script cannot hold one (the CLI refuses them in -o, dskit.text)
+    # no surrogates: a UTF-8 script cannot hold one (the CLI refuses them in -o, dskit.io.text)
     run_name=hostile.filter(
         lambda s: "/" not in s and "\x00" not in s and s not in (".", "..") and not _has_surrogate(s)
     ),

@@ -140,7 +140,7 @@ def test_report_without_matplotlib_names_the_extra(tmp_path, monkeypatch, capsys
 def resumed_run(tmp_path_factory) -> Path:
     """A short CPU run stopped through the STOP file after step 3, then resumed to the end: the
     metrics of a preempted and requeued job."""
-    from dskit.contract import EXIT_REQUEUE, STOP_FILE
+    from dskit.launch.contract import EXIT_REQUEUE, STOP_FILE
     from tests.train.test_train import run, start, wait_for_step
 
     tmp = tmp_path_factory.mktemp("resumed")

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from dskit import local_run
-from dskit.contract import JOBS_FILE, TARGET_FILE
 from dskit.errors import SpecError
+from dskit.launch import local_run
+from dskit.launch.contract import JOBS_FILE, TARGET_FILE
 from dskit.status import run_status
 from tests.conftest import render_tiny
 from tests.conftest import status_table as table
@@ -199,8 +199,8 @@ def _status_rows(rd: Path, capsys) -> dict[str, str]:
 
 
 def test_a_local_runs_end_is_its_state(tmp_path, capsys):
-    """What `dskit train --local` records at its end (dskit/local_run.py), as `dskit status` shows it:
-    the trainer's exit codes by their meaning (dskit/contract.py), a signal by its name."""
+    """What `dskit train --local` records at its end (dskit/launch/local_run.py), as `dskit status` shows it:
+    the trainer's exit codes by their meaning (dskit/launch/contract.py), a signal by its name."""
     rd = render_tiny(tmp_path, name="loc", steps=4)
     ends = [
         (0, None, "finished: dskit train --local, exit 0, ran "),
@@ -241,7 +241,7 @@ def test_a_local_run_is_running_while_its_launcher_holds_the_record(tmp_path, ca
     finally:
         local_run.end(held, 0)
     assert rows["state"].startswith(f"running: dskit train --local, pid {os.getpid()} on ")
-    code = "import os, pathlib, signal, sys; from dskit import local_run; "
+    code = "import os, pathlib, signal, sys; from dskit.launch import local_run; "
     code += "local_run.start(pathlib.Path(sys.argv[1])); os.kill(os.getpid(), signal.SIGKILL)"
     killed = subprocess.Popen([sys.executable, "-c", code, str(rd)])
     assert killed.wait() == -signal.SIGKILL

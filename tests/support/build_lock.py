@@ -23,11 +23,11 @@ def use_cache(layout: str, where: Path, monkeypatch) -> None:
 def plant(name: str) -> Path:
     """Create the `lock` torch's build of extension `name` would wait on in a dskit process under this
     process's environment (TORCH_EXTENSIONS_DIR, or this environment's folder of the per-user cache,
-    which dskit.jit_ops.use_own_builds hands torch): torch's own layout, so a test cannot plant it where
+    which dskit.host.jit_ops.use_own_builds hands torch): torch's own layout, so a test cannot plant it where
     no build would look. Returns its path."""
     from torch.utils.cpp_extension import _get_build_directory
 
-    from dskit.build_locks import extensions_root
+    from dskit.host.build_locks import extensions_root
 
     saved = os.environ.get("TORCH_EXTENSIONS_DIR")
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())

@@ -57,5 +57,5 @@ def _exit_status(e: SystemExit, err: io.StringIO) -> int:
 def import_first(module: str) -> None:
     """Import `module` before a cli() run would: a logger a package sets up at import (DeepSpeed's) keeps
     the sys.stdout of that moment, inside cli() the text the test reads as the command's stdout. (In a
-    process, doctor keeps those import-time lines off its stdout at the descriptor: dskit/doctor.py.)"""
+    process, doctor keeps those import-time lines off its stdout at the descriptor: dskit/host/doctor.py.)"""
     importlib.import_module(module)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from dskit.checkpoint_layout import DONE, complete_tags, newest_verified_tag, tag_for, tag_problem
-from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.errors import EXIT_BAD_INPUT
+from dskit.formats.checkpoint_layout import DONE, complete_tags, newest_verified_tag, tag_for, tag_problem
+from dskit.launch.contract import EXIT_DISK_FULL, EXIT_REQUEUE
 from dskit.plan.schema import load_plan
 from dskit.train.checkpoints.store import prune
 from dskit.train.watchdog import REPORT_FILE
@@ -95,7 +95,7 @@ def test_a_stopped_rank_ends_the_run_with_75_within_the_timeout_and_the_next_sta
     assert line.endswith(f"exiting {EXIT_REQUEUE} to restart from the last checkpoint"), line
     assert "dskit: watchdog: rank 0's stacks:" in log and 'File "' in log  # where rank 0 waited
     assert (out_dir(rd) / REPORT_FILE.format(rank=0)).read_text().startswith(line)
-    assert "Traceback" not in log  # torchrun's own page of stack is one line per rank (dskit.torchrun)
+    assert "Traceback" not in log  # torchrun's own page of stack is one line per rank (dskit.launch.torchrun)
     assert "dskit: rank 1 (pid " in log and ") killed by SIGKILL" in log
     # the hang cost the timeout and torchrun's kill, not more
     assert took <= timeout + TORCHRUN_KILL_GRACE_S + 20 * base["gap"] + 15, took

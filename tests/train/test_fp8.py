@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dskit import catalog
-from dskit.hf_checkpoint import fp8_format
+from dskit.formats.hf_checkpoint import fp8_format
 from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks, quantize_blocks
 from tests.conftest import dskit, render_tiny
 from tests.support.shared import built_once
@@ -129,7 +129,7 @@ def twins(tmp_path_factory) -> tuple[Path, Path]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# detection and validation (torch-free, in dskit/hf_checkpoint.py)
+# detection and validation (torch-free, in dskit/formats/hf_checkpoint.py)
 
 
 def test_the_fp8_format_is_detected_and_the_bf16_twin_is_not(twins):
@@ -215,7 +215,7 @@ def test_detection_reads_headers_without_importing_torch(tmp_path):
 
     d = _small_fp8_dir(tmp_path / "ok")
     code = (
-        "import sys\nfrom dskit.hf_checkpoint import fp8_format\n"
+        "import sys\nfrom dskit.formats.hf_checkpoint import fp8_format\n"
         f"assert sorted(fp8_format({str(d)!r}).weights) == [{W!r}]\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

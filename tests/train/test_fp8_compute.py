@@ -117,7 +117,7 @@ def test_a_lora_adapter_over_an_fp8_linear_trains(tiny):
 
 
 def test_doctor_reports_torchao_without_importing_it_on_a_host_without_a_gpu():
-    from dskit.doctor import run_checks
+    from dskit.host.doctor import run_checks
 
     (line,) = [c for c in run_checks() if c.name == "torchao"]
     assert line.status == "PASS" and line.detail == "0.18.0 (FP8 GEMM not run: no GPU here)"

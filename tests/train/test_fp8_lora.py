@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dskit.hf_checkpoint import fp8_format
+from dskit.formats.hf_checkpoint import fp8_format
 from dskit.plan.schema import load_plan
 from tests.conftest import dskit, render_tiny
 from tests.train.test_fp8 import BROKEN, W, _small_fp8_dir, shared_fp8_twins

@@ -103,7 +103,7 @@ def test_a_failed_conversion_is_one_line_and_exit_2_and_the_checkpoint_is_kept(b
 
     import torch
 
-    from dskit.checkpoint_layout import crc
+    from dskit.formats.checkpoint_layout import crc
 
     rd = _resume_from(base, "step00000004", tmp_path, 2, STEPS, extra=["overrides.ep_size=1"])
     tag = _ckpt(rd) / "step00000004"
@@ -182,8 +182,8 @@ def test_a_lora_runs_checkpoint_of_another_world_size_is_refused_in_one_line(tmp
 
 
 def test_no_room_for_the_universal_copy_stops_with_74_and_the_checkpoint_intact(base, tmp_path, small_disk):
-    from dskit.checkpoint_layout import tag_problem
-    from dskit.contract import EXIT_DISK_FULL
+    from dskit.formats.checkpoint_layout import tag_problem
+    from dskit.launch.contract import EXIT_DISK_FULL
 
     src = _ckpt(base) / "step00000004"
     size = sum(p.stat().st_size for p in src.iterdir() if p.is_file())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.contract import EXIT_REQUEUE, STOP_FILE
+from dskit.launch.contract import EXIT_REQUEUE, STOP_FILE
 from dskit.plan.schema import load_plan
 from tests.conftest import render_tiny
 from tests.train.test_train import losses, run, start, wait_for_step

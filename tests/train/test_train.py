@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from dskit.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
+from dskit.launch.contract import COMPLETE_FILE, EXIT_REQUEUE, STOP_FILE
 from dskit.plan.memory import LOSS_CHUNK_TOKENS
 from dskit.plan.schema import load_plan
 from dskit.train.profile import COMMUNICATION, host_table
@@ -84,7 +84,7 @@ def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
             return ""
 
     kids = psutil.Process(proc.pid).children(recursive=True)
-    return [k for k in kids if "dskit.train" in (c := cmdline(k)) and "dskit.torchrun" not in c]
+    return [k for k in kids if "dskit.train" in (c := cmdline(k)) and "dskit.launch.torchrun" not in c]
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +266,7 @@ def test_export_streams_into_many_shards_with_an_index(reference, tmp_path, caps
     an index like a published checkpoint, and transformers loads the result (export verifies it)."""
     from transformers import AutoModelForCausalLM
 
-    from dskit.hf_checkpoint import check_checkpoint
+    from dskit.formats.hf_checkpoint import check_checkpoint
     from dskit.train.export import export
 
     out = export(str(reference["tiny-v3"]), str(tmp_path / "hf"), shard_bytes=100_000)

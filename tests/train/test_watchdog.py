@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from dskit.contract import EXIT_REQUEUE
+from dskit.launch.contract import EXIT_REQUEUE
 from dskit.train.watchdog import EXIT_HUNG_AT_START, HEARTBEAT_DIR, REPORT_FILE, Watchdog
 
 TIMEOUT = 0.6

@@ -9,7 +9,7 @@ scatters every module to the ranks that own its slices. Under ZeRO-1/2 every ran
 model onto its GPU (memory-mapped shards), as the plan's construction estimate counts. Whatever fails
 on one rank fails on all.
 
-A checkpoint in DeepSeek-V3's FP8 format (dskit/hf_checkpoint.py `fp8_format`) loads the same way,
+A checkpoint in DeepSeek-V3's FP8 format (dskit/formats/hf_checkpoint.py `fp8_format`) loads the same way,
 each weight dequantised to the training dtype as it is read (dskit/train/fp8/loading.py): no bf16
 copy on disk, and in host memory at most one decoder layer's dequantised weights at a time.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from dskit.errors import SpecError
-from dskit.hf_checkpoint import Fp8Format, check_checkpoint, fp8_format
+from dskit.formats.hf_checkpoint import Fp8Format, check_checkpoint, fp8_format
 
 # Buffers transformers recomputes or that no published checkpoint carries: their absence is fine.
 UNSAVED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")

@@ -43,9 +43,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dskit import bounded_read
 from dskit.errors import SpecError
-from dskit.text import escape
+from dskit.io import bounded_read
+from dskit.io.text import escape
 from dskit.train.checkpoints import universal
 
 log = logging.getLogger("dskit.train")

@@ -15,7 +15,7 @@ Loading walks back from the newest tag; each rank re-checks its own files (so th
 the cluster), and a tag that fails anywhere (a truncated or missing file, a corrupt manifest or
 dskit.json) is skipped with one warning naming what was wrong. `dskit export` runs the same check,
 `tag_problem`, for every rank's files in one process (`newest_verified_tag`; both in
-dskit/checkpoint_layout.py, which needs no torch). Retention counts only
+dskit/formats/checkpoint_layout.py, which needs no torch). Retention counts only
 checkpoints that pass it, so it never deletes the last good one.
 
 A save that finds the disk full (ENOSPC, EDQUOT: before it starts, from the previous checkpoint's
@@ -40,7 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dskit.checkpoint_layout import (
+from dskit.errors import SpecError
+from dskit.formats.checkpoint_layout import (
     DONE,
     complete_tags,
     crc,
@@ -50,9 +51,8 @@ from dskit.checkpoint_layout import (
     tag_for,
     tag_problem,
 )
-from dskit.contract import EXIT_DISK_FULL
-from dskit.errors import SpecError
-from dskit.text import escape
+from dskit.io.text import escape
+from dskit.launch.contract import EXIT_DISK_FULL
 from dskit.train.checkpoints import reshard, routing_bias
 from dskit.train.checkpoints.reshard import moved
 

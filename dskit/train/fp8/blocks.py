@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dskit.hf_checkpoint import FP8_BLOCK
+from dskit.formats.hf_checkpoint import FP8_BLOCK
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(float8_e4m3fn).max: the largest e4m3 value, what a block's amax maps to

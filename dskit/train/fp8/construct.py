@@ -42,7 +42,7 @@ def build_fp8_base(path: str, *, config: Any, dtype: torch.dtype, device: torch.
     on every rank (each rank reads the same tensors, so each sees the same problem)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from dskit.hf_checkpoint import check_checkpoint
+    from dskit.formats.hf_checkpoint import check_checkpoint
     from dskit.train.fp8.frozen_base import checkpoint_format
     from dskit.train.fp8.loading import swap_in_fp8_linears
 

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from dskit.errors import SpecError
-from dskit.hf_checkpoint import Fp8Format, fp8_format
+from dskit.formats.hf_checkpoint import Fp8Format, fp8_format
 from dskit.refusals import no_fp8_checkpoint
 from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks
 

@@ -1,4 +1,5 @@
-"""Load a checkpoint in DeepSeek-V3's FP8 format (dskit/hf_checkpoint.py `Fp8Format`) without a bf16 copy.
+"""Load a checkpoint in DeepSeek-V3's FP8 format (dskit/formats/hf_checkpoint.py `Fp8Format`) without a
+bf16 copy.
 
 Full fine-tuning: transformers' own loader still fills the model (ZeRO-3 partitioned or whole on the
 device, per-expert tensors fused into its expert layout one layer at a time, as `model.path` loads bf16
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from dskit.errors import SpecError
-from dskit.hf_checkpoint import INDEX, SINGLE, Fp8Format, fp8_format, read_index
+from dskit.formats.hf_checkpoint import INDEX, SINGLE, Fp8Format, fp8_format, read_index
 from dskit.train.fp8.blocks import Fp8Linear, dequantize_blocks
 
 Device = torch.device | str | None

@@ -228,7 +228,7 @@ def _base_source(plan: Plan) -> Callable[[str], torch.Tensor]:
     if plan.model.path:
         from safetensors import safe_open
 
-        from dskit.hf_checkpoint import check_checkpoint, fp8_format
+        from dskit.formats.hf_checkpoint import check_checkpoint, fp8_format
 
         check_checkpoint(plan.model.path)  # the plan checked it; the directory may have changed since
         files = _files_of(Path(plan.model.path))
@@ -284,7 +284,7 @@ def _fused(name: str, read: Callable[[str], torch.Tensor], n_experts: int) -> to
 
 def _files_of(root: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (an index's map, or the single file)."""
-    from dskit.hf_checkpoint import INDEX, SINGLE, read_index
+    from dskit.formats.hf_checkpoint import INDEX, SINGLE, read_index
 
     if (root / INDEX).is_file():
         return {n: root / f for n, f in read_index(root / INDEX).items()}

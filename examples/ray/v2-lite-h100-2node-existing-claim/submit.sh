@@ -31,4 +31,4 @@ id=dskit-run-"$(date -u +%Y%m%d-%H%M%S)-$$"
 printf '%s %s\n' "${id}" "${address}" >>"${here}/jobs" ||
   echo "dskit: warning: could not record submission ${id} in ${here}" >&2
 exec ray job submit --address "${address}" --submission-id "${id}" --working-dir "${here}" \
-  --runtime-env "${here}/runtime_env.yaml" "$@" -- python3 -m dskit.ray_train
+  --runtime-env "${here}/runtime_env.yaml" "$@" -- python3 -m dskit.launch.ray_train

@@ -57,7 +57,7 @@ if [ -e "${complete_file}" ]; then
   exit 0
 fi
 # The ranks' own exit codes, one file per rank (torchrun reports every failure as 1): bad input wins,
-# then a full disk, then a requeue when every rank that wrote one asked for it (dskit/contract.py).
+# then a full disk, then a requeue when every rank that wrote one asked for it (dskit/launch/contract.py).
 verdict=
 codes=" $(cat "${DSKIT_EXIT_DIR}"/rank* 2>/dev/null | sort -u | tr '\n' ' ' || true)"
 case "${codes}" in

@@ -16,7 +16,7 @@ leaves no NAME but the complete old directory at `.NAME.dskit-old-*`: rename it 
 
 A build killed mid-way (kill -9) leaves a hidden `.NAME.dskit-tmp-*` sibling; the next run for the
 same destination removes those whose builder is provably gone: it holds a lock on their MARKER while
-it runs, which the kernel drops when it dies (dskit/owner.py: pid reuse, containers and other hosts).
+it runs, which the kernel drops when it dies (dskit/io/owner.py: pid reuse, containers and other hosts).
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from dskit import bounded_read, owner
-from dskit.contract import RUN_YAML
 from dskit.errors import SpecError
-from dskit.text import describe, first_unsafe
+from dskit.io import bounded_read, owner
+from dskit.io.text import describe, first_unsafe
+from dskit.launch.contract import RUN_YAML
 
 #: Left in every directory dskit publishes; `--force` replaces only directories that have it.
 MARKER = ".dskit-output"

@@ -1,4 +1,4 @@
-"""`python -m dskit.ray_train`: the dskit trainer under Ray Train (the `ray job submit` entrypoint).
+"""`python -m dskit.launch.ray_train`: the dskit trainer under Ray Train (the `ray job submit` entrypoint).
 
 The driver builds a TorchTrainer from run.yaml; each worker runs the same `dskit.train.entry.run` as
 torchrun ranks do, on the process group Ray Train set up. Checkpoints live where every target keeps
@@ -18,9 +18,9 @@ from __future__ import annotations
 import os
 import sys
 
-from dskit import env_vars
-from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env, collective_timeout_s
 from dskit.errors import EXIT_BAD_INPUT, RankExit, SpecError
+from dskit.launch import env_vars
+from dskit.launch.contract import EXIT_DISK_FULL, EXIT_REQUEUE, Env, collective_timeout_s
 
 #: exit codes a retry cannot fix: the driver stops at the first
 FINAL = (EXIT_BAD_INPUT, EXIT_DISK_FULL)

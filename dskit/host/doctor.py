@@ -16,11 +16,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dskit import env_vars
-from dskit.contract import REQUIRED, Env
 from dskit.errors import SpecError
-from dskit.flash_kernels import KERNELS, probe
-from dskit.text import escape
+from dskit.host.flash_kernels import KERNELS, probe
+from dskit.io.text import escape
+from dskit.launch import env_vars
+from dskit.launch.contract import REQUIRED, Env
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 GIB = 2**30
@@ -38,8 +38,8 @@ def _version(mod: str) -> str | None:
     if importlib.util.find_spec(mod) is None:
         return None
     try:
-        if mod == "deepspeed":  # as the trainer imports it: without MLflow's second (dskit/jit_ops.py)
-            from dskit.jit_ops import import_deepspeed
+        if mod == "deepspeed":  # as the trainer imports it: without MLflow's second (dskit/host/jit_ops.py)
+            from dskit.host.jit_ops import import_deepspeed
 
             import_deepspeed(mlflow=False)
         return getattr(importlib.import_module(mod), "__version__", "unknown")
@@ -270,7 +270,7 @@ def _deepspeed(host: _Host) -> list[Check]:
 
 
 def _build_locks(host: _Host) -> list[Check]:
-    from dskit.build_locks import extensions_root, orphaned, warning
+    from dskit.host.build_locks import extensions_root, orphaned, warning
 
     found = orphaned()
     if not found:
@@ -303,7 +303,7 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
     try:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-        from dskit.jit_ops import cached, prebuilt, wanted
+        from dskit.host.jit_ops import cached, prebuilt, wanted
     except Exception as e:
         return [Check("deepspeed ops", FAIL, f"cannot read the op report: {e}")]
     checks = []
@@ -327,7 +327,7 @@ def _deepspeed_ops(gpu: bool) -> list[Check]:
                     name,
                     WARN,
                     "not built: every worker JIT-compiles it at start, minutes on a small host "
-                    "(`python -m dskit.jit_ops` builds it ahead of the run)",
+                    "(`python -m dskit.host.jit_ops` builds it ahead of the run)",
                 )
             )
     return checks
@@ -434,6 +434,6 @@ def main(as_json: bool = False, build: bool = False) -> int:
     else:
         for c in checks:
             # one line a check, whatever a path, an environment value or an error text holds: escaped
-            # (dskit.text.escape), no line of it can pose as another check or reach the terminal raw
+            # (dskit.io.text.escape), no line of it can pose as another check or reach the terminal raw
             print(f"{c.status:4s}  {escape(c.name):24s} {escape(c.detail)}")
     return 1 if any(c.status == FAIL for c in checks) else 0

@@ -3,7 +3,7 @@ nowhere (tests/test_env_vars.py finds any other read under dskit/).
 
 A value that does not parse is bad input like any other: one line naming the variable and the form it
 allows (a SpecError), never a ValueError's traceback from deep inside a command. `dskit doctor` turns
-it into a FAIL line; the trainer and `python -m dskit.jit_ops` exit 2 with it.
+it into a FAIL line; the trainer and `python -m dskit.host.jit_ops` exit 2 with it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dskit.errors import SpecError, one_of
-from dskit.text import ascii_int
+from dskit.io.text import ascii_int
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,13 @@ def _gpu_profile(text: str) -> str | None:
 
 
 #: any text at all (a path, a command, a URI): read here so that no read escapes the list, and printed
-#: escaped like every other value (dskit.text.escape)
+#: escaped like every other value (dskit.io.text.escape)
 TEXT = Form("any text", lambda text: text)
 WHOLE = Form("a whole number in ASCII digits, e.g. 3", _digits)
 
 #: name -> form, for every variable dskit reads
 VARIABLES: dict[str, Form] = {
-    # the launch contract (dskit/contract.py: Env)
+    # the launch contract (dskit/launch/contract.py: Env)
     "DSKIT_RUN_FILE": TEXT,
     "DSKIT_GPU_PROFILE": Form(
         "a GPU of the catalog (dskit catalog gpus), e.g. h100-80gb or cpu", _gpu_profile

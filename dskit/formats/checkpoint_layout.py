@@ -14,8 +14,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from dskit import bounded_read
 from dskit.errors import SpecError
+from dskit.io import bounded_read
 
 TAG_RE = re.compile(r"^step(\d{8})$")
 DONE = "dskit.json"

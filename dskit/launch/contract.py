@@ -16,9 +16,9 @@ import sys
 from enum import Enum
 from pathlib import Path
 
-from dskit import env_vars
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.text import escape
+from dskit.io.text import escape
+from dskit.launch import env_vars
 
 
 class Env(str, Enum):
@@ -138,7 +138,7 @@ def collective_timeout_s(watchdog_timeout_s: float) -> float:
 
 #: File names inside a rendered run directory.
 RUN_YAML = "run.yaml"
-#: `dskit train --local`'s record of who runs the run directory (dskit/local_run.py)
+#: `dskit train --local`'s record of who runs the run directory (dskit/launch/local_run.py)
 LOCAL_RUN_FILE = "local-run.json"
 #: Where Kubernetes pods (the Helm chart, KubeRay) mount the run's ConfigMap; run.yaml is inside it.
 K8S_CONFIG_MOUNT = "/etc/dskit"

@@ -19,14 +19,15 @@ import os
 import sys
 from pathlib import Path
 
-from dskit import env_vars
-from dskit.text import command, escape
+from dskit.io.text import command, escape
+from dskit.launch import env_vars
 
 
 def extensions_root() -> Path:
     """Where torch builds JIT extensions for dskit's processes: TORCH_EXTENSIONS_DIR where the user set
     it (even empty, as torch reads it), else this environment's own folder of torch's per-user cache
-    (`environment_cache`), which `dskit.jit_ops.use_own_builds` hands torch before DeepSpeed loads an op."""
+    (`environment_cache`), which `dskit.host.jit_ops.use_own_builds` hands torch before DeepSpeed loads
+    an op."""
     if (root := env_vars.read("TORCH_EXTENSIONS_DIR")) is not None:
         return Path(root)
     return environment_cache()

@@ -4,7 +4,7 @@ with a c10d rendezvous, or standalone on this machine (`dskit train --local`).
 Failed ranks are not restarted in place (--max-restarts=0): the scheduler restarts the whole job,
 which resumes from the last checkpoint; locally the user does.
 
-`python -m dskit.torchrun ARGS` is torchrun itself (its launcher agent, in this process, same
+`python -m dskit.launch.torchrun ARGS` is torchrun itself (its launcher agent, in this process, same
 arguments, same exit status) minus its traceback: when ranks fail, torchrun raises ChildFailedError
 and prints a page of stack for what is often a requested stop (exit 75) or a configuration error the
 rank already explained in one line. Here each failed rank is one line instead.
@@ -21,7 +21,7 @@ import sys
 import threading
 
 TRAINER_MODULE = "dskit.train"
-LAUNCHER_MODULE = "dskit.torchrun"
+LAUNCHER_MODULE = "dskit.launch.torchrun"
 
 
 def torchrun_words(
@@ -32,7 +32,7 @@ def torchrun_words(
     endpoint: str | None = None,
     rdzv_id: str | None = None,
 ) -> list[str]:
-    """`python -m dskit.torchrun ... -m dskit.train`. With `endpoint` (and `nodes`, `rdzv_id`):
+    """`python -m dskit.launch.torchrun ... -m dskit.train`. With `endpoint` (and `nodes`, `rdzv_id`):
     a c10d rendezvous across nodes; without: --standalone on one machine. Words arrive in the caller's
     syntax (quoted for a shell, $(VAR) for Kubernetes): nothing is quoted here."""
     words = [python, "-m", LAUNCHER_MODULE]

@@ -1,12 +1,12 @@
 """DeepSpeed's compiled ops a rank on this host loads, and building the missing ones ahead of the run.
 
 An op the DeepSpeed install did not prebuild (`installed_ops`) is JIT-compiled by every fresh process
-that loads it, under torch's build lock (dskit/build_locks.py): minutes of g++ on a small host, inside
+that loads it, under torch's build lock (dskit/host/build_locks.py): minutes of g++ on a small host, inside
 whatever deadline the launcher or a health check gives the start, and a process killed midway leaves
 the lock that every later start waits on forever. The images prebuild these ops (images/*/install.sh,
 DS_BUILD_*); a virtualenv (`make ops`, Slurm's `runtime: none`) builds them here once instead:
 
-    python -m dskit.jit_ops        # into torch's extension cache; later loads only check it
+    python -m dskit.host.jit_ops        # into torch's extension cache; later loads only check it
 
 with the ninja and the cache every rank of a run uses (`use_own_builds`, which the trainer calls before DeepSpeed
 starts): a build by another ninja would not count as built. A cache serves the hosts that share it
@@ -23,7 +23,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from dskit import env_vars
+from dskit.launch import env_vars
 
 
 def import_deepspeed(*, mlflow: bool) -> None:
@@ -45,7 +45,7 @@ def import_deepspeed(*, mlflow: bool) -> None:
 
 def use_own_builds() -> None:
     """Compiled ops build and load through this interpreter's environment, whatever the launcher gave:
-    - its own extension cache (dskit/build_locks.py `environment_cache`), unless TORCH_EXTENSIONS_DIR
+    - its own extension cache (dskit/host/build_locks.py `environment_cache`), unless TORCH_EXTENSIONS_DIR
       names one: environments sharing torch's default folder rebuilt each other's ops;
     - its `ninja` (a DeepSpeed dependency) first on PATH, as the images do. torch builds with the first
       `ninja` on PATH, which a launcher's PATH decides: a Slurm job of a virtualenv gets the user's shell
@@ -54,7 +54,7 @@ def use_own_builds() -> None:
       and shm_comm 92 s again on a busy 2-core host); without a system ninja the load fails ("Ninja is
       required to load C++ extensions").
     Both go into os.environ, so the processes this one starts inherit them."""
-    from dskit.build_locks import extensions_root
+    from dskit.host.build_locks import extensions_root
 
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())
     scripts = sysconfig.get_path("scripts")
@@ -85,7 +85,7 @@ def prebuilt(op: str) -> bool:
 
 def cached(op: str) -> Path | None:
     """The library a JIT build of `op` left in torch's extension cache, if any."""
-    from dskit.build_locks import build_directory
+    from dskit.host.build_locks import build_directory
 
     lib = build_directory(op) / f"{op}.so"
     return lib if lib.is_file() else None
@@ -95,21 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     from dskit.cli.args import Parser
 
     Parser(
-        prog="python -m dskit.jit_ops",
+        prog="python -m dskit.host.jit_ops",
         description="Build the DeepSpeed ops a rank on this host loads that the install did not prebuild "
         "into this environment's torch extension cache (TORCH_EXTENSIONS_DIR, else its own folder of "
         "~/.cache/torch_extensions), with this "
         "environment's ninja. Exit 1 on an orphaned build lock or a failed build, 2 on an environment value that does not parse or a missing train extra (one line).",
     ).parse_args(argv)
-    from dskit.extras import refused
+    from dskit.host.extras import refused
 
-    if (code := refused("python -m dskit.jit_ops", "train")) is not None:
+    if (code := refused("python -m dskit.host.jit_ops", "train")) is not None:
         return code
     from dskit.errors import EXIT_BAD_INPUT, SpecError
 
     try:
         return _build()
-    except SpecError as e:  # an environment value that does not parse (dskit/env_vars.py)
+    except SpecError as e:  # an environment value that does not parse (dskit/launch/env_vars.py)
         _say(f"dskit: error: {e}", sys.stderr)
         return EXIT_BAD_INPUT
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 def _say(line: str, stream=None) -> None:
     """Every line main prints: one line, escaped (a path, an environment value or a compiler's error
     holding a newline or ESC cannot add a line that poses as another, nor reach the terminal raw)."""
-    from dskit.text import escape
+    from dskit.io.text import escape
 
     print(escape(line), file=stream or sys.stdout)
 
@@ -127,12 +127,12 @@ def _build() -> int:
     import torch
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
 
-    from dskit.build_locks import extensions_root, orphaned, warning
+    from dskit.host.build_locks import extensions_root, orphaned, warning
 
     ops = wanted(torch.cuda.is_available())  # first: a bad DSKIT_IMAGE_ARCH is refused before any work
     stuck = orphaned()
     for lock in stuck:  # a load would wait on it forever, without a word
-        _say(f"dskit.jit_ops: {warning(lock)}", sys.stderr)
+        _say(f"dskit.host.jit_ops: {warning(lock)}", sys.stderr)
     if stuck:
         return 1
     use_own_builds()
@@ -150,7 +150,7 @@ def _build() -> int:
             try:
                 builder.load(verbose=False)
             except Exception as e:  # the compiler's own output is above; one line per op here
-                _say(f"dskit.jit_ops: deepspeed op {op}: build failed: {e}", sys.stderr)
+                _say(f"dskit.host.jit_ops: deepspeed op {op}: build failed: {e}", sys.stderr)
                 failed += 1
                 continue
             _say(f"deepspeed op {op}: ready in {time.monotonic() - t0:.0f} s under {extensions_root()}")

@@ -1,7 +1,7 @@
 """The record `dskit train --local` keeps of its run in the run directory, for `dskit status`.
 
 A cluster run is found through its scheduler (the run dir's `jobs` file); a run started here has none,
-so its launcher writes RECORD beside run.yaml: who runs it (dskit/owner.py's identity: host, pid, boot
+so its launcher writes RECORD beside run.yaml: who runs it (dskit/io/owner.py's identity: host, pid, boot
 id), when it started and, once torchrun has returned, when it ended and with which exit code. The file
 is replaced whole, never written in place, so a reader never sees half of it. While the launcher runs it
 holds an exclusive lock on the record, which the kernel drops when the launcher dies, kill -9 included:
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dskit import bounded_read, owner
-from dskit.atomic import write_file
-from dskit.contract import EXIT_DISK_FULL, EXIT_REQUEUE, LOCAL_RUN_FILE
 from dskit.errors import EXIT_BAD_INPUT, SpecError
-from dskit.torchrun import signal_name
+from dskit.io import bounded_read, owner
+from dskit.io.atomic import write_file
+from dskit.launch.contract import EXIT_DISK_FULL, EXIT_REQUEUE, LOCAL_RUN_FILE
+from dskit.launch.torchrun import signal_name
 
 RECORD = LOCAL_RUN_FILE
 #: a dozen short fields: anything near this is not a record

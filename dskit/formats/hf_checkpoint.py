@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dskit import bounded_read
 from dskit.errors import SpecError
+from dskit.io import bounded_read
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -1,0 +1,1 @@
+"""File formats read without torch: a run's checkpoints and a Hugging Face checkpoint's headers."""

@@ -1,0 +1,1 @@
+"""Small I/O helpers every family shares: atomic output, bounded reads, stdout, escaped text."""
