@@ -137,6 +137,56 @@ def test_the_trainer_imports_no_deciding_plan_module():
     assert {m: d for m, d in climbs.items() if d} == {}
 
 
+#: the families dskit/'s shared modules live in, and what each may import outside itself: the small I/O
+#: helpers and the file formats sit under everything; the launch contract under the trainer and every target;
+#: the host checks (doctor, the compiled ops, the image build) on top of the launch contract and the trainer.
+FAMILY_IMPORTS = {
+    # atomic.py tells a run directory written before markers by the contract's run.yaml
+    "dskit.io": {"dskit.errors", "dskit.launch.contract"},
+    "dskit.formats": {"dskit.errors", "dskit.io"},
+    # env_vars checks a GPU profile against the catalog; the launchers start the trainer and read its exits
+    "dskit.launch": {"dskit.errors", "dskit.io", "dskit.catalog", "dskit.train"},
+    # doctor runs the trainer's FP8 GEMM; jit_ops parses its flags as the CLI does; image_builder builds
+    # what dskit/render/image.py renders
+    "dskit.host": {
+        "dskit.errors",
+        "dskit.refusals",
+        "dskit.io",
+        "dskit.launch",
+        "dskit.catalog",
+        "dskit.cli.args",
+        "dskit.render.image",
+        "dskit.train.fp8.compute",
+    },
+}
+#: the modules dskit/ holds beside its packages: what every family shares
+TOP_LEVEL = {"dskit", "dskit.__main__", "dskit.errors", "dskit.refusals"}
+
+
+def _within(module: str, names: set[str]) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def test_each_family_imports_only_the_families_below_it():
+    assert GRAPH["dskit.io.atomic"] and GRAPH["dskit.host.doctor"]  # the walk sees the families
+    beyond = {
+        m: sorted(d for d in GRAPH[m] if not _within(d, {family, *allowed}))
+        for family, allowed in FAMILY_IMPORTS.items()
+        for m in MODULES
+        if _within(m, {family})
+    }
+    assert {m: d for m, d in beyond.items() if d} == {}
+
+
+def test_the_top_level_is_families_and_what_they_share():
+    """dskit/ holds its packages and at most 6 modules; each family's docstring says in one line what it
+    owns."""
+    top = {m for m in MODULES if m.count(".") <= 1 and MODULES[m].name != "__init__.py"} | {"dskit"}
+    assert top == TOP_LEVEL and len(top) <= 6
+    purposes = {f: ast.get_docstring(ast.parse(MODULES[f].read_text())) or "" for f in FAMILY_IMPORTS}
+    assert {f: doc for f, doc in purposes.items() if not doc or "\n" in doc.strip()} == {}
+
+
 def test_no_module_name_twice():
     """One name per idea: a module or package name appears once under dskit/ (besides __init__ and
     __main__), so a name in a traceback or a review points at one file."""
