@@ -1,7 +1,7 @@
 """GPU benchmark of FP8 against bf16 for the products dskit's FP8 training converts (dskit/train/fp8/compute.py):
 each of DeepSeek-V2-Lite's dense linears and its routed experts' grouped GEMMs, forward + backward, as one
 training step runs them. Prints a table and writes JSON: the measured time of each, FP8's speed-up, and the
-effective TFLOP/s (the planner's FP8 efficiency is read from these rows).
+effective TFLOP/s: the measurements dskit/plan/fp8_training.py's rule and speed-ups were set from.
 
     python bench/fp8_gemm_bench.py --width v3 --out $OUT/h100-fp8-gemm-v3-DATE.json [--tokens 8192]
 """

@@ -331,7 +331,8 @@ def main() -> None:
     result = {
         **runs.header(),
         "gpus": torch.cuda.device_count(),
-        "shape": f"DeepSeek-V2-Lite, 4 layers, seq 4096, micro-batch 2 per GPU, {a.gpus} GPU(s), EP {a.gpus}, bf16, ZeRO-3",
+        "shape": f"{a.model}, {a.layers or 4} layers, seq {a.seq_len or 4096}, micro-batch 2 per GPU, {a.gpus} "
+        "GPU(s), EP = GPUs; each row's plan says its ZeRO stage and precision",
         "rows": [],
     }
 

@@ -40,3 +40,14 @@ def fp8_compute_unsupported(gpu: str, why: str) -> SpecError:
     """`training.fp8` on a GPU that cannot run it: the plan on the catalog's word, the trainer on the
     device it finds (a run.yaml moved to other hardware)."""
     return SpecError("training.fp8", f"{gpu} {why}; one of: off (FP8 needs Hopper or newer: h100, h200)")
+
+
+def fp8_with_lora() -> SpecError:
+    """training.fp8 on a LoRA run (plan and trainer): torchao's FP8 linear computes every weight's gradient,
+    a frozen base's too, so its product costs 6 FLOPs a weight where bf16's frozen base costs 4, and an FP8
+    frozen base (finetune.base_precision fp8) has its own FP8 linears that training.fp8 does not convert."""
+    return SpecError(
+        "training.fp8",
+        "applies to full fine-tuning and pre-training; a LoRA run's frozen base would pay FP8 weight "
+        "gradients it never uses (finetune.base_precision fp8 keeps the base in FP8 already); one of: off",
+    )

@@ -24,7 +24,7 @@ from dskit.plan.candidate import Candidate, Cluster, Fp8Compute, Workload
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.schema import HardwarePlan, ModelPlan, ParallelPlan
 from dskit.plan.shape import ModelShape
-from dskit.refusals import fp8_base_zero_stage
+from dskit.refusals import fp8_base_zero_stage, fp8_with_lora
 from dskit.spec import PlanOverrides, Spec
 
 #: the default global batch: 256 sequences (~1M tokens at seq 4096, the seed post's batch) ...
@@ -118,7 +118,13 @@ def _fp8(spec: Spec, shape: ModelShape, hw: Hardware, warnings: list[str]) -> di
     """ParallelPlan's FP8 fields: the recipe, the linears that pay, the experts (dskit/plan/fp8_training.py)."""
     recipe = fp8_training.recipe(spec.training.fp8, hw.gpu, hw.precision)
     if recipe is None:
+        if spec.overrides.fp8_experts == "on":
+            warnings.append(
+                "overrides.fp8_experts=on does nothing without training.fp8: the run computes in bf16"
+            )
         return {}
+    if spec.finetune.method != "full":
+        raise fp8_with_lora()
     roles = fp8_training.linear_roles(shape, recipe)
     experts = fp8_training.experts(spec.overrides.fp8_experts, shape)
     if not roles and not experts:

@@ -28,8 +28,9 @@ class TrainingSpec(_Section):
         "(large enough to amortise the casts: e.g. DeepSeek-V3's o_proj and dense MLPs, not MLA's small "
         "projections) and keeps the router, embeddings, output head and routed experts bf16 "
         "(`overrides.fp8_experts`); `dskit plan --explain` lists them and shows bf16 beside FP8. on: the "
-        "fastest recipe (tensorwise); rowwise: one scale per row (closer to bf16's loss, slower); tensorwise: "
-        "one per tensor. Hopper and newer only.",
+        "fastest recipe (tensorwise); rowwise: one scale per row, slower but closer to bf16's loss (measured with "
+        "every linear in FP8 over 300 steps: +2.3% against tensorwise's +6.9%, bf16's own repeat 0.45%); "
+        "tensorwise: one per tensor. Full fine-tuning and pre-training only (not LoRA); Hopper and newer.",
     )
     lr: float = Field(1.5e-4, gt=0, le=10, description="Peak learning rate (the seed post's tuned 1.5e-4).")
     warmup_ratio: float = Field(

@@ -27,7 +27,7 @@ from dskit.launch.contract import (
     collective_timeout_s,
     record_exit,
 )
-from dskit.refusals import fp8_base_zero_stage, fp8_compute_unsupported
+from dskit.refusals import fp8_base_zero_stage, fp8_compute_unsupported, fp8_with_lora
 
 log = logging.getLogger("dskit.train")
 
@@ -101,6 +101,22 @@ def read_contract(*, launcher_env: bool = True):
             f"tokenizer vocabulary {data.vocab_size} exceeds the model's vocab_size {vocab}",
         )
     return plan, data, sampler, _eval_sampler(plan, data)
+
+
+def _check_fp8_compute(plan, device) -> None:
+    """training.fp8 re-checked where the run landed (a run.yaml moved or edited since the plan)."""
+    from dskit.train.fp8 import compute
+
+    extras.require("training.fp8", "fp8")
+    why = compute.device_unmet(device)
+    if why:
+        raise fp8_compute_unsupported(compute.device_name(device), why)
+    if plan.finetune is not None:
+        raise fp8_with_lora()
+    if plan.parallel.precision != "bf16":
+        raise SpecError(
+            "training.fp8", f"runs over bf16 weights; this run.yaml's precision is {plan.parallel.precision}"
+        )
 
 
 def _check_fp8_base(plan) -> None:
@@ -237,6 +253,10 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     apply_sdpa_policy(attention)
     log.info("plan: %s", plan.summary())
     log.info("attention: %s (%s)", attention, why)
+    if plan.parallel.fp8:  # before minutes of building: the device the run landed on, the extra, LoRA
+        from dskit.train.fp8 import compute
+
+        _check_fp8_compute(plan, device)
     t0 = time.perf_counter()
     # the adapters' base layers are the FP8 ones, built before peft wraps them
     fp8_base = plan.finetune is not None and plan.finetune.base_precision == "fp8"
@@ -252,14 +272,13 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         fp8_base=fp8_base,
     )
     fp8 = None
-    if plan.parallel.fp8:  # before LoRA (an adapter's base layer is the FP8 one) and before ZeRO hooks
-        from dskit.train.fp8 import compute
-
-        extras.require("training.fp8", "fp8")
-        why = compute.device_unmet(device)
-        if why:  # the plan checked the catalog's GPU; this is the device the run landed on
-            raise fp8_compute_unsupported(compute.device_name(device), why)
+    if plan.parallel.fp8:  # before ZeRO hooks the modules
         fp8 = compute.convert_linears(model, plan.parallel.fp8, plan.parallel.fp8_linears)
+        missing = set(plan.parallel.fp8_linears) - {compute.role(n) for n in fp8.linears}
+        if missing:  # the plan names roles from the model's config: a mismatch is a run.yaml edited by hand
+            raise SpecError(
+                "parallel.fp8_linears", f"{sorted(missing)}: no bias-free linear of the model has them"
+            )
     params = model.parameters()
     if plan.finetune is not None:
         from dskit.train.lora.inject import attach

@@ -126,7 +126,6 @@ def test_the_experts_stay_bf16_unless_pinned():
     assert not _plan("h100-80gb", "deepseek-v2-lite", "training.fp8=on").parallel.fp8_experts
     pinned = _plan("h100-80gb", "deepseek-v2-lite", "training.fp8=on", "overrides.fp8_experts=on").parallel
     assert pinned.fp8_experts
-    assert not _plan("h100-80gb", "deepseek-v2-lite", "overrides.fp8_experts=on").parallel.fp8_experts
 
 
 @pytest.mark.parametrize("preset", ["tiny-v2", "tiny-v3", "tiny-v2-experts"])
@@ -147,3 +146,14 @@ def test_every_role_and_its_sides_are_the_models_own(preset):
         if isinstance(m, torch.nn.Linear) and n != "lm_head"
     }
     assert fp8.linear_sides(_shape(preset)) == built
+
+
+def test_a_lora_run_is_refused():
+    with pytest.raises(SpecError) as e:
+        _plan("h100-80gb", "deepseek-v2-lite", "training.fp8=on", "finetune.method=lora")
+    assert e.value.field == "training.fp8" and "one of: off" in e.value.message
+
+
+def test_fp8_experts_without_fp8_says_it_does_nothing():
+    plan = _plan("h100-80gb", "deepseek-v2-lite", "overrides.fp8_experts=on")
+    assert any("overrides.fp8_experts=on does nothing without training.fp8" in w for w in plan.warnings)

@@ -78,8 +78,9 @@ def fp8_product(recipe: str, *, emulate: bool = False, compiled: bool = True) ->
     from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    if emulate:
-        config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    # pad_inner_dim: the weight gradient's product runs over the tokens, and FP8 GEMMs want every side a
+    # multiple of 16; a micro-step of 1000 or 504 tokens is padded (zeros) rather than refused by the kernel
+    config = Float8LinearConfig(**{**config.__dict__, "emulate": emulate, "pad_inner_dim": True})
     template = Float8Linear.from_float(nn.Linear(ALIGN, ALIGN, bias=False, device="meta"), config)
     mm_config, config = template.linear_mm_config, template.config
 
