@@ -31,22 +31,6 @@ import runs  # noqa: E402  (bench/runs.py, beside this script)
 BYTES = {"three_passes": 40, "one_pass": 28}
 
 
-def timed(fn, reps: int) -> float:
-    """Median ms of `reps` calls after three warm-up calls (the first compiles)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def row(n: int, reps: int) -> dict:
     dev = torch.device("cuda")
     master = torch.randn(n, device=dev) * 0.02
@@ -72,7 +56,7 @@ def row(n: int, reps: int) -> dict:
     out = {"params": n}
     for name, fn in (("three_passes", three_passes), ("one_pass", one_pass)):
         torch.cuda.reset_peak_memory_stats()
-        ms = timed(fn, reps)
+        ms = runs.cuda_median_s(fn, reps, warmup=3) * 1e3
         out[name] = {
             "ms": round(ms, 3),
             "gb_s": round(BYTES[name] * n / ms / 1e6, 1),

@@ -56,21 +56,6 @@ WIDTHS = {
 }
 
 
-def timed(fn, iters: int = 20, warmup: int = 5) -> float:
-    """Median seconds of fn() over `iters` after `warmup`, by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def linear_rows(linears: dict, tokens: int, compiled: bool) -> list[dict]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -90,7 +75,7 @@ def linear_rows(linears: dict, tokens: int, compiled: bool) -> list[dict]:
             def step(f=f, x=x, grad=grad):
                 f(x).backward(grad)
 
-            s = timed(step)
+            s = runs.cuda_median_s(step)
             row[f"{recipe}_ms"] = round(s * 1e3, 4)
             row[f"{recipe}_tflops"] = round(flops / s / 1e12, 1)
         for recipe in ("rowwise", "tensorwise"):
@@ -126,7 +111,7 @@ def expert_rows(width: tuple[int, int, int, int], tokens: int) -> list[dict]:
         ("bf16", lambda a, b: torch._grouped_mm(a, b, offs=offs)),
         ("rowwise", lambda a, b: fp8_mm(a, b, offs, pad_token_groups_for_grouped_mm=False)),
     ):
-        s = timed(lambda mm=mm: layer(mm))
+        s = runs.cuda_median_s(lambda mm=mm: layer(mm))
         row[f"{name}_ms"] = round(s * 1e3, 4)
         row[f"{name}_tflops"] = round(flops / s / 1e12, 1)
     row["rowwise_speedup"] = round(row["bf16_ms"] / row["rowwise_ms"], 3)

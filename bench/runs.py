@@ -243,3 +243,22 @@ def as_measured(measured_at: str):
         in_memory["ONE_RANK_REDUCE_BUCKETS"] = 2
     with patched(speed, **in_speed), patched(memory, **in_memory):
         yield
+
+
+def cuda_median_s(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median seconds of fn() on the GPU over `iters` calls after `warmup` (the first may compile), each
+    timed by CUDA events around it."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
