@@ -32,6 +32,10 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             "`dskit render` and its overrides.* (the table of `dskit plan --explain`)",
         )
     spec = spec_from_args(a)
+    if a.target == LOCAL:
+        from dskit.train.local import check_host_gpus
+
+        check_host_gpus(spec.hardware.gpu, spec.hardware.nodes * spec.hardware.gpus_per_node)
     target = "slurm" if a.target == LOCAL else a.target  # local: the same run dir, started here
     out = a.output or f"runs/{calibration_name(spec.name, a.target)}"  # the job's name, as its storage's
     build = functools.partial(build_calibration_plan, target=a.target)

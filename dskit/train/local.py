@@ -28,6 +28,25 @@ def run_file_of(run: str | None) -> Path:
     return f.resolve()
 
 
+def check_host_gpus(gpu: str, world: int) -> None:
+    """A run started on this host needs its GPUs here: one line naming hardware.gpu, before anything is
+    written or spawned (else each of `world` ranks died in torch.cuda.set_device with its own traceback)."""
+    from dskit import catalog
+
+    if catalog.gpu(gpu).is_cpu:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    if have < world:
+        here = f"{have} GPU{'s' * (have != 1)}" if have else "no GPU"
+        raise SpecError(
+            "hardware.gpu",
+            f"{gpu}: this run starts {world} ranks on this host, which has {here}; plan it for this host "
+            f"(hardware.gpu cpu{f', or hardware.gpus_per_node {have}' if have else ''})",
+        )
+
+
 def run_local(run: str | None, *, nproc: int | None = None) -> int:
     from dskit.plan.schema import load_plan
 
@@ -40,6 +59,7 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
             f"{nproc} processes, but the plan is for world size {world}: pass --nproc {world} "
             "or re-render with --nodes 1 --gpus-per-node N",
         )
+    check_host_gpus(plan.hardware.gpu, world)
     stop = Path(plan.run.checkpoint_dir, STOP_FILE)
     stop.unlink(missing_ok=True)  # a stale request would stop us at once
     env = {**os.environ, **plan.env, Env.RUN_FILE.value: str(run_file)}
