@@ -141,8 +141,8 @@ def ran_otherwise(run_dir: Path) -> str | None:
 
     plan = load_plan(run_dir / "run.yaml")
     p = plan.parallel
-    ran = json.loads(Path(plan.run.output_dir, "construction-rank0.json").read_text()).get("ran")
-    if ran is None:
+    ran = ran_record(run_dir)
+    if not ran:
         return "the trainer recorded no `ran` (a trainer older than this check)"
     compiled = ran["compiled"]
     wrong = []

@@ -46,6 +46,14 @@ class GPU:
         return self.compute_capability is None
 
     @property
+    def capability(self) -> tuple[int, int] | None:
+        """compute_capability as (major, minor), for comparisons; None for the cpu profile."""
+        if self.compute_capability is None:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    @property
     def attention_backends(self) -> tuple[str, ...]:
         """The attention backends this profile can run: what `overrides.attention` may pin (the plan
         refuses the others, naming these) and what `attention`, the `auto` choice, must be one of."""
@@ -71,7 +79,7 @@ def attention_unmet(gpu: GPU, backend: str) -> str | None:
     """
     if gpu.is_cpu:
         return None if backend in ("sdpa", "eager") else "the cpu profile runs only sdpa and eager"
-    if backend == "sdpa_cudnn" and int(gpu.compute_capability.split(".")[0]) < 9:
+    if backend == "sdpa_cudnn" and gpu.capability < (9, 0):
         return "cuDNN SDPA takes MLA's 192/128 head dims only on sm90 and newer"
     if backend == "flash_attention_2" and gpu.flash_attn != "fa2":
         return "FlashAttention-2 is built only into sm80/86/89 images (Hopper's carry FlashAttention-4)"

@@ -35,19 +35,11 @@ EXPERTS_SPEEDUP = 0.88
 EXPERTS_FASTER = EXPERTS_SPEEDUP > 1  # what `overrides.fp8_experts: auto` decides
 
 
-def capability(gpu: GPU) -> tuple[int, int] | None:
-    if gpu.compute_capability is None:
-        return None
-    major, minor = gpu.compute_capability.split(".")
-    return int(major), int(minor)
-
-
 def unmet(gpu: GPU) -> str | None:
     """Why `gpu` cannot train in FP8, or None if it can."""
     if gpu.peak_tflops_fp8 is None:
         return "has no FP8 tensor cores"
-    cc = capability(gpu)
-    if cc is None or cc < FP8_MIN_CAPABILITY:
+    if gpu.capability is None or gpu.capability < FP8_MIN_CAPABILITY:
         return (
             f"(compute capability {gpu.compute_capability}) has FP8 tensor cores but no FP8 grouped GEMM "
             "for the routed experts (torch._scaled_grouped_mm needs 9.0)"
