@@ -49,7 +49,8 @@ def toolchains() -> dict:
 def toolchain_for(gpu: catalog.GPU) -> str:
     if gpu.is_cpu:
         return "cpu"
-    return "cu130" if gpu.capability >= (7, 5) else "cu126"
+    major, minor = (int(x) for x in gpu.compute_capability.split("."))
+    return "cu130" if (major, minor) >= (7, 5) else "cu126"
 
 
 def flash_attn_archs(gpu: catalog.GPU) -> str | None:
