@@ -105,6 +105,7 @@ def plan_parallel(
         loss_chunk_tokens=memory.loss_chunk_for(model.shape, c.micro_batch * seq_len, spec.overrides.loss),
         compile_regions=compiled,
         compile_attention=attention and c.zero_stage < 3,
+        cuda_graphs=cuda_graphs(spec, gpu, attention and c.zero_stage < 3),
         optimizer_step=step,
         gradients="flat"
         if memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
@@ -205,6 +206,35 @@ def attention_compile(choice: str, gpu: catalog.GPU) -> bool:
     """`overrides.compile` -> whether whole attention blocks are compiled where the ZeRO stage allows it
     (1 and 2: no module hooks inside them). `regions` leaves them eager."""
     return choice == "on" or (choice == "auto" and not gpu.is_cpu)
+
+
+#: what `overrides.cuda_graphs: auto` decides where graphs apply: measured slower on one H100 (0.86-0.98x,
+#: bench/peer_bench.py --host-bound --lever overrides.cuda_graphs=on; docs/plan.md "CUDA graphs")
+CUDA_GRAPHS_FASTER = False
+
+
+def cuda_graphs(spec: Spec, gpu: catalog.GPU, compiled_attention: bool) -> bool:
+    """`overrides.cuda_graphs` -> whether the compiled attention blocks replay as CUDA graphs. A graph
+    replays fixed shapes, so only rows of one shape (packed text) qualify; `on` where they cannot apply
+    is refused in one line saying what is missing."""
+    missing = _graphs_missing(spec, gpu, compiled_attention)
+    if spec.overrides.cuda_graphs == "on" and missing:
+        raise SpecError("overrides.cuda_graphs", f"on needs {missing}; allowed here: auto, off")
+    return missing is None and (
+        spec.overrides.cuda_graphs == "on" or (spec.overrides.cuda_graphs == "auto" and CUDA_GRAPHS_FASTER)
+    )
+
+
+def _graphs_missing(spec: Spec, gpu: catalog.GPU, compiled_attention: bool) -> str | None:
+    if gpu.is_cpu:
+        return "a GPU"
+    if spec.overrides.compile in ("off", "regions"):
+        return "compiled attention blocks (overrides.compile: on or auto)"
+    if spec.data.packing == "pad":
+        return "rows of one shape (data.packing: pack)"
+    if not compiled_attention:
+        return "ZeRO-1/2, whose attention blocks are compiled whole (pin overrides.zero_stage: 1 or 2)"
+    return None
 
 
 def _check_pinned_ep(n_experts: int, world: int, per_node: int, ep: int) -> None:

@@ -92,6 +92,8 @@ class ParallelPlan(_Frozen):
     compile_regions: bool = False  # RMSNorm, SwiGLU, rotary through torch.compile (dskit/train/compile.py)
     # and each whole attention block: ZeRO-1/2 only, where no module hooks run inside it
     compile_attention: bool = False
+    # the compiled attention blocks replayed as CUDA graphs (dskit/train/compile.py); False before it existed
+    cuda_graphs: bool = False
     # ZeRO-1/2 without offload: torch's fused AdamW with the clip in its kernel (dskit/train/fused_step.py);
     # run.yaml files from before ran DeepSpeed's step
     optimizer_step: Literal["deepspeed", "fused"] = "deepspeed"

@@ -56,6 +56,14 @@ class PlanOverrides(_Section):
         "attention block (3.7-7.5% more at micro-batch 2, 3% at 16). auto: on for GPUs; off on the cpu profile, "
         "where inductor's C++ compile costs more than a test run saves.",
     )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="CUDA graphs over each compiled attention block (torch.compile's reduce-overhead mode): "
+        "one graph launch instead of its dozens of kernels, where the host sets the step's pace. Needs "
+        "compiled attention (overrides.compile on or auto, ZeRO-1/2, a GPU) and rows of one shape "
+        "(data.packing: pack); AutoEP's expert exchange is data-dependent and stays outside. auto: off (measured "
+        "on one H100: 0.86-0.98x at micro-batch 1-2; docs/plan.md).",
+    )
     optimizer_step: Literal["auto", "deepspeed", "fused"] = Field(
         "auto",
         description="ZeRO-1/2's optimizer step. fused: torch's fused AdamW, with the gradient clip applied "

@@ -63,11 +63,15 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-def compile_regions(model: torch.nn.Module, *, attention: bool = False) -> dict[str, int]:
+def compile_regions(
+    model: torch.nn.Module, *, attention: bool = False, cuda_graphs: bool = False
+) -> dict[str, int]:
     """Route the model's RMSNorms, SwiGLU MLPs (shared experts, dense layers) and DeepSeek-V2 rotary
     embedding through the compiled functions above, and with `attention` (plan: `compile_attention`,
-    ZeRO-1/2) compile each whole attention block; returns how many of each were routed."""
-    done = {"rms_norm": 0, "swiglu_mlp": 0, "rotary": 0, "attention": 0}
+    ZeRO-1/2) compile each whole attention block, replayed as CUDA graphs with `cuda_graphs` (plan:
+    `cuda_graphs`); returns how many of each were routed."""
+    mode = "reduce-overhead" if cuda_graphs else None
+    done = {"rms_norm": 0, "swiglu_mlp": 0, "rotary": 0, "attention": 0, "cuda_graphs": 0}
     # Each function compiles once per input shape and grad mode: RMSNorm alone sees up to three widths
     # (hidden, kv_lora_rank, q_lora_rank) in training and in eval, 6 of dynamo's default 8 entries for
     # one row width. `pad` rows come in PAD_BUCKETS widths; without room for all of them the later
@@ -89,8 +93,9 @@ def compile_regions(model: torch.nn.Module, *, attention: bool = False) -> dict[
         elif attention and name.endswith("Attention"):
             # the projections, splits, rotary and SDPA call as one graph: under ZeRO-1/2 no module hooks
             # run inside it (ZeRO-3's would break it apart); its norms and rotary are inside the graph
-            m.forward = torch.compile(m.forward, dynamic=False)
+            m.forward = torch.compile(m.forward, dynamic=False, mode=mode)
             done["attention"] += 1
+            done["cuda_graphs"] += cuda_graphs
         modules.add(type(m).__module__)
     for mod in modules:  # the modeling module's own function, which its attention calls by name
         if mod.endswith("modeling_deepseek_v2") and hasattr(sys.modules[mod], "apply_rotary_emb"):
@@ -98,3 +103,11 @@ def compile_regions(model: torch.nn.Module, *, attention: bool = False) -> dict[
             done["rotary"] += 1
     log.info("regional torch.compile: %s", ", ".join(f"{k} x{v}" for k, v in done.items()))
     return done
+
+
+def cuda_graph_skips() -> int:
+    """How many compiled graphs inductor has run without their CUDA graph in this process (a graph it could
+    not capture: a CPU tensor, a mutated input, a dynamic shape; TORCH_LOGS=perf_hints says which)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])

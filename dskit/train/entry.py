@@ -323,7 +323,9 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     if plan.parallel.compile_regions:  # after AutoEP has replaced the MoE blocks: what remains is routed
         from dskit.train.compile import compile_regions
 
-        compiled = compile_regions(engine.module, attention=plan.parallel.compile_attention)
+        compiled = compile_regions(
+            engine.module, attention=plan.parallel.compile_attention, cuda_graphs=plan.parallel.cuda_graphs
+        )
     from dskit.train import fused_step
 
     # what ran, beside what the plan asked: benchmarks refuse a row whose kernels fell back

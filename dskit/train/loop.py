@@ -299,6 +299,8 @@ def _micro_steps(
         )
         batch = sampler.get(first, par.micro_batch)
         inputs, labels, extra = _to_device(batch, device)
+        if par.cuda_graphs:  # the last micro-step's graph outputs are dead: its backward has run
+            torch.compiler.cudagraph_mark_step_begin()
         # the backward too: activation checkpointing re-runs attention inside it
         with rows_of(packed_rows(batch.position_ids, device)):
             tap.start()

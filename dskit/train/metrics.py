@@ -225,6 +225,10 @@ class LogWindow:
         rec.update(tap.bias_stats())
         if self.device.type == "cuda":
             rec["alloc_retries"] = self._retries_since_last(rec)
+        if self.plan.parallel.cuda_graphs:  # what ran: graphs planned but not captured are counted here
+            from dskit.train.compile import cuda_graph_skips
+
+            rec["cuda_graph_skips"] = cuda_graph_skips()
         if self.resumed_from is not None:
             rec["resumed_from"] = self.resumed_from
             self.resumed_from = None

@@ -533,3 +533,23 @@ def test_run_yaml_from_before_the_fused_step_runs_deepspeeds(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(data))
     old = load_plan(tmp_path / "run.yaml")
     assert old.parallel.optimizer_step == "deepspeed" and not old.parallel.compile_attention
+
+
+def test_cuda_graphs_are_planned_only_where_a_graph_can_replay_and_on_elsewhere_names_what_is_missing():
+    """A graph replays fixed shapes on a GPU, over the attention blocks ZeRO-1/2 compiles whole; auto leaves
+    them off, as measured (0.86-0.98x on one H100)."""
+    assert not plan_for(*H200_MB2, **H200).parallel.cuda_graphs
+    on = plan_for(*H200_MB2, "overrides.cuda_graphs=on", **H200)
+    assert on.parallel.cuda_graphs and on.parallel.compile_attention and on.parallel.zero_stage == 2
+    assert "cuda_graphs: true" in dump_plan(on)
+    missing = {
+        "a GPU": ("overrides.zero_stage=2", {**H200, "hardware__gpu": "cpu"}),
+        "compiled attention blocks": ("overrides.compile=regions", H200),
+        "rows of one shape (data.packing: pack)": ("data.packing=pad", H200),
+        "ZeRO-1/2": ("overrides.zero_stage=3", H200),
+    }
+    for need, (pin, flags) in missing.items():
+        with pytest.raises(SpecError) as e:
+            plan_for(*H200_MB2, pin, "overrides.cuda_graphs=on", **flags)
+        assert e.value.field == "overrides.cuda_graphs" and f"on needs {need}" in str(e.value), need
+        assert not plan_for(*H200_MB2, pin, **flags).parallel.cuda_graphs  # auto: quietly off there
