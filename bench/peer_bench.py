@@ -18,7 +18,11 @@ allocator's peak reserved (dskit's metrics; torchtitan's `memory:` log, max rese
     python3 bench/peer_bench.py --torchtitan DIR --out $OUT/h200-vs-torchtitan-DATE.json --work /tmp/pb
     python3 bench/peer_bench.py --torchtitan DIR --profile "L4 s2048 mb2" --out ... --work ...
 
-DIR holds tt_run.py, base.toml (ASSETS replaced by the assets' path) and the assets; torchtitan's wheels
+`--host-bound` runs HOST_BOUND instead: one micro-batch per step at seq 1024-4096 and 3-8 layers (with
+`--set overrides.cuda_graphs=on`, a lever's row). torchtitan runs through TT_RUNNER (the reference runner,
+with any layer count), written into the work dir.
+
+DIR holds base.toml (ASSETS replaced by the assets' path) and the assets; torchtitan's wheels
 go on TT_PYTHONPATH, kept apart from dskit's (torchtitan's README in shared/reference;
 bench/device_bundle.sh with TT_REF carries all of it).
 """
@@ -53,6 +57,23 @@ SHAPES = [
     ("L4 s4096 mb2", 4, 4096, 2, 2),  # the reference shape
     ("L4 s4096 gb16", 4, 4096, 16, None),
 ]
+#: --host-bound: one micro-batch per step at short sequences and few layers, where the host sets the pace
+HOST_BOUND = [
+    ("L6 s1024 mb2", 6, 1024, 2, 2),
+    ("L3 s4096 mb1", 3, 4096, 1, 1),
+    ("L8 s2048 mb1", 8, 2048, 1, 1),
+    ("L4 s2048 mb2", 4, 2048, 2, 2),
+    ("L4 s1024 mb1", 4, 1024, 1, 1),
+    ("L8 s1024 mb2", 8, 1024, 2, 2),
+]
+#: torchtitan's runner (as shared/reference/torchtitan/tt_run.py), registering the layer counts asked for
+TT_RUNNER = """import copy
+import torchtitan.models.deepseek_v3 as d
+for n in {layers}:
+    a = copy.deepcopy(d.deepseekv3_args["16B"]); a.n_layers = n; d.deepseekv3_args[f"16B_L{{n}}"] = a
+from torchtitan.train import Trainer, main
+main(Trainer)
+"""
 
 
 def flops_per_token(layers: int, seq: int) -> float:
@@ -91,13 +112,15 @@ def tt_profile(dump: Path) -> dict:
 
 def run_torchtitan(tt: Path, name: str, layers: int, seq: int, flags: list[str], work: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.environ.get("TT_PYTHONPATH", "")}
+    runner = work / f"tt_run_L{layers}.py"
+    runner.write_text(TT_RUNNER.format(layers=(layers,)))
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node=1",
-        str(tt / "tt_run.py"),
+        str(runner),
         "--job.config_file",
         str(tt / "base.toml"),
         "--model.flavor",
@@ -175,14 +198,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--work", type=Path)
     runs.add_rows_args(ap, "with --rows: each dskit row with today's plan for its shape (`_predicted`)")
-    names = [x[0] for x in SHAPES]
+    names = list(dict.fromkeys(x[0] for x in SHAPES + HOST_BOUND))
     ap.add_argument("--only", action="append", choices=names, help="run only these shapes (repeatable)")
+    ap.add_argument("--host-bound", action="store_true", help="the HOST_BOUND shapes instead of SHAPES")
+    ap.add_argument("--gpu", default=GPU, help=f"the GPU's catalog profile (default {GPU})")
     ap.add_argument(
         "--profile",
         choices=names,
         help="only this shape, both profiled: GPU time by kernel category and how busy the GPU was",
     )
     ap.add_argument("--set", action="append", default=[], help="a spec --set for every dskit row (a lever)")
+    ap.add_argument(
+        "--lever",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more dskit row per shape with this spec --set added (a plan lever against the plan's "
+        "default, in the same call), e.g. overrides.cuda_graphs=on",
+    )
     ap.add_argument(
         "--variant",
         action="append",
@@ -200,8 +233,9 @@ def main() -> None:
     a.torchtitan = a.torchtitan.resolve()  # torchtitan runs in the work dir
     from dskit import catalog
 
+    train_bench.GPU = a.gpu  # the profile spec_for plans the dskit rows on
     (a.work / "dskit").mkdir(parents=True, exist_ok=True)
-    peak = catalog.gpu(GPU).peak_tflops_bf16 * 1e12
+    peak = catalog.gpu(a.gpu).peak_tflops_bf16 * 1e12
     result = {**runs.header(), "mfu_formula": "tok_s_gpu x dskit flops_per_token / bf16 peak", "rows": []}
 
     def record(row: dict) -> None:
@@ -213,8 +247,9 @@ def main() -> None:
             json.dumps({k: v for k, v in row.items() if k not in ("losses", "error", "profile")}), flush=True
         )
 
-    wanted = [a.profile] if a.profile else (a.only or names)
-    for name, layers, seq, gb, mb in SHAPES:
+    shapes = HOST_BOUND if a.host_bound else SHAPES
+    wanted = [a.profile] if a.profile else (a.only or [x[0] for x in shapes])
+    for name, layers, seq, gb, mb in dict.fromkeys(SHAPES + HOST_BOUND):
         if name not in wanted:
             continue
         sets = [f"model.num_layers={layers}", f"training.seq_len={seq}", f"training.global_batch={gb}"]
@@ -241,6 +276,22 @@ def main() -> None:
                 **{k: d[k] for k in ("losses", "profile", "gpu_busy", "host", "error") if k in d},
             }
         )
+        for lever in a.lever:
+            d = train_bench.run_dskit(f"{name} {lever}", [*sets, *a.set, lever], {}, a.work / "dskit", 1)
+            record(
+                {
+                    "system": f"dskit, {lever}",
+                    **base,
+                    "micro_batch": mb,
+                    "tok_s_gpu": d.get("tok_s_gpu"),
+                    "step_s": d.get("step_s"),
+                    "peak_gib": d.get("peak_reserved_gb"),
+                    "attention": d.get("attention"),
+                    "plan": d.get("plan"),
+                    "sets": [*a.set, lever],
+                    **{k: d[k] for k in ("losses", "profile", "gpu_busy", "host", "error") if k in d},
+                }
+            )
         for v in a.variant:
             key, _, value = v.partition("=")
             section, _, field = key.partition(".")

@@ -264,9 +264,10 @@ def test_the_support_pages_gpu_row_is_the_newest_peer_results():
     """docs/support.md's comparison with torchtitan is tests/support/peer_row.py's sentence from
     bench/results/peer/: a newer result changes it, and the page must be regenerated (--write)."""
     doc = (REPO / "docs" / "support.md").read_text()
-    found = peer_row.newest(peer_row.results())
-    assert len(found) >= 5  # every shape peer_bench measures
-    assert peer_row.render(doc, found) == doc, "run: python -m tests.support.peer_row --write"
+    for gpu, shapes in (("H200", 5), ("H100", 4)):  # every shape of peer_bench's calls on that GPU
+        found = peer_row.newest(peer_row.results(), gpu)
+        assert len(found) >= shapes, gpu
+        assert peer_row.render(doc, gpu, found) == doc, "run: python -m tests.support.peer_row --write"
 
 
 def test_a_newer_peer_result_replaces_the_older_one_of_its_shape():
@@ -277,6 +278,6 @@ def test_a_newer_peer_result_replaces_the_older_one_of_its_shape():
     for row in later["rows"]:
         if row["system"] == "dskit":
             row["tok_s_gpu"] //= 2
-    found = peer_row.newest({**results, "h200-vs-torchtitan-later.json": later})
+    found = peer_row.newest({**results, "h200-vs-torchtitan-later.json": later}, "H200")
     assert {f["file"] for f in found.values()} >= {"h200-vs-torchtitan-later.json"}
     assert "behind to ahead" in peer_row.sentence(found)
