@@ -2,7 +2,7 @@
 
 A plan fits when every estimate stays under its limit:
 - on each GPU, the steady-state training estimate and the construction peak (`dskit/plan/memory.py`)
-  under (1 - GPU_MEMORY_MARGIN) x the usable memory (the catalog's usable_memory_gib: what torch
+  under (1 - GPU_MEMORY_MARGIN, or overrides.gpu_memory_margin) x the usable memory (the catalog's usable_memory_gib: what torch
   reports, not the datasheet);
 - on each host, the RAM of its ranks while building and while training (`dskit/plan/host_memory.py`) under
   (1 - HOST_MEMORY_MARGIN) x hardware.host_memory_gib.
@@ -26,6 +26,7 @@ from dskit.plan.candidate import Candidate, Cluster, Workload
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
 # communicators, the caching allocator's rounding. The steady-state model lands from 3% below to 10%
 # above the peak reserved on the H200 runs (tests/plan/test_plan_calibration.py), on the safe side mostly.
+# `overrides.gpu_memory_margin` replaces it for a run that takes the risk.
 GPU_MEMORY_MARGIN = 0.10
 # What the node needs besides the ranks: the OS, the filesystem client's cache, the container runtime,
 # slurmd or the kubelet (Kubernetes reserves system memory the same way).
@@ -44,6 +45,7 @@ class Setting:
     host_memory_gib: float | None  # per node; None: unknown, not checked
     host_memory_from: str  # where host_memory_gib came from, for messages
     loads_weights: bool
+    gpu_margin: float = GPU_MEMORY_MARGIN  # overrides.gpu_memory_margin
 
     @property
     def gpu(self) -> GPU:
@@ -85,7 +87,7 @@ class Setting:
     @property
     def gpu_limit(self) -> float | None:
         u = self.gpu.usable_memory_gib
-        return None if u is None else u * (1 - GPU_MEMORY_MARGIN)
+        return None if u is None else u * (1 - self.gpu_margin)
 
     @property
     def host_limit(self) -> float | None:
@@ -102,9 +104,14 @@ class Fit:
     setting: Setting
 
     @property
+    def peak_gib(self) -> float:
+        """The larger of the steady-state and construction estimates per GPU."""
+        return max(self.steady.total_gib, self.construction.total_gib)
+
+    @property
     def gpu_ok(self) -> bool:
         limit = self.setting.gpu_limit
-        return limit is None or max(self.steady.total_gib, self.construction.total_gib) <= limit
+        return limit is None or self.peak_gib <= limit
 
     @property
     def host_ok(self) -> bool:
@@ -163,7 +170,7 @@ def explain_no_fit(
     (`forced`: their spec keys), or None; it tells "your override does not fit" from "this cluster is
     too small". `ep_for(world)`: the EP sizes the search takes at another world size, for the "use N nodes" hint."""
     if forced and own is not None:  # the override, not the cluster, is what does not fit
-        best = min(fits, key=lambda f: max(f.steady.total_gib, f.construction.total_gib))
+        best = min(fits, key=lambda f: f.peak_gib)
         return forced[0], (
             f"{s.where} does not fit with {', '.join(forced)} as set: {_numbers(best)}; the planner's own "
             f"choice fits ({own.describe()}): remove {' and '.join(forced)}"
@@ -234,7 +241,7 @@ def explain_no_fit(
 
 
 def _gpu_limit(s: Setting) -> str:
-    return f"the {s.gpu_limit:.1f} GiB limit ({1 - GPU_MEMORY_MARGIN:.0%} of {s.gpu.usable_memory_gib} GiB usable)"
+    return f"the {s.gpu_limit:.1f} GiB limit ({1 - s.gpu_margin:.0%} of {s.gpu.usable_memory_gib} GiB usable)"
 
 
 def _numbers(f: Fit) -> str:

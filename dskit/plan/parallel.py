@@ -10,6 +10,7 @@ take is refused with the values it can (one line, exit 2).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,7 @@ def plan_parallel(
     found = dataclasses.replace(
         found, calibration=calibration, precision_alternative=_precision_alternative(fp8, setting, hw, c)
     )
+    _warn_over_the_margin_only(found, warnings)
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
     parallel = ParallelPlan(
         zero_stage=c.zero_stage,
@@ -113,6 +115,25 @@ def plan_parallel(
         **fp8,
     )
     return parallel, found
+
+
+def _warn_over_the_margin_only(found: search.Search, warnings: list[str]) -> None:
+    """A much faster plan left out only by the memory margin is named, with the margin that would take it:
+    the estimate is mostly high (docs/planner.md), and the pick it leaves (often an offloaded optimizer)
+    can be many times slower."""
+    near = search.over_the_margin_only(found.rows, found.chosen)
+    if near is None:
+        return
+    s = near.fit.setting
+    usable = s.gpu.usable_memory_gib
+    margin = math.floor(100 * (1 - near.fit.peak_gib / usable)) / 100
+    ratio = near.speed.tokens_per_s / found.chosen.speed.tokens_per_s  # type: ignore[union-attr]
+    warnings.append(
+        f"{near.candidate.describe()} is predicted {ratio:.1f}x this plan's tokens/s, but its "
+        f"{near.fit.peak_gib:.2f} GiB per GPU is over the {s.gpu_limit:.2f} GiB limit ({1 - s.gpu_margin:.0%} of "
+        f"{usable} GiB usable); overrides.gpu_memory_margin={margin:.2f} would take it, at the risk of "
+        "running out of GPU memory"
+    )
 
 
 def _fp8(spec: Spec, shape: ModelShape, hw: Hardware, warnings: list[str]) -> dict[str, Any]:
@@ -328,6 +349,9 @@ def _setting(
         host_memory_gib=host_gib,
         host_memory_from=host_from,
         loads_weights=model.plan.path is not None,
+        gpu_margin=fit.GPU_MEMORY_MARGIN
+        if spec.overrides.gpu_memory_margin is None
+        else spec.overrides.gpu_memory_margin,
     )
 
 

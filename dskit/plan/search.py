@@ -226,8 +226,7 @@ def timed(row: Row) -> bool:
 def _verdict(row: Row, best: Row, fastest: float | None) -> str:
     f = row.fit
     if not f.gpu_ok:
-        peak = max(f.steady.total_gib, f.construction.total_gib)
-        return f"over GPU memory: {peak:.1f} > {f.setting.gpu_limit:.1f} GiB"
+        return f"over GPU memory: {f.peak_gib:.1f} > {f.setting.gpu_limit:.1f} GiB"
     if not f.host_ok:
         return f"over host RAM: {f.host.total_gib:.1f} > {f.setting.host_limit:.1f} GiB/node"
     if fastest is None or row.speed is None or best.speed is None:
@@ -258,6 +257,26 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
     else:
         why = "the winner is faster"
     return f"tie ({speed}; within {SPEED_TIE:.0%} of the fastest): {why}"
+
+
+def over_the_margin_only(rows: list[Row], chosen: Row) -> Row | None:
+    """The fastest candidate that misses the GPU limit but not the usable memory itself, with its host
+    RAM fitting, predicted more than OFFLOAD_MARGIN faster than `chosen`: what a smaller
+    overrides.gpu_memory_margin would take (None where there is none)."""
+    if chosen.speed is None:
+        return None
+    usable = chosen.fit.setting.gpu.usable_memory_gib
+    near = [
+        r
+        for r in rows
+        if not r.fit.gpu_ok
+        and r.fit.host_ok
+        and timed(r)
+        and usable is not None
+        and r.fit.peak_gib <= usable
+        and r.speed.tokens_per_s > chosen.speed.tokens_per_s * (1 + OFFLOAD_MARGIN)  # type: ignore[union-attr]
+    ]
+    return max(near, key=lambda r: r.speed.tokens_per_s, default=None)  # type: ignore[union-attr]
 
 
 def offload_wins(offload: StepTime, resident: StepTime) -> bool:

@@ -39,6 +39,15 @@ class PlanOverrides(_Section):
         description="0: off; 1: every layer; N: layers 0, N, 2N, ... (the others keep their activations). "
         "Default: the predicted fastest that fits of off, every 2nd layer and every layer.",
     )
+    gpu_memory_margin: float | None = Field(
+        None,
+        ge=0,
+        le=0.5,
+        description="Share of each GPU's usable memory a plan leaves free beyond its estimate (allocator "
+        "fragmentation, NCCL buffers). Default: 0.10. The estimate is mostly a little high, so a smaller margin "
+        "can take a much faster plan that misses the default limit by a little (the plan warns when one does), "
+        "at the risk of running out of GPU memory.",
+    )
     precision: Literal["auto", "bf16", "fp16"] = Field(
         "auto", description="bf16 where the GPU has it, else fp16 with dynamic loss scaling."
     )
