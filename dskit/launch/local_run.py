@@ -55,6 +55,24 @@ def _warn(text: str) -> None:
     sys.stderr.write(f"dskit: warning: {text}; `dskit status` will not see this run\n")
 
 
+def refuse_a_second_trainer(run_dir: Path) -> None:
+    """SpecError (exit 2) where the record says a local run of `run_dir` is still running: a second
+    trainer would write the same checkpoints and metrics under the first. A record of another machine
+    cannot be checked from here, so it is refused too, with how to go on if that run is gone."""
+    run = read(run_dir)
+    if run is None or run.state not in ("running", "running?"):
+        return
+    gone_hint = (
+        f"; if it is gone, delete {run_dir / RECORD}"
+        if run.state == "running?"
+        else "; stop it first (kill -USR1 on its pid checkpoints and stops it)"
+    )
+    raise SpecError(
+        str(run_dir),
+        f"already being trained ({run.detail}): a second trainer would overwrite its checkpoints{gone_hint}",
+    )
+
+
 def start(run_dir: Path) -> Started | None:
     """Record that a local run starts now, locked until `end`; None where it cannot be written."""
     path = run_dir / RECORD

@@ -440,3 +440,25 @@ def test_a_target_added_only_to_the_registry_renders_and_answers_status(tmp_path
     assert rows["run"].endswith(f"(fake) {rd}")
     assert rows["state"] == "RUNNING: job fake-1, on the fake cluster"
     assert rows["attempts"] == "1 fake submission(s)" and rows["step"].startswith("- / ")
+
+
+def test_a_second_trainer_on_a_run_dir_being_trained_is_one_line_and_exit_2(tmp_path):
+    """A second `dskit train --local` would write the same checkpoints under the first: refused while the
+    record says running (this machine's lock), and where another machine's record cannot be checked, with
+    the way on if that run is gone. An ended or killed run is no obstacle: the same command resumes it."""
+    rd = render_tiny(tmp_path, name="busy", steps=4)
+    held = local_run.start(rd)
+    try:
+        r = cli("train", "--local", str(rd))
+    finally:
+        local_run.end(held, 0)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert f"already being trained (dskit train --local, pid {os.getpid()} on " in r.stderr
+    assert "kill -USR1" in r.stderr and "+ " not in r.stdout  # refused before torchrun started
+    local_run.refuse_a_second_trainer(rd)  # ended: nothing in the way
+    elsewhere = {"written_by": local_run.WRITER, "host": "other-host", "pid": 4242, "started": time.time()}
+    elsewhere.update(boot_id="0" * 32, machine="1" * 32)
+    (rd / local_run.RECORD).write_text(json.dumps(elsewhere))
+    r = cli("train", "--local", str(rd))
+    assert r.returncode == 2 and "another machine: not checkable here" in r.stderr
+    assert f"if it is gone, delete {rd / local_run.RECORD}" in r.stderr
