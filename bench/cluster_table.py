@@ -38,6 +38,16 @@ MODELS = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 GPUS = ("h100-80gb", "h200-141gb")
 WORLDS = (8, 64, 256)
 PER_NODE = 8
+#: V3's catalog pick on 32 x 8 H100 when its terms were first audited (docs/planner.md "DeepSeek-V3 on
+#: 32 x 8 H100, term by term"): EP 8 inside a node, whose all-to-all was 2.49x the line-rate arithmetic
+#: under one share of the link (0.4) for AutoEP's whole exchange
+AUDITED = {
+    "zero_stage": 3,
+    "ep_size": 8,
+    "micro_batch": 4,
+    "activation_checkpointing": 1,
+    "offload_optimizer": "cpu",
+}
 FABRIC = "infiniband"
 #: the worked example: DeepSeek-V3 on 32 x 8 H100
 ARITH = ("deepseek-v3", "h100-80gb", 256)
@@ -266,10 +276,12 @@ def _term(term: str, group: str, arithmetic: str, fp: float, model: float, note:
     }
 
 
-def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> dict[str, Any]:
+def terms(
+    calibration_path: Path | None, pin: dict[str, Any] | None = None, held: str = "the catalog pick held"
+) -> dict[str, Any]:
     """V3 on 32 x 8 H100 (ARITH): each communication term of the pick from first principles beside the
     model's, with the catalog's rates (None) or the calibration at `calibration_path`; `pin`: a pick to
-    hold (overrides.*), else the plan's own."""
+    hold (overrides.*), else the plan's own, `held` saying which."""
     from dskit import catalog
     from dskit.calibrate import calibration, scales
     from dskit.plan import links as links_
@@ -549,17 +561,20 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
     else:
         nvlink, nic = gpu.interconnect_gbs, fabric.bus_gbs_per_gpu
         lat = NCCL_BASE_US + (NCCL_NET_STEP_US if ep.spans_nodes else NCCL_NVLINK_STEP_US)
-        fp = max(net / (nic * GB), node / (nvlink * GB)) + accum * pairs * 2 * lat * US
+        fixed = accum * pairs * speed.A2A_PAIR_FIXED_S
+        fp = max(net / (nic * GB), node / (nvlink * GB)) + accum * pairs * 2 * lat * US + fixed
         how = (
             f"{head}: {net / GB:.1f} GB over the NICs at {nic:g} GB/s and {node / GB:.1f} GB over NVLink at"
             f" {nvlink:g} GB/s, at once; + {2 * accum * pairs:g} calls x ({NCCL_BASE_US:g} base + 1 step)"
-            f" = {lat:.1f} us"
+            f" = {lat:.1f} us; + {accum * pairs:g} pairs x {speed.A2A_PAIR_FIXED_S * 1e3:g} ms"
+            f" (A2A_PAIR_FIXED_S, fitted: not derived here) = {fixed:.3f} s"
         )
     a2a_model = accum * speed._all_to_all_s(shape, ep, rates, tokens, frac, [])
     note = (
-        "the measured exchange as it is (links.exchange), no A2A_EFFICIENCY"
+        "the measured exchange as it is (links.exchange), no A2A_PAIR_FIXED_S"
         if measured is not None
-        else f"the catalog rate x A2A_EFFICIENCY = {speed.A2A_EFFICIENCY} (fitted on 2 x H200, EP 2 beside EP 1)"
+        else f"the catalog rate, NVLink at A2A_LINK_SHARE = {links_.A2A_LINK_SHARE} of its line rate (NCCL's"
+        f" reach), + A2A_PAIR_FIXED_S per pair (fitted on 2 x H200, EP 2 beside EP 1)"
     )
     out.append(
         _term("AutoEP all-to-all (dispatch + combine)", ep.describe(), how, fp, s["all_to_all_s"], note)
@@ -582,6 +597,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
         "case": f"{model} on {world // PER_NODE} x {PER_NODE} {gpu_name}, {FABRIC}",
         "calibration": None if cal is None else "NCCL's published rates (published_calibration)",
         "pinned": pin,
+        "held": held if pin else None,
         "pick": _pick_of(p),
         # the pick as overrides, to hold it under another calibration
         "as_overrides": {
@@ -612,7 +628,7 @@ def terms(calibration_path: Path | None, pin: dict[str, Any] | None = None) -> d
 def terms_markdown(a: dict[str, Any]) -> str:
     lines = [
         f"{a['case']}, {'calibrated: ' + a['calibration'] if a['calibration'] else 'catalog rates'}: "
-        f"{'the catalog pick held' if a['pinned'] else 'pick'} {a['pick']}, {a['tokens_per_s_per_gpu']:,} tokens/s/GPU; {a['non_expert_params_b']} B non-expert "
+        f"{a['held'] if a['pinned'] else 'pick'} {a['pick']}, {a['tokens_per_s_per_gpu']:,} tokens/s/GPU; {a['non_expert_params_b']} B non-expert "
         f"parameters, {a['expert_params_b']} B routed-expert ({a['local_expert_params_b']} B per EP rank)",
         "",
         "| term | group | first principles | s | model s | model / arithmetic |",
@@ -652,6 +668,8 @@ def main() -> None:
         path = Path(tmp) / "calibration.json"
         cal = published_calibration(path)
         cases = {"catalog": terms(None), "calibrated": terms(path)}
+        if cases["catalog"]["as_overrides"] != AUDITED:  # the EP 8 all-to-all the audit found 2.49x, again
+            cases["catalog_audited_pick"] = terms(None, AUDITED, "the pick audited on 2026-12-05 held")
         # where the calibration moves the pick, the catalog's pick held too: the same traffic, both rates
         held = cases["catalog"]["as_overrides"]
         if cases["calibrated"]["as_overrides"] != held:

@@ -14,7 +14,8 @@ other ranks run their own groups of the same kind at the same moment (every expe
 reduces at once), so they keep their NICs.
 
 An all-to-all has no ring: each rank sends `(g-1)/g` of its bytes, `(g-r)/g` of them through its own
-share of the NICs and `(r-1)/g` over the node's links, both at once.
+share of the NICs and `(r-1)/g` over the node's links, both at once; the node's links at the share of
+their line rate NCCL reaches (`A2A_LINK_SHARE`), the NICs at the fabric's rate, which is already NCCL's.
 
 Where the user calibrated their cluster (`dskit calibrate`, dskit/calibrate/calibration.py), each
 shape's measured latency and bus bandwidth replace the catalog's for that shape; a ring across more (or
@@ -30,7 +31,17 @@ from dataclasses import dataclass
 from dskit.calibrate.calibration import EXCHANGE, OPS, Calibration
 from dskit.catalog import GPU, Fabric
 
-__all__ = ["OPS", "Group", "Links", "Rate", "groups", "moved_share", "ring_latency_s", "ring_steps"]
+__all__ = [
+    "A2A_LINK_SHARE",
+    "OPS",
+    "Group",
+    "Links",
+    "Rate",
+    "groups",
+    "moved_share",
+    "ring_latency_s",
+    "ring_steps",
+]
 
 #: NCCL's ring latency model, protocol Simple (the one large messages take), microseconds: a base per
 #: call, plus one hardware latency per ring step, by the link the step crosses (tuning.cc `baseLat`,
@@ -41,6 +52,14 @@ NCCL_STEP_US = {"nvlink": 3.4, "pcie": 5.7, "net": 9.6}
 NCCL_NET_STEP_US = NCCL_STEP_US["net"]
 US = 1e-6
 GB = 1e9
+#: the share of a GPU's link inside a node (gpus.yaml `interconnect_gbs`, the line rate: the ceiling)
+#: that NCCL's all-to-all reaches on large messages: "450GB/s is the line rate. With the protocol
+#: overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s, which you can observe as
+#: BusBw when running non-allreduce operations" (NCCL's maintainer, NVIDIA/nccl-tests issue #212).
+#: Across nodes an all-to-all reaches one NIC's rate per rank ("Alltoall cannot aggregate the bandwidth
+#: of multiple NICs"; "CX-7 NICs at NDR rate (400Gbps) should achieve up to 48-49GB/s per NIC",
+#: nccl-tests issue #267): the fabric's `bus_gbs_per_gpu`, which takes no share on top
+A2A_LINK_SHARE = 0.8
 
 #: where a rate came from, as --explain prints it
 MEASURED = "measured on this cluster (dskit calibrate)"
@@ -155,12 +174,14 @@ class Links:
     def exchange(self, g: Group) -> Rate | None:
         """AutoEP's dispatch-and-combine pair over groups shaped `g` as `dskit calibrate` measured it (its
         bytes are both directions': dskit/calibrate/job.py `exchange_bytes`), or None where it was not:
-        the step-time model then takes the catalog's all-to-all rate at AutoEP's fitted share."""
+        the step-time model then takes the catalog's all-to-all rate and AutoEP's fitted fixed cost."""
         found = None if self.calibration is None else self.calibration.nearest(EXCHANGE, g.key)
         return None if found is None else Rate(found[0].bus_gbs, found[0].latency_s, MEASURED)
 
     def catalog_rate(self, op: str, g: Group) -> Rate | None:
         intra = self.intra_gbs
+        if intra is not None and op == "all_to_all":
+            intra *= A2A_LINK_SHARE
         latency = ring_latency_s(op, g, self.intra_kind)
         if not g.spans_nodes:
             return None if intra is None else Rate(intra, latency, CATALOG)

@@ -184,10 +184,14 @@ CPU_ADAM_CORE_S_PER_BPARAM = 14.7
 #: added and copied again in each later one), 2-6 bytes per micro-step; the fitted CPU Adam rate absorbs
 #: it (docs/planner.md "Optimizer offload, measured")
 OFFLOAD_BYTES_PER_PARAM = 6
-#: achieved share of the link bandwidth in AutoEP's all-to-all (uneven splits, the count exchange before
-#: each dispatch, small messages), fitted on the EP 2 runs beside EP 1 at the same shapes
-#: (docs/planner.md "Validation on H200")
-A2A_EFFICIENCY = 0.4
+#: AutoEP's fixed cost per dispatch-and-combine pair beyond NCCL's per-call latency, seconds: the count
+#: exchange before each dispatch, the split sizes read back to the host (which stalls its launches) and
+#: the permutes' kernel launches. Its bytes run at the catalog's all-to-all rate (links.A2A_LINK_SHARE of
+#: NVLink's line rate, NCCL's reach): the single share of the link fitted before (0.4) folded this cost
+#: into the bandwidth and so charged large messages for it 2.5x over at V3's width. Fitted by
+#: bench/a2a_fit.py on the 2 x H200 EP 2 runs beside EP 1 (docs/planner.md "Validation on H200");
+#: a measured exchange (`dskit calibrate`) already holds it and takes none
+A2A_PAIR_FIXED_S = 0.00225
 #: share of the compute term that regional torch.compile (dskit/train/compile.py) removes: its fused
 #: RMSNorm, SwiGLU and rotary kernels replace eager elementwise kernels that GEMM_EFFICIENCY absorbs.
 #: Measured where the step is GPU-bound; the host timeline is unchanged. Other models and GPUs are assumed
@@ -490,7 +494,10 @@ def _link_sources(shapes: dict[str, links_.Group], links: Links) -> list[tuple[s
             out.append((f"ep group ({g.describe()})", f"{measured.source}: AutoEP's dispatch and combine"))
         elif r is not None:
             out.append(
-                (f"ep group ({g.describe()})", f"{r.source}; AutoEP's share (A2A_EFFICIENCY) {FITTED}")
+                (
+                    f"ep group ({g.describe()})",
+                    f"{r.source}; AutoEP's fixed cost per dispatch and combine (A2A_PAIR_FIXED_S) {FITTED}",
+                )
             )
     return out
 
@@ -674,8 +681,8 @@ def _all_to_all_s(
     unknown: then named in `unknown`): a dispatch-and-combine pair per MoE layer and pass (forward,
     backward, a recomputed forward). Measured by `dskit calibrate` (AutoEP's own exchange: its count
     exchange, split sizes read back and uneven all-to-alls), the pair takes what was measured; else
-    the catalog's all-to-all rate at AutoEP's fitted share of it (A2A_EFFICIENCY: uneven splits, the
-    count exchange, small messages), which a measurement already holds and is not applied to again."""
+    the bytes at the all-to-all's rate (the catalog's: NCCL's share of the links) plus AutoEP's fitted
+    fixed cost per pair (A2A_PAIR_FIXED_S), which a measurement already holds and is not added again."""
     if ep.size == 1:
         return 0.0
     pairs = s.moe_layers * (2 + frac)
@@ -688,7 +695,7 @@ def _all_to_all_s(
     if rate is None:
         unknown.append("all-to-all across nodes (fabric bandwidth unknown)")
         return 0.0
-    return pairs * (2 * rate.latency_s + sent / (rate.bus_gbs * GB * A2A_EFFICIENCY))
+    return pairs * (A2A_PAIR_FIXED_S + 2 * rate.latency_s + sent / (rate.bus_gbs * GB))
 
 
 def _optimizer_s(

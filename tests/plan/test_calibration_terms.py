@@ -28,7 +28,7 @@ from dskit.calibrate.scales import FITTED, SCALED, TERMS, factors, fitted, kind_
 from dskit.errors import SpecError
 from dskit.plan import adapters, speed
 from dskit.plan.candidate import Candidate, Cluster, Workload
-from dskit.plan.links import CATALOG, GB, MEASURED, Group, Links, Rate
+from dskit.plan.links import A2A_LINK_SHARE, CATALOG, GB, MEASURED, Group, Links, Rate
 from dskit.plan.links import groups as shapes_of
 from dskit.plan.model_math import counts, flops_per_token
 from dskit.plan.shape import ModelShape
@@ -378,12 +378,24 @@ def test_seconds_are_the_latency_per_call_and_the_bytes_each_rank_moves_at_the_m
 
 def test_a_catalog_all_to_all_across_nodes_runs_at_its_slower_half():
     """Each rank sends (g-r)/g of its bytes through its NIC and (r-1)/g over the node's links at once:
-    the slower sets the rate. Over InfiniBand the NIC share does for NVLink nodes, PCIe's for L40S."""
+    the slower sets the rate. Over InfiniBand the NIC share does for NVLink nodes, PCIe's for L40S. The
+    node's links run at NCCL's share of their line rate (A2A_LINK_SHARE), the NICs at the fabric's rate,
+    which is already NCCL's."""
     g = Group(8, 2)
     nvlink = Links.of(H100, IB).catalog_rate("all_to_all", g)
     assert nvlink.bus_gbs == approx((15 / 16) / (8 / 16 / 48)) and nvlink.latency_s == approx(9.6e-6)
     pcie = Links.of(L40S, IB).catalog_rate("all_to_all", g)
-    assert pcie.bus_gbs == approx((15 / 16) / (7 / 16 / 32)) and pcie.source == CATALOG
+    assert pcie.bus_gbs == approx((15 / 16) / (7 / 16 / (32 * A2A_LINK_SHARE))) and pcie.source == CATALOG
+
+
+def test_only_the_all_to_all_takes_nccls_share_of_a_nodes_line_rate():
+    """Inside a node the all-to-all runs at A2A_LINK_SHARE of the link's line rate (NCCL's protocol
+    overhead, nccl-tests issue #212); the rings keep the line rate the catalog gives."""
+    inside = Links.of(H100, IB)
+    assert inside.catalog_rate("all_to_all", Group(8, 1)).bus_gbs == approx(450 * A2A_LINK_SHARE)
+    assert A2A_LINK_SHARE < 1
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert inside.catalog_rate(op, Group(8, 1)).bus_gbs == 450
 
 
 def test_the_exchange_is_read_at_the_ep_groups_own_shape_only():
@@ -596,8 +608,8 @@ def _a2a(
 
 def test_a_measured_exchange_is_taken_as_measured_once_per_pair():
     """A dispatch-and-combine pair per MoE layer and pass costs the measured latency once and the bytes
-    at the measured rate: no A2A_EFFICIENCY discount (the measurement already holds AutoEP's losses),
-    no second latency."""
+    at the measured rate: no share of the link and no A2A_PAIR_FIXED_S (the measurement already holds
+    AutoEP's losses), no second latency."""
     links = Links.of(H100, IB, _cal({EXCHANGE: {"8x1": (60.0, 2e-5), "2x1": (80.0, 1e-5)}}))
     pairs = C2.moe_layers * 2.5
     seconds, unknown = _a2a(links, 8, frac=0.5)
@@ -609,18 +621,19 @@ def test_a_measured_exchange_is_taken_as_measured_once_per_pair():
     assert _a2a(links, 1) == (0.0, [])
 
 
-def test_without_a_measured_exchange_the_catalog_rate_takes_autoeps_fitted_share():
-    """Unmeasured, the pair is two all-to-alls at the catalog's rate (one step of latency each) at
-    A2A_EFFICIENCY of it."""
+def test_without_a_measured_exchange_the_catalog_rate_adds_autoeps_fitted_fixed_cost():
+    """Unmeasured, the pair is two all-to-alls at the catalog's rate (one step of latency each), NVLink
+    at NCCL's share of its line rate (A2A_LINK_SHARE) and the NICs at the fabric's rate, which is already
+    NCCL's, plus AutoEP's fitted fixed cost per pair (A2A_PAIR_FIXED_S)."""
     links = Links.of(H100, IB, _cal({EXCHANGE: {"8x2": (60.0, 2e-5)}}))  # another shape's
     pairs = C2.moe_layers * 2.5
+    fixed = speed.A2A_PAIR_FIXED_S
     seconds, _ = _a2a(links, 8, frac=0.5)
-    assert seconds == approx(pairs * (2 * 3.4e-6 + _sent(SEQ, 8) / (450 * GB * speed.A2A_EFFICIENCY)))
+    nvlink = 450 * A2A_LINK_SHARE
+    assert seconds == approx(pairs * (fixed + 2 * 3.4e-6 + _sent(SEQ, 8) / (nvlink * GB)))
     across, _ = _a2a(Links.of(H100, IB), 16)
-    bus = (15 / 16) / max(8 / 16 / 48, 7 / 16 / 450)  # the NIC share sets the pace
-    assert across == approx(
-        C2.moe_layers * 2 * (2 * 9.6e-6 + _sent(SEQ, 16) / (bus * GB * speed.A2A_EFFICIENCY))
-    )
+    bus = (15 / 16) / max(8 / 16 / 48, 7 / 16 / nvlink)  # the NIC share sets the pace
+    assert across == approx(C2.moe_layers * 2 * (fixed + 2 * 9.6e-6 + _sent(SEQ, 16) / (bus * GB)))
     seconds, unknown = _a2a(Links.of(H100, TCP), 16)
     assert seconds == 0.0 and unknown == ["all-to-all across nodes (fabric bandwidth unknown)"]
 
@@ -860,7 +873,10 @@ def test_a_gpu_step_takes_the_measured_exchange_and_says_where_each_rate_came_fr
     assert unmeasured.sources[:3] == (
         ("dense group (16 ranks, 8 on each of 2 nodes)", CATALOG),
         ("expert-dp group (2 ranks, 1 on each of 2 nodes)", CATALOG),
-        ("ep group (8 ranks inside a node)", f"{CATALOG}; AutoEP's share (A2A_EFFICIENCY) {FITTED}"),
+        (
+            "ep group (8 ranks inside a node)",
+            f"{CATALOG}; AutoEP's fixed cost per dispatch and combine (A2A_PAIR_FIXED_S) {FITTED}",
+        ),
     )
 
 

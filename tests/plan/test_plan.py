@@ -246,24 +246,29 @@ def test_construction_peak_of_one_v3_moe_layer():
 
 
 def test_issue_examples():
-    """Two plans at the edges: V3 on 32 nodes of H100 fits every estimate; V2-Lite on one H200 is refused.
+    """Plans at the edges: V3 on 32 nodes of H100 fits every estimate; V2 on 8 nodes of H100 offloads
+    its optimizer; V2-Lite on one H200 is refused.
 
-    V3's default batch is 4 sequences per GPU there (1024): micro-batch 4 fits only with the optimizer
-    offloaded, predicted more than the required 15% faster than every plan without it, and said so.
+    V3's default batch is 4 sequences per GPU there (1024). V2 at 8 sequences per GPU (512) fits micro-batch
+    8 only with the optimizer offloaded, predicted more than the required 15% faster than every plan
+    without it, and said so.
 
     V2-Lite on one H200 cannot train without offload (16 B x 15.7B = 234 GiB of states > 139.8 GiB), and
     offloading needs 18 B x 15.7B = 263 GiB of host RAM: more than a DGX H200's share (256 GiB per GPU)
     and twice the 128 GiB of the single-H200 machine here. So the plan refuses, and says what to change.
     """
     v3 = plan_for(model__preset="deepseek-v3", hardware__nodes=32)
-    m = v3.memory
-    assert v3.parallel.global_batch == 1024 and v3.parallel.micro_batch == 4
-    assert v3.parallel.offload_optimizer and any(
-        "predicted more than 15% faster than every fitting plan without it" in w for w in v3.warnings
+    assert v3.parallel.global_batch == 1024
+    v2 = plan_for("training.global_batch=512", model__preset="deepseek-v2", hardware__nodes=8)
+    assert v2.parallel.micro_batch == 8
+    assert v2.parallel.offload_optimizer and any(
+        "predicted more than 15% faster than every fitting plan without it" in w for w in v2.warnings
     )
-    assert (
-        max(m["total_gib"], m["construction_gib"]) <= m["limit_gib"] and m["host_gib"] <= m["host_limit_gib"]
-    )
+    for m in (v3.memory, v2.memory):
+        assert (
+            max(m["total_gib"], m["construction_gib"]) <= m["limit_gib"]
+            and m["host_gib"] <= m["host_limit_gib"]
+        )
     for host in (None, 128):
         sets = [] if host is None else [f"hardware.host_memory_gib={host}"]
         with pytest.raises(SpecError) as e:
@@ -569,7 +574,10 @@ def test_a_much_faster_plan_left_out_by_the_margin_alone_is_named_and_a_smaller_
     margin = float(line.split("overrides.gpu_memory_margin=")[1].split()[0])
     assert 0 < margin < 0.10 and "no offload is predicted" in line and "(90% of 79.11 GiB usable)" in line
     resident = plan_for(*H100_L8, f"overrides.gpu_memory_margin={margin}", **H100)
-    assert not resident.parallel.offload_optimizer and resident.memory["limit_gib"] >= resident.memory["total_gib"]
+    assert (
+        not resident.parallel.offload_optimizer
+        and resident.memory["limit_gib"] >= resident.memory["total_gib"]
+    )
     assert resident.speed["tokens_per_s_per_gpu"] > 10 * offloaded.speed["tokens_per_s_per_gpu"]
     assert not any("gpu_memory_margin" in w for w in plan_for(*H200_MB2, **H200).warnings)  # nothing near
     for bad in ("-0.1", "0.6"):
