@@ -249,6 +249,7 @@ BENCH_FOR_TESTS = {
     "bench.scale_table",
     "bench.pipeline_what_if",
     "bench.optimizer_refit",
+    "bench.a2a_fit",
     "bench.cpu_fit",
     "bench.memsnap.sitecustomize",
 }
