@@ -26,8 +26,10 @@ from dskit.plan.candidate import Candidate, Cluster, Workload
 # Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
 # communicators, the caching allocator's rounding. The steady-state model lands from 3% below to 10%
 # above the peak reserved on the H200 runs (tests/plan/test_plan_calibration.py), on the safe side mostly.
-# `overrides.gpu_memory_margin` replaces it for a run that takes the risk.
+# `overrides.gpu_memory_margin` replaces it for a run that takes the risk, down to GPU_MEMORY_MIN_MARGIN:
+# the 3% the estimate has measured below a peak.
 GPU_MEMORY_MARGIN = 0.10
+GPU_MEMORY_MIN_MARGIN = 0.03
 # What the node needs besides the ranks: the OS, the filesystem client's cache, the container runtime,
 # slurmd or the kubelet (Kubernetes reserves system memory the same way).
 HOST_MEMORY_MARGIN = 0.10
@@ -181,7 +183,7 @@ def explain_no_fit(
         # ZeRO-1/2 only (an fp8 base): a GPU holds the non-expert base whole, so only EP shrinks it
         return "finetune.base_precision", (
             f"{s.where} cannot hold an fp8 base: each GPU holds the non-expert base whole and 1/ep of the "
-            f"experts, in FP8 ({b.shard_gib:.1f} GiB at EP {least.candidate.ep_size}), over {_gpu_limit(s)}; "
+            f"experts, in FP8 ({b.shard_gib:.1f} GiB at EP {least.candidate.ep_size}), over {gpu_limit_text(s)}; "
             + _or(
                 _more_nodes(s, fits, ep_for),
                 "finetune.base_precision=bf16 (ZeRO-3 shards a bf16 base, dequantised while loading; "
@@ -193,7 +195,7 @@ def explain_no_fit(
         # only ZeRO-1/2 were searched (overrides.zero_stage): more nodes never shrink the whole model
         return "overrides.zero_stage", (
             f"{s.where} cannot be built under ZeRO-{least.candidate.zero_stage}: it builds the whole 16-bit model "
-            f"({b.shard_gib:.1f} GiB) on each GPU, over {_gpu_limit(s)}; use overrides.zero_stage=3"
+            f"({b.shard_gib:.1f} GiB) on each GPU, over {gpu_limit_text(s)}; use overrides.zero_stage=3"
         )
     if sharded:  # what more nodes shrink: ZeRO-3's shard (ZeRO-1/2 build the whole model on every GPU)
         least = min(sharded, key=lambda f: f.construction.total_gib)
@@ -202,7 +204,7 @@ def explain_no_fit(
         return "hardware.nodes", (
             f"{s.where} cannot be built: construction peaks at {b.total_gib:.1f} GiB/GPU ({b.shard_gib:.1f} weight "
             f"shard + {b.gathered_gib:.1f} largest module gathered whole + {b.autoep_copy_gib:.1f} AutoEP copy of "
-            f"one layer's local experts + {b.overhead_gib:.1f} overhead), over {_gpu_limit(s)}; "
+            f"one layer's local experts + {b.overhead_gib:.1f} overhead), over {gpu_limit_text(s)}; "
             + _or(
                 _more_nodes(s, fits, ep_for),
                 f"a GPU with more memory (hardware.gpu): one module alone is {b.gathered_gib:.1f} GiB",
@@ -240,8 +242,10 @@ def explain_no_fit(
     )
 
 
-def _gpu_limit(s: Setting) -> str:
-    return f"the {s.gpu_limit:.1f} GiB limit ({1 - s.gpu_margin:.0%} of {s.gpu.usable_memory_gib} GiB usable)"
+def gpu_limit_text(s: Setting) -> str:
+    """'the 71.2 GiB limit (90% of 79.11 GiB usable)', naming overrides.gpu_memory_margin where it was set."""
+    pinned = "" if s.gpu_margin == GPU_MEMORY_MARGIN else f", overrides.gpu_memory_margin {s.gpu_margin:g}"
+    return f"the {s.gpu_limit:.1f} GiB limit ({1 - s.gpu_margin:.0%} of {s.gpu.usable_memory_gib} GiB usable{pinned})"
 
 
 def _numbers(f: Fit) -> str:
@@ -250,17 +254,17 @@ def _numbers(f: Fit) -> str:
         if f.candidate.zero_stage != 3:
             return (
                 f"building it peaks at {b.total_gib:.1f} GiB/GPU at {f.candidate.describe()} (the whole 16-bit "
-                f"model, {b.shard_gib:.1f} GiB, on each GPU), over {_gpu_limit(s)}"
+                f"model, {b.shard_gib:.1f} GiB, on each GPU), over {gpu_limit_text(s)}"
             )
         return (
             f"building it peaks at {b.total_gib:.1f} GiB/GPU at {f.candidate.describe()} ({b.shard_gib:.1f} weight "
-            f"shard, {b.gathered_gib:.1f} largest module, {b.autoep_copy_gib:.1f} AutoEP copy), over {_gpu_limit(s)}"
+            f"shard, {b.gathered_gib:.1f} largest module, {b.autoep_copy_gib:.1f} AutoEP copy), over {gpu_limit_text(s)}"
         )
     if s.gpu_limit is not None and e.total_gib > s.gpu_limit:
         return (
             f"training needs {e.total_gib:.1f} GiB/GPU at {f.candidate.describe()} (states {e.states_gib:.1f}, "
             f"working set {e.working_set_gib:.1f}, activations {e.activations_gib:.1f}, logits {e.logits_gib:.1f}, "
-            f"overhead {e.overhead_gib:.1f}), over {_gpu_limit(s)}"
+            f"overhead {e.overhead_gib:.1f}), over {gpu_limit_text(s)}"
         )
     return (
         f"host RAM per node needs {f.host.total_gib:.1f} GiB at {f.candidate.describe()}, over the "

@@ -69,6 +69,7 @@ def plan_parallel(
     if spec.overrides.ep_size is not None:  # checked here: one line naming the valid sizes
         _check_pinned_ep(model.shape.routed_experts, world, per_node, spec.overrides.ep_size)
     gb, per_rank = _batch_split(spec, world)
+    cuda_graphs(spec, gpu)  # `on` where no candidate could take graphs: refused before the search
     compiled = _compiled(spec, gpu, warnings)
     seq_len = spec.training.seq_len
     attention = attention_compile(spec.overrides.compile, gpu)
@@ -92,6 +93,7 @@ def plan_parallel(
     )
     _warn_over_the_margin_only(found, warnings)
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
+    compile_attention = attention and c.zero_stage < 3
     parallel = ParallelPlan(
         zero_stage=c.zero_stage,
         ep_size=c.ep_size,
@@ -106,8 +108,8 @@ def plan_parallel(
         offload_optimizer=c.offload,
         loss_chunk_tokens=memory.loss_chunk_for(model.shape, c.micro_batch * seq_len, spec.overrides.loss),
         compile_regions=compiled,
-        compile_attention=attention and c.zero_stage < 3,
-        cuda_graphs=cuda_graphs(spec, gpu, attention and c.zero_stage < 3),
+        compile_attention=compile_attention,
+        cuda_graphs=cuda_graphs(spec, gpu, compile_attention, c.ckpt_every),
         optimizer_step=step,
         gradients="flat"
         if memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
@@ -118,21 +120,19 @@ def plan_parallel(
 
 
 def _warn_over_the_margin_only(found: search.Search, warnings: list[str]) -> None:
-    """A much faster plan left out only by the memory margin is named, with the margin that would take it:
-    the estimate is mostly high (docs/planner.md), and the pick it leaves (often an offloaded optimizer)
-    can be many times slower."""
+    """A much faster plan left out only by the memory margin is named, with the margin that takes it: the
+    estimate is mostly high (docs/planner.md), and the pick it leaves (often an offloaded optimizer) can
+    be many times slower."""
     near = search.over_the_margin_only(found.rows, found.chosen)
     if near is None:
         return
     s = near.fit.setting
-    usable = s.gpu.usable_memory_gib
-    margin = math.floor(100 * (1 - near.fit.peak_gib / usable)) / 100
+    margin = math.floor(100 * (1 - near.fit.peak_gib / s.gpu.usable_memory_gib)) / 100  # type: ignore[operator]
     ratio = near.speed.tokens_per_s / found.chosen.speed.tokens_per_s  # type: ignore[union-attr]
     warnings.append(
         f"{near.candidate.describe()} is predicted {ratio:.1f}x this plan's tokens/s, but its "
-        f"{near.fit.peak_gib:.2f} GiB per GPU is over the {s.gpu_limit:.2f} GiB limit ({1 - s.gpu_margin:.0%} of "
-        f"{usable} GiB usable); overrides.gpu_memory_margin={margin:.2f} would take it, at the risk of "
-        "running out of GPU memory"
+        f"{near.fit.peak_gib:.1f} GiB per GPU is over {fit.gpu_limit_text(s)}; overrides.gpu_memory_margin="
+        f"{margin:.2f} lets it fit, at the risk of running out of GPU memory"
     )
 
 
@@ -234,11 +234,16 @@ def attention_compile(choice: str, gpu: catalog.GPU) -> bool:
 CUDA_GRAPHS_FASTER = False
 
 
-def cuda_graphs(spec: Spec, gpu: catalog.GPU, compiled_attention: bool) -> bool:
+def cuda_graphs(
+    spec: Spec, gpu: catalog.GPU, compiled_attention: bool | None = None, ckpt_every: int = 0
+) -> bool:
     """`overrides.cuda_graphs` -> whether the compiled attention blocks replay as CUDA graphs. A graph
-    replays fixed shapes, so only rows of one shape (packed text) qualify; `on` where they cannot apply
-    is refused in one line saying what is missing."""
-    missing = _graphs_missing(spec, gpu, compiled_attention)
+    replays fixed shapes, so only rows of one shape (packed text) qualify; activation checkpointing's
+    recompute frees inputs a recorded graph still points to (torch's cudagraph trees refuse it). `on`
+    where they cannot apply is refused in one line saying what is missing; called before the search
+    (`compiled_attention` None) for what does not depend on the candidate, where `on` also narrows the
+    search to ZeRO-1/2 without checkpointing (`_pinned`), and after it for the candidate."""
+    missing = _graphs_missing(spec, gpu, compiled_attention, ckpt_every)
     if spec.overrides.cuda_graphs == "on" and missing:
         raise SpecError("overrides.cuda_graphs", f"on needs {missing}; allowed here: auto, off")
     return missing is None and (
@@ -246,15 +251,19 @@ def cuda_graphs(spec: Spec, gpu: catalog.GPU, compiled_attention: bool) -> bool:
     )
 
 
-def _graphs_missing(spec: Spec, gpu: catalog.GPU, compiled_attention: bool) -> str | None:
+def _graphs_missing(
+    spec: Spec, gpu: catalog.GPU, compiled_attention: bool | None, ckpt_every: int
+) -> str | None:
     if gpu.is_cpu:
         return "a GPU"
     if spec.overrides.compile in ("off", "regions"):
         return "compiled attention blocks (overrides.compile: on or auto)"
     if spec.data.packing == "pad":
         return "rows of one shape (data.packing: pack)"
-    if not compiled_attention:
-        return "ZeRO-1/2, whose attention blocks are compiled whole (pin overrides.zero_stage: 1 or 2)"
+    if compiled_attention is False:
+        return "ZeRO-1/2, whose attention blocks are compiled whole (overrides.zero_stage: 1 or 2)"
+    if ckpt_every:
+        return "no activation checkpointing (overrides.activation_checkpointing: 0)"
     return None
 
 
@@ -424,8 +433,13 @@ def _pinned(o: PlanOverrides, free: search.Axes) -> tuple[search.Axes, list[str]
         # last: the refusal names forced[0], and a stage rarely is what does not fit
         "stages": ("overrides.zero_stage", one(o.zero_stage)),
     }
+    if o.cuda_graphs == "on":  # what a graph needs, where the user pinned nothing else (cuda_graphs())
+        if o.activation_checkpointing is None:
+            pins["ckpts"] = ("overrides.cuda_graphs", (0,))
+        if o.zero_stage is None:
+            pins["stages"] = ("overrides.cuda_graphs", tuple(z for z in free.stages if z < 3) or free.stages)
     pinned = dataclasses.replace(free, **{axis: v for axis, (_, v) in pins.items() if v is not None})
-    return pinned, [key for key, v in pins.values() if v is not None]
+    return pinned, list(dict.fromkeys(key for key, v in pins.values() if v is not None))
 
 
 def _ep_at(n_experts: int, per_node: int, pinned_ep: int | None) -> Callable[[int], list[int]]:

@@ -260,23 +260,23 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
 
 
 def over_the_margin_only(rows: list[Row], chosen: Row) -> Row | None:
-    """The fastest candidate that misses the GPU limit but not the usable memory itself, with its host
-    RAM fitting, predicted more than OFFLOAD_MARGIN faster than `chosen`: what a smaller
-    overrides.gpu_memory_margin would take (None where there is none)."""
-    if chosen.speed is None:
-        return None
+    """Of the candidates that miss the GPU limit but would fit with fit.GPU_MEMORY_MIN_MARGIN, their host
+    RAM fitting, predicted more than OFFLOAD_MARGIN faster than `chosen`: the one needing the least memory,
+    what the largest smaller overrides.gpu_memory_margin takes (None where there is none)."""
     usable = chosen.fit.setting.gpu.usable_memory_gib
+    if chosen.speed is None or usable is None:
+        return None
+    room = usable * (1 - fit.GPU_MEMORY_MIN_MARGIN)
     near = [
         r
         for r in rows
         if not r.fit.gpu_ok
         and r.fit.host_ok
         and timed(r)
-        and usable is not None
-        and r.fit.peak_gib <= usable
+        and r.fit.peak_gib <= room
         and r.speed.tokens_per_s > chosen.speed.tokens_per_s * (1 + OFFLOAD_MARGIN)  # type: ignore[union-attr]
     ]
-    return max(near, key=lambda r: r.speed.tokens_per_s, default=None)  # type: ignore[union-attr]
+    return min(near, key=lambda r: r.fit.peak_gib, default=None)
 
 
 def offload_wins(offload: StepTime, resident: StepTime) -> bool:

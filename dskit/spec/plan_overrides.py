@@ -41,10 +41,11 @@ class PlanOverrides(_Section):
     )
     gpu_memory_margin: float | None = Field(
         None,
-        ge=0,
+        ge=0.03,
         le=0.5,
         description="Share of each GPU's usable memory a plan leaves free beyond its estimate (allocator "
-        "fragmentation, NCCL buffers). Default: 0.10. The estimate is mostly a little high, so a smaller margin "
+        "fragmentation, NCCL buffers). Default: 0.10; at least 0.03, the most the estimate has measured below a "
+        "peak. The estimate is mostly a little high, so a smaller margin "
         "can take a much faster plan that misses the default limit by a little (the plan warns when one does), "
         "at the risk of running out of GPU memory.",
     )
@@ -67,11 +68,12 @@ class PlanOverrides(_Section):
     )
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="CUDA graphs over each compiled attention block (torch.compile's reduce-overhead mode): "
-        "one graph launch instead of its dozens of kernels, where the host sets the step's pace. Needs "
-        "compiled attention (overrides.compile on or auto, ZeRO-1/2, a GPU) and rows of one shape "
-        "(data.packing: pack); AutoEP's expert exchange is data-dependent and stays outside. auto: off (measured "
-        "on one H100: 0.86-0.98x at micro-batch 1-2; docs/plan.md).",
+        description="CUDA graphs over each compiled attention block (torch.compile's reduce-overhead mode; "
+        "the attention kernel between its two graphs stays eager), where the host sets the step's pace. Needs "
+        "a GPU, compiled attention (overrides.compile on or auto, ZeRO-1/2), rows of one shape (data.packing: "
+        "pack) and no activation checkpointing: on narrows the search to those. AutoEP's expert exchange is "
+        "data-dependent and stays outside. auto: off (measured on one H100: 0.86-0.98x at micro-batch 1-2; "
+        "docs/plan.md).",
     )
     optimizer_step: Literal["auto", "deepspeed", "fused"] = Field(
         "auto",
