@@ -13,6 +13,7 @@ Torch-free: the reader runs on a login node with dskit's core only.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -41,13 +42,19 @@ ENDS = {
 }
 
 
+#: beside the record, never replaced: the one launcher that holds its lock trains the run dir
+RUN_LOCK = ".local-run.lock"
+
+
 @dataclass(frozen=True)
 class Started:
-    """A local run's record while it runs: the descriptor holds its lock until `end` closes it."""
+    """A local run's record while it runs: the descriptors hold the record's and the run dir's locks
+    until `end` closes them."""
 
     path: Path
     fd: int
     info: dict[str, Any]
+    run_lock: int | None = None
 
 
 def _warn(text: str) -> None:
@@ -55,26 +62,46 @@ def _warn(text: str) -> None:
     sys.stderr.write(f"dskit: warning: {text}; `dskit status` will not see this run\n")
 
 
-def refuse_a_second_trainer(run_dir: Path) -> None:
-    """SpecError (exit 2) where the record says a local run of `run_dir` is still running: a second
-    trainer would write the same checkpoints and metrics under the first. A record of another machine
-    cannot be checked from here, so it is refused too, with how to go on if that run is gone."""
+def refuse_while_trained(run_dir: Path, why: str) -> None:
+    """SpecError (exit 2) where the record says a local run of `run_dir` is still running (`why`: what
+    going on would do to it). A record of another machine cannot be checked from here and is refused
+    too; every refusal names the record to delete if that run is gone (a pid reused since, a host
+    renamed)."""
     run = read(run_dir)
     if run is None or run.state not in ("running", "running?"):
         return
-    gone_hint = (
-        f"; if it is gone, delete {run_dir / RECORD}"
-        if run.state == "running?"
-        else "; stop it first (kill -USR1 on its pid checkpoints and stops it)"
-    )
+    stop = "kill -USR1 on its pid checkpoints and stops it; " if run.state == "running" else ""
     raise SpecError(
         str(run_dir),
-        f"already being trained ({run.detail}): a second trainer would overwrite its checkpoints{gone_hint}",
+        f"being trained ({run.detail}): {why}; {stop}if that run is gone, delete {run_dir / RECORD}",
     )
+
+
+def _lock_run_dir(run_dir: Path) -> int | None:
+    """Hold the run dir's lock for this launcher (SpecError where another launcher holds it; None where
+    the run dir cannot hold a lock file: the record is then the only guard)."""
+    try:
+        fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise SpecError(
+            str(run_dir),
+            "being trained by another `dskit train --local` that started just now: wait for it or stop it",
+        ) from None
+    except OSError:  # a filesystem without locks
+        pass
+    return fd
 
 
 def start(run_dir: Path) -> Started | None:
-    """Record that a local run starts now, locked until `end`; None where it cannot be written."""
+    """Take the run dir for this launcher (SpecError where a live one on this machine has it: two that
+    passed `refuse_while_trained` together) and record that a local run starts now, locked until `end`;
+    None where the record cannot be written."""
+    run_lock = _lock_run_dir(run_dir)
     path = run_dir / RECORD
     info = {"written_by": WRITER, **owner.identity(), "started": time.time()}
     tmp = run_dir / f".{RECORD}.{os.getpid()}.tmp"
@@ -87,9 +114,11 @@ def start(run_dir: Path) -> Started | None:
         if fd is not None:
             os.close(fd)
         tmp.unlink(missing_ok=True)
+        if run_lock is not None:
+            os.close(run_lock)
         _warn(f"cannot write {path} ({e.strerror or e})")
         return None
-    return Started(path, fd, info)
+    return Started(path, fd, info, run_lock)
 
 
 def end(started: Started | None, code: int | None, interrupted: str | None = None) -> None:
@@ -106,6 +135,8 @@ def end(started: Started | None, code: int | None, interrupted: str | None = Non
         _warn(f"cannot record the end of the run in {started.path} ({e.strerror or e})")
     finally:
         os.close(started.fd)
+        if started.run_lock is not None:
+            os.close(started.run_lock)
 
 
 @dataclass(frozen=True)
@@ -140,7 +171,9 @@ def _load(path: Path) -> dict[str, Any]:
     except bounded_read.TooLarge as e:
         raise SpecError(str(path), e.reason) from None
     except (OSError, ValueError) as e:
-        raise SpecError(str(path), f"unreadable ({e}); delete it, it only serves `dskit status`") from None
+        raise SpecError(
+            str(path), f"unreadable ({e}); delete it (it records a local run for `dskit status`)"
+        ) from None
     ok = (
         isinstance(info, dict)
         and _time(info.get("started"))
@@ -154,7 +187,9 @@ def _load(path: Path) -> dict[str, Any]:
         and ("ended" not in info or _time(info["ended"]))
     )
     if not ok:
-        raise SpecError(str(path), f"is not a record of {WRITER}; delete it, it only serves `dskit status`")
+        raise SpecError(
+            str(path), f"is not a record of {WRITER}; delete it (it records a local run for `dskit status`)"
+        )
     return info
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from dskit.errors import SpecError
 from dskit.io.atomic import check_replaceable
+from dskit.launch import local_run
 from dskit.plan.build import build_plan
 from dskit.plan.schema import Plan
 from dskit.render import TARGETS, Step, Target, common
@@ -49,6 +50,8 @@ def render_run(
     inputs = [spec_file, spec.data.path, spec.data.eval_path, *sources, spec.model.path]
     default = f"runs/{plan.name}-{target}"
     run_dir = check_replaceable(default if out is None else out, force=force, kind="run", inputs=inputs)
+    if run_dir.is_dir():  # --force: a run dir a local trainer is training stays
+        local_run.refuse_while_trained(run_dir, "--force would replace its run dir under it")
     for kept in [plan.run.checkpoint_dir, plan.run.output_dir, *t.writes(plan)]:
         if Path(kept).resolve().is_relative_to(run_dir):
             # replacing the run dir (--force) would delete the checkpoints and metrics inside it

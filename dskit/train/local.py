@@ -60,7 +60,9 @@ def run_local(run: str | None, *, nproc: int | None = None) -> int:
             "or re-render with --nodes 1 --gpus-per-node N",
         )
     check_host_gpus(plan.hardware.gpu, world)
-    local_run.refuse_a_second_trainer(run_file.parent)
+    local_run.refuse_while_trained(
+        run_file.parent, "a second trainer would write its checkpoints and metrics under it"
+    )
     stop = Path(plan.run.checkpoint_dir, STOP_FILE)
     stop.unlink(missing_ok=True)  # a stale request would stop us at once
     env = {**os.environ, **plan.env, Env.RUN_FILE.value: str(run_file)}

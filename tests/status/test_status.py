@@ -20,7 +20,7 @@ from dskit.errors import SpecError
 from dskit.launch import local_run
 from dskit.launch.contract import JOBS_FILE, TARGET_FILE
 from dskit.status import run_status
-from tests.conftest import render_tiny
+from tests.conftest import TINY_SETS, render_tiny
 from tests.conftest import status_table as table
 from tests.support.cli import cli
 
@@ -443,22 +443,33 @@ def test_a_target_added_only_to_the_registry_renders_and_answers_status(tmp_path
 
 
 def test_a_second_trainer_on_a_run_dir_being_trained_is_one_line_and_exit_2(tmp_path):
-    """A second `dskit train --local` would write the same checkpoints under the first: refused while the
-    record says running (this machine's lock), and where another machine's record cannot be checked, with
-    the way on if that run is gone. An ended or killed run is no obstacle: the same command resumes it."""
+    """A second `dskit train --local`, or a `render --force` of the run dir, would write under the trainer:
+    refused while the record says running (this machine's lock), and where another machine's record cannot
+    be checked; each refusal names the record to delete if that run is gone. Two launchers that pass the
+    check together are told apart by the run dir's lock. An ended run is no obstacle: the same command
+    resumes it."""
     rd = render_tiny(tmp_path, name="busy", steps=4)
     held = local_run.start(rd)
     try:
-        r = cli("train", "--local", str(rd))
+        train = cli("train", "--local", str(rd))
+        sets = [w for x in TINY_SETS for w in ("--set", x)]
+        render = cli("render", "slurm", "--gpu", "cpu", "--model", "tiny-v2", "-o", str(rd), "--force", *sets)
+        with pytest.raises(
+            SpecError, match="being trained by another `dskit train --local` that started just now"
+        ):
+            local_run.start(rd)  # a second launcher past the record's check at the same moment
     finally:
         local_run.end(held, 0)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-    assert f"already being trained (dskit train --local, pid {os.getpid()} on " in r.stderr
-    assert "kill -USR1" in r.stderr and "+ " not in r.stdout  # refused before torchrun started
-    local_run.refuse_a_second_trainer(rd)  # ended: nothing in the way
+    for r, why in ((train, "a second trainer would write"), (render, "--force would replace its run dir")):
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"being trained (dskit train --local, pid {os.getpid()} on " in r.stderr and why in r.stderr
+        assert "kill -USR1" in r.stderr and f"if that run is gone, delete {rd / local_run.RECORD}" in r.stderr
+    assert "+ " not in train.stdout and (rd / "job.sbatch").is_file()  # refused before torchrun; kept
+    local_run.refuse_while_trained(rd, "-")  # ended: nothing in the way
+    local_run.end(local_run.start(rd), 0)  # and the run dir's lock was let go
     elsewhere = {"written_by": local_run.WRITER, "host": "other-host", "pid": 4242, "started": time.time()}
     elsewhere.update(boot_id="0" * 32, machine="1" * 32)
     (rd / local_run.RECORD).write_text(json.dumps(elsewhere))
     r = cli("train", "--local", str(rd))
-    assert r.returncode == 2 and "another machine: not checkable here" in r.stderr
-    assert f"if it is gone, delete {rd / local_run.RECORD}" in r.stderr
+    assert r.returncode == 2 and "another machine: not checkable here" in r.stderr and "kill" not in r.stderr
+    assert f"if that run is gone, delete {rd / local_run.RECORD}" in r.stderr
