@@ -18,8 +18,8 @@ allocator's peak reserved (dskit's metrics; torchtitan's `memory:` log, max rese
     python3 bench/peer_bench.py --torchtitan DIR --out $OUT/h200-vs-torchtitan-DATE.json --work /tmp/pb
     python3 bench/peer_bench.py --torchtitan DIR --profile "L4 s2048 mb2" --out ... --work ...
 
-`--host-bound` runs HOST_BOUND instead: one micro-batch per step at seq 1024-4096 and 3-8 layers (with
-`--set overrides.cuda_graphs=on`, a lever's row). torchtitan runs through TT_RUNNER (the reference runner,
+`--host-bound` runs HOST_BOUND instead: one micro-batch per step at seq 1024-4096 and 3-8 layers;
+`--lever overrides.cuda_graphs=on` adds a dskit row per shape with that set, in the same call. torchtitan runs through TT_RUNNER (the reference runner,
 with any layer count), written into the work dir.
 
 DIR holds base.toml (ASSETS replaced by the assets' path) and the assets; torchtitan's wheels

@@ -161,11 +161,12 @@ def ran_otherwise(run_dir: Path) -> str | None:
         wrong.append(f"MoE combine {ran.get('moe_combine')} (planned {combine})")
     if p.cuda_graphs and not compiled.get("cuda_graphs"):
         wrong.append("attention not in CUDA graphs (planned in graphs)")
-    skips = (
-        max((r.get("cuda_graph_skips", 0) for r in step_records(run_dir)), default=0) if p.cuda_graphs else 0
-    )
-    if skips:
-        wrong.append(f"{skips} compiled graph(s) without their CUDA graph (planned captured)")
+    if p.cuda_graphs:
+        skips = [r.get("cuda_graph_skips") for r in step_records(run_dir)]
+        if not skips or None in skips:
+            wrong.append("no cuda_graph_skips in its metrics (a trainer that does not count them)")
+        elif max(skips):
+            wrong.append(f"{max(skips)} compiled graph(s) without their CUDA graph (planned captured)")
     fp8 = ran.get("fp8") or {}
     planned = (p.fp8, p.fp8_experts, bool(p.fp8_linears))
     if (fp8.get("recipe"), bool(fp8.get("expert_layers")), bool(fp8.get("linears"))) != planned:
