@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -200,9 +199,9 @@ def main() -> None:
     print(markdown(t))
     if a.out:
         head = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "hardware": "none: dskit plan's step-time model over the committed 2 x H200 planner runs",
+            **runs.model_header(
+                "none: dskit plan's step-time model over the committed 2 x H200 planner runs"
+            ),
         }
         body = {
             "fit": {

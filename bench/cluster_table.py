@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from anywhere: this checkout's dskit
     sys.path.insert(0, str(REPO))
 
+from bench import runs  # noqa: E402
+
 MODELS = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 GPUS = ("h100-80gb", "h200-141gb")
 WORLDS = (8, 64, 256)
@@ -680,9 +682,7 @@ def main() -> None:
         print(terms_markdown(case))
     if a.out:
         head = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "hardware": "none: dskit plan's memory and step-time models only",
+            **runs.model_header(),
             **_commit(),
             "per_node": PER_NODE,
             "fabric": FABRIC,

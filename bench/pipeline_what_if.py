@@ -42,11 +42,12 @@ import dataclasses
 import json
 import math
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench import runs  # noqa: E402
 
 #: activation checkpointing the what-if tries: off, every layer (every 2nd's recompute peak sits on top
 #: of the stored layers of every in-flight micro-batch, which this composition does not model)
@@ -276,9 +277,7 @@ def main() -> None:
     print("\ndocs/planner.md row:\n" + summary(result, f"{result['gpus']} x {a.gpu.split('-')[0].upper()}"))
     if a.out:
         head = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "hardware": "none: dskit plan's memory and step-time models only",
+            **runs.model_header(),
         }
         a.out.write_text(json.dumps({**head, **result}, indent=1) + "\n")
 

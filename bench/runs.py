@@ -26,6 +26,19 @@ def results(*series: str) -> list[Path]:
     return sorted(RESULTS / e["path"] for e in entries if e["series"] in series)
 
 
+#: the `hardware` of a result computed by dskit's models, not measured
+MODELS_ONLY = "none: dskit plan's memory and step-time models only"
+
+
+def model_header(hardware: str = MODELS_ONLY) -> dict:
+    """What a result computed by dskit's models alone starts with: the command, the date, what it ran on."""
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "hardware": hardware,
+    }
+
+
 def header() -> dict:
     """What every result file starts with: the command, the date, the GPUs and the library versions."""
     import deepspeed

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench import runs  # noqa: E402
 
 MODELS = ("deepseek-v2-lite", "deepseek-v2", "deepseek-v3")
 GPUS = ("h100-80gb", "h200-141gb")
@@ -184,9 +184,7 @@ def main() -> None:
     print(markdown(rows))
     if a.out:
         head = {
-            "command": " ".join(["python", *sys.argv]),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "hardware": "none: dskit plan's memory and step-time models only",
+            **runs.model_header(),
         }
         a.out.write_text(json.dumps({**head, "rows": rows}, indent=1) + "\n")
 
