@@ -192,10 +192,13 @@ def explain_no_fit(
         )
     sharded = [f for f in fits if f.candidate.zero_stage == 3]
     if s.gpu_limit is not None and b.total_gib > s.gpu_limit and not sharded:
-        # only ZeRO-1/2 were searched (overrides.zero_stage): more nodes never shrink the whole model
-        return "overrides.zero_stage", (
+        # only ZeRO-1/2 were searched (overrides.zero_stage, or cuda_graphs=on's narrowing): more nodes never
+        # shrink the whole model
+        graphs = "overrides.zero_stage" not in forced and "overrides.cuda_graphs" in forced
+        return ("overrides.cuda_graphs" if graphs else "overrides.zero_stage"), (
             f"{s.where} cannot be built under ZeRO-{least.candidate.zero_stage}: it builds the whole 16-bit model "
-            f"({b.shard_gib:.1f} GiB) on each GPU, over {gpu_limit_text(s)}; use overrides.zero_stage=3"
+            f"({b.shard_gib:.1f} GiB) on each GPU, over {gpu_limit_text(s)}; "
+            + ("on needs ZeRO-1/2: use overrides.cuda_graphs=off" if graphs else "use overrides.zero_stage=3")
         )
     if sharded:  # what more nodes shrink: ZeRO-3's shard (ZeRO-1/2 build the whole model on every GPU)
         least = min(sharded, key=lambda f: f.construction.total_gib)

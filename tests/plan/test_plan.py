@@ -556,6 +556,9 @@ def test_cuda_graphs_are_planned_only_where_a_graph_can_replay_and_on_elsewhere_
     assert plan_for(**wide).parallel.zero_stage == 3
     narrowed = plan_for("overrides.cuda_graphs=on", **wide).parallel
     assert narrowed.cuda_graphs and narrowed.zero_stage < 3 and narrowed.activation_checkpointing == 0
+    with pytest.raises(SpecError) as e:  # where the narrowing leaves nothing, the refusal names it
+        plan_for("overrides.cuda_graphs=on", **{**wide, "model__preset": "deepseek-v3"})
+    assert e.value.field == "overrides.cuda_graphs" and "use overrides.cuda_graphs=off" in str(e.value)
     missing = {
         "a GPU": ("overrides.zero_stage=2", {**H200, "hardware__gpu": "cpu"}),
         "compiled attention blocks": ("overrides.compile=regions", H200),
