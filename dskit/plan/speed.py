@@ -361,7 +361,7 @@ def predict(
         prefetched(c, layout),
         unknown,
     )
-    per_micro += _sync_s(shapes, zero_stage, passes)
+    per_micro += _sync_s(shapes, zero_stage, passes, links)
     a2a = _all_to_all_s(w.shape, shapes["ep"], links, T, frac, unknown)
     hooked = zero_stage == 3
     host_pass = (
@@ -660,12 +660,17 @@ def _sync_s(
     shapes: dict[str, links_.Group],
     zero_stage: int,
     passes: Passes,
+    links: Links,
     sync_layer_pass_s: float = SYNC_LAYER_PASS_S,
 ) -> float:
     """A micro-step's synchronisation beyond its collectives' bandwidth time, per layer pass: ZeRO-3's
-    gathers and reduce-scatters with more than one rank, else AutoEP's count exchange with EP > 1. A GPU
-    step's (SYNC_LAYER_PASS_S, fitted); a CPU step adds none (its calls' latencies are measured)."""
-    syncs = shapes["dense"].size > 1 if zero_stage == 3 else shapes["ep"].size > 1
+    gathers and reduce-scatters with more than one rank, else AutoEP's count exchange with EP > 1, unless
+    `dskit calibrate` measured the exchange, whose pairs then hold it (`_all_to_all_s`). A GPU step's
+    (SYNC_LAYER_PASS_S, fitted); a CPU step adds none (its calls' latencies are measured)."""
+    if zero_stage == 3:
+        syncs = shapes["dense"].size > 1
+    else:
+        syncs = shapes["ep"].size > 1 and links.exchange(shapes["ep"]) is None
     return sync_layer_pass_s * passes.total if syncs else 0.0
 
 

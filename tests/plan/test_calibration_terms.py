@@ -443,7 +443,7 @@ def _zero(
     shapes = shapes_of(world, per_node, ep)
     passes = speed.Passes(LAYERS["dense"], LAYERS["expert_dp"], frac)
     per_micro, per_step = speed._collectives_s(traffic, shapes, links, stage, passes, windows, share, unknown)
-    return per_micro + speed._sync_s(shapes, stage, passes, **kw), per_step, unknown
+    return per_micro + speed._sync_s(shapes, stage, passes, links, **kw), per_step, unknown
 
 
 def _zero3(frac: float = 0.5, rates=RATES) -> tuple[list[float], float]:
@@ -552,6 +552,21 @@ def test_the_synchronisation_is_paid_where_ranks_synchronise():
     assert _zero(2, rates=pair, world=2, per_node=2, ep=1, traffic=none)[0] == 0.0
     assert _zero(2, rates=pair, world=2, per_node=2, ep=2, traffic=none)[0] == approx(sync)
     assert _zero(1, rates=pair, world=2, per_node=2, ep=2, traffic=none, sync_layer_pass_s=1.0)[0] == 10.0
+
+
+def test_a_measured_exchange_holds_the_count_exchanges_synchronisation():
+    """Under ZeRO-1/2 the synchronisation is AutoEP's count exchange, which `dskit calibrate` times as
+    part of each dispatch-and-combine pair: with the exchange measured at the EP group's shape it is not
+    added again; measured at another shape, or under ZeRO-3 (whose gathers synchronise), it still is."""
+    none = ((0.0, 0.0, "dense"), (0.0, 0.0, "expert_dp"))
+    sync = speed.SYNC_LAYER_PASS_S * 4 * 2.5
+    rates = {AG: {"2x1": (10.0, 0.0)}, RS: {"2x1": (10.0, 0.0)}}
+    measured = {**rates, EXCHANGE: {"2x1": (50.0, 1e-5)}}
+    other = {**rates, EXCHANGE: {"8x1": (50.0, 1e-5)}}
+    for stage in (1, 2):
+        assert _zero(stage, rates=measured, world=2, per_node=2, ep=2, traffic=none)[0] == 0.0
+        assert _zero(stage, rates=other, world=2, per_node=2, ep=2, traffic=none)[0] == approx(sync)
+    assert _zero(3, rates=measured, world=2, per_node=2, ep=2, traffic=none)[0] == approx(sync)
 
 
 def test_a_group_of_one_rank_costs_nothing_and_needs_no_rate():
