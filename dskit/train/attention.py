@@ -24,6 +24,7 @@ them each step. The kernel call itself is opaque to the compiler (`torch.compile
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -160,7 +161,11 @@ def _attention_function(backend: str):
     return attention
 
 
-FUNCTIONS = {backend: _attention_function(backend) for backend in REGISTERED}
+@functools.cache
+def function(backend: str):
+    """`backend`'s attention function, built on first use: `torch.compiler.disable` imports torch._dynamo,
+    a second of every rank's start, which a rank that never uses FlashAttention (the CPU's) does not pay."""
+    return _attention_function(backend)
 
 
 def register(backend: str) -> str:
@@ -171,5 +176,5 @@ def register(backend: str) -> str:
     # (masking_utils.py `_preprocess_mask_arguments`), where a registered one would still scan the
     # position ids for packed samples on every forward, a device-to-host sync.
     name = REGISTERED[backend]
-    AttentionInterface.register(name, FUNCTIONS[backend])
+    AttentionInterface.register(name, function(backend))
     return name

@@ -79,12 +79,12 @@ def test_the_plan_name_maps_to_dskits_function(backend):
     config = hf_config({"model_type": "deepseek_v2", "hidden_size": 64, "num_attention_heads": 2}, backend)
     assert config._attn_implementation == attention.REGISTERED[backend]
     assert "flash" not in config._attn_implementation  # else transformers' own flash path takes over
-    assert AttentionInterface._global_mapping[config._attn_implementation] is attention.FUNCTIONS[backend]
+    assert AttentionInterface._global_mapping[config._attn_implementation] is attention.function(backend)
 
 
 def test_the_function_refuses_what_training_never_passes():
     q = torch.zeros(1, 2, 4, 8)
-    fn = attention.FUNCTIONS["flash_attention_4"]
+    fn = attention.function("flash_attention_4")
     with pytest.raises(ValueError, match="padding mask"):
         fn(None, q, q, q, torch.ones(1, 1, 4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="dropout"):
