@@ -37,16 +37,15 @@ WARMUP_STEPS = 3
 
 
 def write_fp8_checkpoint(model: str, layers: int, out: Path, device: str) -> dict:
-    """A random `model`-shaped checkpoint, `layers` deep, in the FP8 format DeepSeek ships V3 in: every
-    projection and routed expert e4m3 + block scales, per-expert tensors as published; the embedding,
-    norms, router and lm_head bf16."""
+    """A random `model`-shaped checkpoint, `layers` deep, in the FP8 format DeepSeek ships V3 in, laid out
+    as `dskit export --fp8` writes it (dskit/train/export_fp8.py): every projection and routed expert e4m3
+    + block scales, per-expert tensors as published; the embedding, norms, router and lm_head bf16."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     from dskit import catalog
-    from dskit.formats.hf_checkpoint import FP8_BLOCK
-    from dskit.train.fp8.blocks import quantize_blocks
+    from dskit.train import export_fp8
     from dskit.train.model import hf_config
 
     cfg = {**catalog.model(model).config, "num_hidden_layers": layers}
@@ -54,53 +53,31 @@ def write_fp8_checkpoint(model: str, layers: int, out: Path, device: str) -> dic
     with torch.device(device):
         m = AutoModelForCausalLM.from_config(hf_config(cfg, "sdpa"), dtype=torch.bfloat16)
     out.mkdir(parents=True, exist_ok=True)
+    state = m.state_dict()
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+    written, sources = export_fp8.layout(shapes)
+    tensor_of = export_fp8.tensors(shapes, sources, lambda name, shape, dtype: state[name].to(dtype))
     shards: list[dict] = [{}]
     size = 0
-    weight_map: dict[str, str] = {}
-
-    def put(name: str, t: torch.Tensor) -> None:
-        nonlocal size
+    for name, (shape, dtype) in written.items():
         if size > SHARD_BYTES:
             shards.append({})
             size = 0
-        shards[-1][name] = t.detach().to("cpu").contiguous()
+        t = tensor_of(name, shape, dtype)
+        shards[-1][name] = t.to("cpu")
         size += t.numel() * t.element_size()
-
-    def put_weight(name: str, t: torch.Tensor) -> None:
-        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
-            q, s = quantize_blocks(t, FP8_BLOCK)
-            put(name, q)
-            put(name + "_scale_inv", s)
-        else:
-            put(name, t)
-
-    for name, t in m.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] -> per expert gate, up [I, H]
-            gate, up = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                put_weight(name.replace("gate_up_proj", f"{e}.gate_proj.weight"), gate[e])
-                put_weight(name.replace("gate_up_proj", f"{e}.up_proj.weight"), up[e])
-        elif name.endswith("mlp.experts.down_proj"):  # [E, H, I]
-            for e in range(t.shape[0]):
-                put_weight(name.replace("down_proj", f"{e}.down_proj.weight"), t[e])
-        else:
-            put_weight(name, t)
-    del m, t, gate, up
+    state.clear()
+    del m, tensor_of
     gc.collect()
     torch.cuda.empty_cache()  # the runs that follow need the whole GPU: this process keeps none of it
+    weight_map: dict[str, str] = {}
     for i, part in enumerate(shards):
         f = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(part, out / f, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, f))
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    quant = {
-        "quant_method": "fp8",
-        "fmt": "e4m3",
-        "activation_scheme": "dynamic",
-        "weight_block_size": [128, 128],
-    }
     (out / "config.json").write_text(
-        json.dumps({**cfg, "torch_dtype": "bfloat16", "quantization_config": quant})
+        json.dumps({**cfg, "torch_dtype": "bfloat16", "quantization_config": export_fp8.QUANTIZATION_CONFIG})
     )
     return {"path": str(out), "bytes": sum(p.stat().st_size for p in out.glob("*.safetensors"))}
 
@@ -173,11 +150,15 @@ def config_dir(model: str, layers: int, root: Path) -> Path:
     """A model directory holding only the config.json write_fp8_checkpoint writes (FP8 format): what the
     planner reads of a checkpoint, so a measured row is re-planned without its 15 GB of weights."""
     from dskit import catalog
+    from dskit.train.export_fp8 import QUANTIZATION_CONFIG
 
     out = root / f"{model}-L{layers}-fp8"
     out.mkdir(parents=True, exist_ok=True)
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    cfg = {**catalog.model(model).config, "num_hidden_layers": layers, "quantization_config": quant}
+    cfg = {
+        **catalog.model(model).config,
+        "num_hidden_layers": layers,
+        "quantization_config": QUANTIZATION_CONFIG,
+    }
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 

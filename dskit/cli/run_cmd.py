@@ -58,6 +58,7 @@ def cmd_export(a: argparse.Namespace) -> int:
         verify=not a.no_verify,
         shard_bytes=a.shard_mib * 2**20,
         adapter_only=a.adapter_only,
+        fp8=a.fp8,
     )
     return 0
 
@@ -75,6 +76,14 @@ def add_export(sub: Subparsers) -> None:
         action="store_true",
         help="LoRA runs: write the adapter in peft's format (adapter_config.json + adapter_model.safetensors) "
         "instead of the merged model",
+    )
+    s.add_argument(
+        "--fp8",
+        action="store_true",
+        help="write the weights in DeepSeek-V3's published FP8 format, as serving engines load V3: every "
+        "projection and routed expert e4m3 with a float32 scale per 128 x 128 block (quantized from the "
+        "trained float32 weights), the experts one tensor each, the embedding, norms, router and head in the "
+        "run's precision; checked by reading it back with transformers (docs/trainer.md)",
     )
     s.add_argument(
         "--shard-mib",

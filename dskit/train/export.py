@@ -44,6 +44,9 @@ Shapes = dict[str, tuple[tuple[int, ...], "torch.dtype"]]
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 VERIFY_MAX_PARAMS = 3 * 10**9  # the logits check runs the model on this machine's CPU
 VERIFY_RTOL = 2e-2  # relative L2 error; bf16 kernels differ in summation order (1e-3..1e-2)
+VERIFY_FP8_RTOL = (
+    0.1  # with every projection rounded to e4m3 (3 mantissa bits); measured: see test_export_fp8
+)
 
 # transformers name -> (AutoEP names, how to combine them). AutoEP stores experts as w1 (gate),
 # w3 (up) [E, I, H] and w2 (down) [E, H, I]; transformers fuses gate and up as gate_up_proj [E, 2I, H].
@@ -81,10 +84,15 @@ def export(
     verify: bool = True,
     shard_bytes: int = SHARD_BYTES,
     adapter_only: bool = False,
+    fp8: bool = False,
 ) -> Path:
     """The run's newest verified checkpoint as a Hugging Face model directory at `output`; a LoRA run's
-    merged into its base, or with `adapter_only` its adapter in peft's format (export_adapter.py)."""
+    merged into its base, or with `adapter_only` its adapter in peft's format (export_adapter.py); with
+    `fp8` in DeepSeek-V3's FP8 format (export_fp8.py)."""
+    if fp8 and adapter_only:
+        raise SpecError("--fp8", "an adapter is exported in the run's precision; leave out --adapter-only")
     plan, src, out = _inputs(run, output, force=force, adapter_only=adapter_only)  # refusals need no torch
+    from dskit.train import export_fp8
     from dskit.train.lora import export_adapter
     from dskit.train.model import torch_dtype
 
@@ -96,21 +104,36 @@ def export(
             print(f"wrote {out} (adapter of step {meta['step']} of {plan.name}, peft format)")
             return out
         config, shapes = _hf_shapes(plan, dtype)
-        shards = plan_shards(shapes, shard_bytes)
+        written = shapes
+        if fp8:
+            written, sources = export_fp8.layout(shapes)
+            config.quantization_config = export_fp8.QUANTIZATION_CONFIG
+        shards = plan_shards(written, shard_bytes)
+        udir = None
         if plan.finetune is not None:
-            _write_shards(work, shapes, shards, export_adapter.merged_source(plan, src))
+            tensor_of = export_adapter.merged_source(plan, src)
         else:
             udir = _to_universal(src, work / "universal")
-            _write_shards(
-                work, shapes, shards, lambda name, shape, dt: _consolidated(udir, src, name, shape, dt)
+
+            def tensor_of(name, shape, dt):
+                return _consolidated(udir, src, name, shape, dt)
+
+        _write_shards(
+            work, written, shards, export_fp8.tensors(shapes, sources, tensor_of) if fp8 else tensor_of
+        )
+        _write_index(work, written, shards)
+        config.save_pretrained(work)
+        if fp8 and verify and plan.model.params_total <= VERIFY_MAX_PARAMS:
+            n = export_fp8.check_weights(work, shapes, tensor_of)
+            print(
+                f"dskit: verified: {n} tensors read back by transformers within FP8's rounding of the trained"
             )
+        if udir is not None:
             shutil.rmtree(udir)
             (work / "latest_universal").unlink(missing_ok=True)  # ds_to_universal writes it beside its output
-        _write_index(work, shapes, shards)
-        config.save_pretrained(work)
         meta = _write_meta(work, src, plan)
         if verify:
-            _verify(work, src, plan, dtype)
+            _verify(work, src, plan, dtype, VERIFY_FP8_RTOL if fp8 else VERIFY_RTOL)
     print(f"wrote {out} (step {meta['step']} of {plan.name})")
     return out
 
@@ -283,7 +306,7 @@ def _saved_biases(src: str) -> dict[str, torch.Tensor]:
     return routing_bias.read(Path(src)) or {}
 
 
-def _verify(model_dir: Path, src: Path, plan: Plan, dtype: torch.dtype) -> None:
+def _verify(model_dir: Path, src: Path, plan: Plan, dtype: torch.dtype, rtol: float = VERIFY_RTOL) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -303,9 +326,9 @@ def _verify(model_dir: Path, src: Path, plan: Plan, dtype: torch.dtype) -> None:
         got = model(input_ids=probe["input_ids"]).logits.float()
     want = probe["logits"]
     err = ((got - want).norm() / want.norm()).item()
-    if not err < VERIFY_RTOL:
+    if not err < rtol:
         raise RuntimeError(
             f"exported model disagrees with the trained one: relative logits error {err:.3g} "
-            f">= {VERIFY_RTOL} on the probe batch"
+            f">= {rtol} on the probe batch"
         )
     print(f"dskit: verified: exported logits match the trained model (relative error {err:.2e})")

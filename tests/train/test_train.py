@@ -280,6 +280,61 @@ def test_export_streams_into_many_shards_with_an_index(reference, tmp_path, caps
     assert set(index["weight_map"]) == set(m.state_dict())
 
 
+def test_the_fp8_export_is_deepseek_v3s_published_format(reference, tmp_path, capsys):
+    """`dskit export --fp8`: every projection and routed expert e4m3 with a float32 scale per 128 x 128
+    block, the experts one tensor each as V3 is published, the rest in the run's bf16 (the routing bias
+    float32), config.json's quantization_config as V3's. dskit's own reader takes it as an FP8 checkpoint,
+    and export read every tensor back through transformers within FP8's rounding, and the logits."""
+    from dskit.formats.hf_checkpoint import check_checkpoint, fp8_format
+    from dskit.train import export_fp8
+    from dskit.train.export import export
+
+    rd = reference["tiny-v3"]
+    out = export(str(rd), str(tmp_path / "fp8"), fp8=True)
+    said = capsys.readouterr().out
+    assert "tensors read back by transformers within FP8's rounding" in said, said
+    assert "exported logits match the trained model" in said, said
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+    }
+    tensors = check_checkpoint(str(out))  # V3's rules: every FP8 weight has its scale, of its block grid
+    fmt = fp8_format(str(out))
+    projections = {n for n in tensors if re.search(r"_proj(_with_mqa)?\.weight$", n)}
+    assert set(fmt.weights) == projections
+    assert {(tensors[n][0], tensors[fmt.scale_of(n)][0]) for n in projections} == {("F8_E4M3", "F32")}
+    model = load_plan(rd / "run.yaml").model.config
+    experts = [n for n in projections if re.search(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.", n)]
+    moe_layers = model["num_hidden_layers"] - model["first_k_dense_replace"]
+    assert len(experts) == moe_layers * model["n_routed_experts"] * 3
+    rest = {n: dt for n, (dt, _) in tensors.items() if n not in projections and not n.endswith("_scale_inv")}
+    bias = {n for n in rest if n.endswith("e_score_correction_bias")}
+    assert bias and {rest[n] for n in bias} == {"F32"}
+    assert {dt for n, dt in rest.items() if n not in bias} == {"BF16"}  # embedding, norms, router, head
+    # the read-back check fails where a tensor lands in another's place (gate for up), which the logits
+    # of a briefly trained tiny model barely show
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, local_files_only=True
+    ).state_dict()
+    shapes = {n: (tuple(t.shape), t.dtype) for n, t in loaded.items()}
+    assert export_fp8.check_weights(out, shapes, lambda n, shape, dt: loaded[n]) == len(loaded)
+    fused = next(n for n in loaded if n.endswith("experts.gate_up_proj"))
+
+    def swapped(n, shape, dt):
+        return loaded[n].roll(loaded[n].shape[1] // 2, dims=1) if n == fused else loaded[n]
+
+    with pytest.raises(RuntimeError, match=re.escape(f"the FP8 export's {fused} reads back")):
+        export_fp8.check_weights(out, shapes, swapped)
+    refused = dskit("export", str(rd), "-o", str(tmp_path / "a"), "--fp8", "--adapter-only")
+    assert refused.returncode == 2 and refused.stderr.startswith("dskit: error: --fp8: ")
+    assert len(refused.stderr.splitlines()) == 1 and not (tmp_path / "a").exists()
+
+
 # Resumed runs match the uninterrupted run to this relative tolerance, not bit for bit. Measured: the
 # checkpoint a stopped run writes is byte-identical to the uninterrupted run's at the same step (asserted
 # below), yet DeepSpeed's freshly loaded ZeRO-3 + AutoEP engine (0.19.8, CPU) computes steps that differ
