@@ -27,7 +27,7 @@ from dskit.calibrate.calibration import EXCHANGE, Calibration
 from dskit.calibrate.scales import FITTED, SCALED, TERMS, factors, fitted, kind_of, reference, scaled
 from dskit.errors import SpecError
 from dskit.plan import adapters, speed
-from dskit.plan.candidate import Candidate, Cluster, Workload
+from dskit.plan.candidate import Candidate, Cluster, Fp8Compute, Workload
 from dskit.plan.links import A2A_LINK_SHARE, CATALOG, GB, MEASURED, Group, Links, Rate
 from dskit.plan.links import groups as shapes_of
 from dskit.plan.model_math import counts, flops_per_token
@@ -818,6 +818,31 @@ def test_the_probed_compute_of_a_lora_run_recomputes_its_own_forward_share():
     recompute = 1 + 1.0 * t.forward_share(C2)
     want = _compute_unit(flops - ATTENTION) * recompute * speed.LORA_COMPUTE_FACTOR
     assert t.forward_share(C2) != 1 / 3 and half.compute_s == approx(base.compute_s + want)
+
+
+def test_the_probed_compute_takes_the_fp8_saving_at_the_same_rate():
+    """FP8 products take their measured saving off the bf16-equivalent FLOPs (docs/trainer.md "FP8
+    training"), and a GEMM probe scales what is left: the saving too, once, not added or divided."""
+    fp8 = Fp8Compute(linear_flops_per_token=F2 / 4, linear_speedup=1.5)
+    saved = fp8.flops_saved_per_token
+    assert saved == approx(F2 / 12)
+    base = _gpu_step()
+    for factor in (1, 2):
+        cal = None if factor == 1 else _cal(compute={"gemm_tflops": REF.gemm_tflops / factor})
+        step = _gpu_step(cal, fp8=fp8)
+        want = base.compute_s + _compute_unit(F2 - ATTENTION) * (factor - 1) - _compute_unit(saved) * factor
+        assert step.compute_s == approx(want)
+
+
+def test_zero3_on_two_ranks_synchronises_in_the_step_whatever_exchange_was_measured():
+    """ZeRO-3's synchronisation per layer pass (SYNC_LAYER_PASS_S) reaches the step with more than one
+    rank, with or without EP, and a measured AutoEP exchange does not take it away (its gathers
+    synchronise): with gathers at a rate that makes their bytes free, the collectives are the sync."""
+    free = {AG: {"2x1": (1e5, 0.0)}, RS: {"2x1": (1e5, 0.0)}}
+    sync = speed.SYNC_LAYER_PASS_S * S2.layers * 2 * 2  # 2 passes (no checkpointing), 2 micro-steps
+    for ep, rates in ((1, free), (2, {**free, EXCHANGE: {"2x1": (50.0, 1e-5)}})):
+        step = _gpu_step(_cal(rates), layout=speed.Layout(world=2, per_node=2, ep_size=ep))
+        assert abs(step.collectives_s - sync) < 1e-2 * sync, (ep, step.collectives_s, sync)
 
 
 def test_the_probed_compute_keeps_the_compiled_attention_saving_of_zero12():
