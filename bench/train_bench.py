@@ -188,6 +188,8 @@ WARMUP_STEPS = 3
 #: the catalog profile of the GPU the rows run on (--gpu)
 GPU = "h200-141gb"
 MODEL = "deepseek-v2-lite"
+#: a model slice of bench/plan_bench.py (--slice) trained in place of MODEL, or None
+SLICE: str | None = None
 
 
 def spec_for(name: str, sets: list[str], work: Path, gpus: int):
@@ -197,13 +199,20 @@ def spec_for(name: str, sets: list[str], work: Path, gpus: int):
     flags = {
         "hardware.gpu": GPU,
         "hardware.gpus_per_node": gpus,
-        "model.preset": MODEL,
         "runtime.kind": "none",
         "storage.root": str(work / "storage"),
         "name": re.sub(r"[^a-z0-9]+", "-", name.lower())[:40].strip("-"),
     }
+    base = BASE
+    if SLICE:  # a slice's config.json (bench/plan_bench.py SLICES) at its own depth, in place of the preset
+        from bench import plan_bench
+
+        base = [x for x in BASE if not x.startswith("model.num_layers=")]
+        base += plan_bench._resolve([f"model.path={{slice:{SLICE}}}"])
+    else:
+        flags["model.preset"] = MODEL
     # micro-batch 2 per GPU, as the baseline; EP = GPUs (the planner's choice inside one node)
-    return load_spec(sets=[*BASE, f"training.global_batch={2 * gpus}", *sets], flags=flags)
+    return load_spec(sets=[*base, f"training.global_batch={2 * gpus}", *sets], flags=flags)
 
 
 def run_dskit(
@@ -300,7 +309,7 @@ def run_baseline(script: Path, variant: str, sdpa: str, gpus: int) -> dict:
 
 
 def main() -> None:
-    global GPU, MODEL  # --gpu and --model set what spec_for uses
+    global GPU, MODEL, SLICE  # --gpu, --model and --slice set what spec_for uses
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write (rewritten after every variant)")
     ap.add_argument("--baseline", type=Path, help="reference baseline_probe.py to run beside dskit")
@@ -322,16 +331,28 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="run only FP8: bf16 and each FP8 recipe, per shape")
     ap.add_argument("--fp8-curves", action="store_true", help="run only FP8_CURVES (300-step loss curves)")
     ap.add_argument("--model", default=MODEL, help=f"the model preset (default {MODEL}), cut to --layers")
+    ap.add_argument(
+        "--slice",
+        help="train a model slice of bench/plan_bench.py's SLICES instead (v3-ep8-3l: DeepSeek-V3's width, "
+        "3 all-MoE layers with EP 8's 32 experts, one H200), at its own depth",
+    )
     ap.add_argument("--layers", type=int, help="decoder layers of every row (default 4)")
     ap.add_argument("--seq-len", type=int, help="sequence length of every row (default 4096)")
     a = ap.parse_args()
-    GPU, MODEL = a.gpu, a.model
+    GPU, MODEL, SLICE = a.gpu, a.model, a.slice
+    if a.slice:
+        from bench import plan_bench
+
+        if a.slice not in plan_bench.SLICES:
+            ap.error(f"--slice: {a.slice!r} is none of {', '.join(plan_bench.SLICES)}")
+        if a.layers:
+            ap.error("--slice trains the slice at its own depth: leave out --layers")
     import torch
 
     result = {
         **runs.header(),
         "gpus": torch.cuda.device_count(),
-        "shape": f"{a.model}, {a.layers or 4} layers, seq {a.seq_len or 4096}, micro-batch 2 per GPU, {a.gpus} "
+        "shape": f"{f'slice {a.slice}' if a.slice else f'{a.model}, {a.layers or 4} layers'}, seq {a.seq_len or 4096}, micro-batch 2 per GPU, {a.gpus} "
         "GPU(s), EP = GPUs; each row's plan says its ZeRO stage and precision",
         "rows": [],
     }
