@@ -2,7 +2,7 @@
 
 A plan fits when every estimate stays under its limit:
 - on each GPU, the steady-state training estimate and the construction peak (`dskit/plan/memory.py`)
-  under (1 - GPU_MEMORY_MARGIN, or overrides.gpu_memory_margin) x the usable memory (the catalog's usable_memory_gib: what torch
+  under (1 - GPU_MEMORY_MARGIN, or overrides.gpu_memory_margin; both in dskit/spec/plan_overrides.py) x the usable memory (the catalog's usable_memory_gib: what torch
   reports, not the datasheet);
 - on each host, the RAM of its ranks while building and while training (`dskit/plan/host_memory.py`) under
   (1 - HOST_MEMORY_MARGIN) x hardware.host_memory_gib.
@@ -22,14 +22,8 @@ from dskit.catalog import GPU
 from dskit.plan import host_memory, memory
 from dskit.plan.adapters import Tuning
 from dskit.plan.candidate import Candidate, Cluster, Workload
+from dskit.spec.plan_overrides import GPU_MEMORY_MARGIN  # where overrides.gpu_memory_margin is validated
 
-# Room for what an estimate cannot see: allocator fragmentation spikes, NCCL buffers growing with the
-# communicators, the caching allocator's rounding. The steady-state model lands from 3% below to 10%
-# above the peak reserved on the H200 runs (tests/plan/test_plan_calibration.py), on the safe side mostly.
-# `overrides.gpu_memory_margin` replaces it for a run that takes the risk, down to GPU_MEMORY_MIN_MARGIN:
-# the 3% the estimate has measured below a peak.
-GPU_MEMORY_MARGIN = 0.10
-GPU_MEMORY_MIN_MARGIN = 0.03
 # What the node needs besides the ranks: the OS, the filesystem client's cache, the container runtime,
 # slurmd or the kubelet (Kubernetes reserves system memory the same way).
 HOST_MEMORY_MARGIN = 0.10

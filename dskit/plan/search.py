@@ -37,6 +37,7 @@ from dskit.errors import SpecError
 from dskit.plan import fit
 from dskit.plan.candidate import Candidate
 from dskit.plan.speed import StepTime
+from dskit.spec.plan_overrides import GPU_MEMORY_MIN_MARGIN
 
 #: candidates predicted within this share of the fastest are ties (the model's own error is larger)
 SPEED_TIE = 0.03
@@ -260,13 +261,13 @@ def _verdict(row: Row, best: Row, fastest: float | None) -> str:
 
 
 def over_the_margin_only(rows: list[Row], chosen: Row) -> Row | None:
-    """Of the candidates that miss the GPU limit but would fit with fit.GPU_MEMORY_MIN_MARGIN, their host
+    """Of the candidates that miss the GPU limit but would fit with GPU_MEMORY_MIN_MARGIN, their host
     RAM fitting, predicted more than OFFLOAD_MARGIN faster than `chosen`: the one needing the least memory,
     what the largest smaller overrides.gpu_memory_margin takes (None where there is none)."""
     usable = chosen.fit.setting.gpu.usable_memory_gib
     if chosen.speed is None or usable is None:
         return None
-    room = usable * (1 - fit.GPU_MEMORY_MIN_MARGIN)
+    room = usable * (1 - GPU_MEMORY_MIN_MARGIN)
     near = [
         r
         for r in rows
