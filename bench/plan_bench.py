@@ -99,6 +99,14 @@ SLICES: dict[str, tuple[str, dict]] = {
         "deepseek-v3",
         {"num_hidden_layers": 3, "n_routed_experts": 32, "first_k_dense_replace": 0},
     ),
+    # DeepSeek-V3's width where only 80 GB is lent (H100): 2 all-MoE layers of 16 routed experts (top-8
+    # of 8 groups, 4 per token, as V3) and a 32k vocabulary, so the embedding and head (1.85 B parameters
+    # at V3's 129k) leave room for the optimizer's states on one GPU; every product FP8 can convert is
+    # V3's own shape
+    "v3-h100-2l": (
+        "deepseek-v3",
+        {"num_hidden_layers": 2, "n_routed_experts": 16, "first_k_dense_replace": 0, "vocab_size": 32768},
+    ),
 }
 CONFIGS["V3"] = {
     # the planner's compute and per-layer-pass terms at V3's width (hidden 7168, 128 heads,
