@@ -202,3 +202,38 @@ def _no_orphaned_build_lock(request, _extensions_root):
     _remove_orphaned_locks(_extensions_root, f"before {request.node.nodeid}")
     yield
     _remove_orphaned_locks(_extensions_root, f"{request.node.nodeid} left")
+
+
+#: tests whose trainings may start ranks: the zygotes start where a run collects one of these
+_TRAINS = ("train", "slow")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Local trainings' ranks fork from preloaded interpreters (tests/support/warm_ranks.py says how,
+    and where they start cold instead). Started as collection ends, so their imports overlap the first
+    tests; not for a run without trainings (the fast tier), nor with DSKIT_TEST_COLD_RANKS=1."""
+    if os.environ.get("DSKIT_TEST_COLD_RANKS") == "1" or not any(
+        item.get_closest_marker(m) for item in session.items for m in _TRAINS
+    ):
+        return
+    import shutil
+    import tempfile
+
+    import yaml
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from tests.support.warm_ranks import Session
+
+    cache_dir()  # puts its default into os.environ, as any compile in this process would mid-run
+    root = Path(tempfile.mkdtemp(prefix="dskit-warm-"))
+    plan_env = yaml.safe_load((render_tiny(root / "plan") / "run.yaml").read_text())["env"]
+    warm = Session(root / "ranks")
+    warm.start({**os.environ, **{k: str(v) for k, v in plan_env.items()}})
+    os.environ["PYTHON_EXEC"] = str(warm.shim)
+
+    def stop() -> None:
+        os.environ.pop("PYTHON_EXEC", None)
+        warm.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+    session.config.add_cleanup(stop)

@@ -78,7 +78,7 @@ def test_a_stopped_rank_ends_the_run_with_75_within_the_timeout_and_the_next_sta
     p = start(rd, tmp_path / "a.log")
     try:
         wait_for_step(rd, p, EVERY + 2)
-        (rank1,) = [r for r in ranks_of(p) if r.environ().get("RANK") == "1"]
+        rank1 = ranks_of(p)[1]
         rank1.send_signal(signal.SIGSTOP)
         stopped_at = time.time()
         rc = p.wait(timeout=timeout + TORCHRUN_KILL_GRACE_S + 60 * base["gap"] + 60)

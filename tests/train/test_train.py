@@ -26,6 +26,7 @@ from dskit.plan.schema import load_plan
 from dskit.train.profile import COMMUNICATION, host_table
 from tests.conftest import dskit, render_tiny, status_table
 from tests.support.cli import cli
+from tests.support.warm_ranks import rank_pid
 
 pytestmark = pytest.mark.train
 STEPS = 40
@@ -74,17 +75,23 @@ def wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: flo
 
 
 def ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The trainer worker processes under torchrun (not torchrun itself). Other children come and go
-    (DeepSpeed's op builder runs the compiler while a rank starts): one that has exited is skipped."""
+    """The trainer ranks under torchrun (not torchrun itself), by rank. Other children come and go
+    (DeepSpeed's op builder runs the compiler while a rank starts): one that has exited is skipped. A
+    rank forked from the suite's zygote is found behind the shim torchrun started
+    (tests/support/warm_ranks.py)."""
 
-    def cmdline(k: psutil.Process) -> str:
+    def described(k: psutil.Process) -> tuple[str, int]:
         try:
-            return " ".join(k.cmdline())
+            return " ".join(k.cmdline()), int(k.environ().get("RANK", "-1"))
         except psutil.Error:  # exited (a zombie, or gone) since children() listed it
-            return ""
+            return "", -1
 
-    kids = psutil.Process(proc.pid).children(recursive=True)
-    return [k for k in kids if "dskit.train" in (c := cmdline(k)) and "dskit.launch.torchrun" not in c]
+    found = []
+    for k in psutil.Process(proc.pid).children(recursive=True):
+        cmd, rank = described(k)
+        if "dskit.train" in cmd and "dskit.launch.torchrun" not in cmd:
+            found.append((rank, k.pid))
+    return [psutil.Process(rank_pid(pid)) for _, pid in sorted(found)]
 
 
 @pytest.fixture(scope="module")
