@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -234,6 +235,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     def stop() -> None:
         os.environ.pop("PYTHON_EXEC", None)
         warm.stop()
+        if cost := session.config.getoption("suite_cost"):  # beside the run's cost record
+            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+            out = Path(cost).parent / f"warm-ranks-{worker}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(warm.summary(), indent=1) + "\n")
         shutil.rmtree(root, ignore_errors=True)
 
     session.config.add_cleanup(stop)

@@ -46,25 +46,37 @@ def _rank(shim: Path, run: Path, env: dict[str, str]) -> subprocess.Popen:
     )
 
 
-def _cold(shim: Path) -> dict[int, str]:
+def _cold_log(shim: Path) -> list[dict]:
     log = shim.parent / "cold.log"
-    lines = log.read_text().splitlines() if log.exists() else []
-    return {(e := json.loads(x))["pid"]: e["reason"] for x in lines}
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
 
 
-def test_a_forked_rank_answers_on_the_shims_streams_with_its_exit_code(shim, run):
-    p = _rank(shim, run, {})
+def _cold_since(shim: Path, before: int) -> dict[int, str]:
+    """The cold starts logged after the first `before` (pids wrap at 32768 here: earlier ones may share)."""
+    return {e["pid"]: e["reason"] for e in _cold_log(shim)[before:]}
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}],
+    ids=["the plan's env", "after this process imported DeepSpeed, which sets a variable"],
+)
+def test_a_forked_rank_answers_on_the_shims_streams_with_its_exit_code(shim, run, env):
+    before, t0 = len(_cold_log(shim)), time.time()
+    p = _rank(shim, run, env)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 2, err  # bad input: the trainer's own exit status, through the zygote
     assert "DSKIT_RUN_FILE: not set" in err, err
-    assert p.pid not in _cold(shim) and (shim.parent / f"shim-{p.pid}").exists()
+    assert p.pid not in _cold_since(shim, before)
+    assert (shim.parent / f"shim-{p.pid}").stat().st_mtime >= t0 - 1  # this shim's rank was forked
 
 
 def test_a_rank_under_another_environment_starts_cold_and_says_why(shim, run, tmp_path):
+    before = len(_cold_log(shim))
     p = _rank(shim, run, {"HOME": str(tmp_path)})
     _, err = p.communicate(timeout=120)
     assert p.returncode == 2 and "DSKIT_RUN_FILE: not set" in err, err
-    assert _cold(shim)[p.pid] == "environment differs from the zygote's in HOME"
+    assert _cold_since(shim, before)[p.pid] == "environment differs from the zygote's in HOME"
 
 
 def test_a_signal_to_the_shim_ends_the_forked_rank_and_a_killed_shim_takes_it_along(shim, run):

@@ -153,10 +153,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 
 
 def _cpu_s() -> float:
-    """CPU seconds of this process and of the children it has waited for (the trainers a test starts;
-    not a Slurm job's processes, which are slurmd's)."""
+    """CPU seconds of this process, of the children it has waited for (the trainers a test starts; not a
+    Slurm job's processes, which are slurmd's) and of the ranks its zygotes forked (tests/support/warm_ranks.py)."""
+    from tests.support.warm_ranks import forked_cpu_s
+
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + forked_cpu_s()
 
 
 @pytest.hookimpl(tryfirst=True)

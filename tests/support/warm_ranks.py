@@ -225,6 +225,8 @@ class Zygote:
         self.path = path
         self.base = base
         self.children: dict[int, socket.socket] = {}
+        self.cpu_s = 0.0
+        self.set_by_imports: dict[str, str] = {}
         self.sel = selectors.DefaultSelector()
         self.own_ns = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in NAMESPACES}
 
@@ -237,6 +239,9 @@ class Zygote:
         os.environ.update(self.base)
         for module in PRELOAD:  # requests wait in the backlog meanwhile
             __import__(module)
+        # what the imports set themselves (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK, with setdefault): a
+        # rank without it is a rank that has not imported yet, and gets it as a cold one would
+        self.set_by_imports = {k: v for k, v in os.environ.items() if k not in self.base}
         r, w = os.pipe()
         os.set_blocking(w, False)
         signal.set_wakeup_fd(w)
@@ -284,7 +289,12 @@ class Zygote:
             if theirs != own:
                 return f"another {ns} namespace ({theirs}, the zygote's {own})"
         env = msg["env"]
-        differ = sorted(k for k in set(env) | set(self.base) if env.get(k) != self.base.get(k))
+        imported = self.set_by_imports
+        differ = sorted(
+            k
+            for k in set(env) | set(self.base)
+            if env.get(k) != self.base.get(k) and not (k in imported and env.get(k) in (None, imported[k]))
+        )
         fixed = [k for k in differ if not VOLATILE.fullmatch(k)]
         if fixed:
             return f"environment differs from the zygote's in {', '.join(fixed)}"
@@ -315,7 +325,7 @@ class Zygote:
                         os.close(fd)
             os.chdir(msg["cwd"])
             os.environ.clear()
-            os.environ.update(msg["env"])
+            os.environ.update({**self.set_by_imports, **msg["env"]})
             sys.path[0] = msg["cwd"]
             # python -u: unbuffered binary layer, text written through
             sys.stdout = _unbuffered(1, sys.stdout)
@@ -348,11 +358,16 @@ class Zygote:
     def _reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            # the ranks' CPU, which no test process can wait for: the suite's cost record adds it
+            self.cpu_s += usage.ru_utime + usage.ru_stime
+            tmp = self.path.with_suffix(".cpu.tmp")
+            tmp.write_text(f"{self.cpu_s:.2f}")
+            os.replace(tmp, self.path.with_suffix(".cpu"))
             conn = self.children.pop(pid, None)
             if conn is not None:
                 self.sel.unregister(conn)
@@ -472,9 +487,30 @@ class Session:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait()
 
-    def cold_starts(self) -> list[dict]:
+    def summary(self) -> dict:
+        """Ranks forked and their CPU seconds, and the cold starts by reason (namespaces' ids left out)."""
         log = self.root / "cold.log"
-        return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        cold: dict[str, int] = {}
+        for line in log.read_text().splitlines() if log.exists() else []:
+            reason = re.sub(r" \(.*\)$", "", json.loads(line)["reason"])
+            cold[reason] = cold.get(reason, 0) + 1
+        return {
+            "forked": len(list(self.root.glob("shim-*"))),
+            "forked_cpu_s": round(forked_cpu_s(self.root), 1),
+            "cold": dict(sorted(cold.items(), key=lambda kv: -kv[1])),
+        }
+
+
+def forked_cpu_s(root: Path | None = None) -> float:
+    """CPU seconds of the ranks this session's zygotes forked and reaped so far (0 without a session)."""
+    root = root or _session()
+    if root is None:
+        return 0.0
+    total = 0.0
+    for f in root.glob("zygote*.cpu"):
+        with contextlib.suppress(OSError, ValueError):
+            total += float(f.read_text())
+    return total
 
 
 if __name__ == "__main__":
