@@ -234,12 +234,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
     def stop() -> None:
         os.environ.pop("PYTHON_EXEC", None)
+        summary = warm.summary()
         warm.stop()
         if cost := session.config.getoption("suite_cost"):  # beside the run's cost record
-            worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-            out = Path(cost).parent / f"warm-ranks-{worker}.json"
+            out = Path(cost).parent / f"warm-ranks-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}"
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(warm.summary(), indent=1) + "\n")
+            out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
+            shutil.copyfile(warm.root / "zygotes.log", out.with_suffix(".log"))
         shutil.rmtree(root, ignore_errors=True)
 
     session.config.add_cleanup(stop)

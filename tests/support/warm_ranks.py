@@ -63,7 +63,7 @@ PRELOAD = (
 VOLATILE = re.compile(
     r"DSKIT_.*|RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_.*|"
     r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_.*|TORCH_NCCL_.*|NCCL_.*|PYTEST_.*|MLFLOW_.*|WANDB_.*|"
-    r"OTEL_.*|PYTHON_EXEC|_|OLDPWD|PWD|SHLVL"
+    r"OTEL_.*|PYTHON_EXEC|_TORCHINDUCTOR_.*|_|OLDPWD|PWD|SHLVL"
 )
 NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
 MODULE = "dskit.train"
@@ -251,17 +251,25 @@ class Zygote:
         self.sel.register(r, selectors.EVENT_READ, "reap")
         while True:
             for key, _ in self.sel.select():
-                if key.data == "accept":
-                    conn, _ = listener.accept()
-                    self._request(conn)
-                elif key.data == "reap":
-                    os.read(r, 4096)
-                    self._reap()
-                else:  # a shim's connection closed before its rank ended: the shim was killed
-                    self._hung_up(key.data, key.fileobj)
+                try:
+                    if key.data == "accept":
+                        self._request(listener.accept()[0])
+                    elif key.data == "reap":
+                        os.read(r, 4096)
+                        self._reap()
+                    else:  # a shim's connection closed before its rank ended: the shim was killed
+                        self._hung_up(key.data, key.fileobj)
+                except Exception:  # noqa: BLE001 (one shim's trouble, a kill mid-handshake: not the zygote's end)
+                    import traceback
+
+                    traceback.print_exc()
 
     def _request(self, conn: socket.socket) -> None:
-        msg, fds = _recv_request(conn)
+        try:
+            msg, fds = _recv_request(conn)
+        except (OSError, ValueError, struct.error):  # the shim went away mid-request: it exec'd nothing
+            conn.close()
+            raise
         try:
             why = self._why_cold(conn, msg)
             if why:
@@ -332,6 +340,10 @@ class Zygote:
             sys.stderr = _unbuffered(2, sys.stderr)
             sys.stdin = open(0, closefd=False, encoding=sys.stdin.encoding)  # noqa: SIM115
             sys.argv = ["-m", *msg["args"]]
+            # a fresh process draws numpy's legacy global state from the OS (Python's random reseeds
+            # itself at fork; torch seeds its default generator with a constant either way)
+            if (np := sys.modules.get("numpy")) is not None:
+                np.random.seed()
             import runpy
 
             try:
@@ -495,6 +507,8 @@ class Session:
             reason = re.sub(r" \(.*\)$", "", json.loads(line)["reason"])
             cold[reason] = cold.get(reason, 0) + 1
         return {
+            # a zygote that ended early sent every later rank of its parity cold (zygotes.log says why)
+            "zygotes_ended": [p.returncode for p in self.procs if p.poll() is not None],
             "forked": len(list(self.root.glob("shim-*"))),
             "forked_cpu_s": round(forked_cpu_s(self.root), 1),
             "cold": dict(sorted(cold.items(), key=lambda kv: -kv[1])),
