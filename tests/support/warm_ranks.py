@@ -7,8 +7,8 @@ in), paid by every rank of every `dskit train --local` the tests run.
 
 How: torchrun starts each worker as `$PYTHON_EXEC -u -m dskit.train` (torch.distributed.run's documented
 override). The session points PYTHON_EXEC at a shim (`python` in the session's directory), which asks a
-**zygote** over a Unix socket to fork the rank: the zygote imported the libraries once (with the first
-rank's environment as its own), and its fork gets the shim's stdin/stdout/stderr, working directory,
+**zygote** over a Unix socket to fork the rank: the zygote imported the libraries once (under the environment the
+session gives a CPU plan's ranks), and its fork gets the shim's stdin/stdout/stderr, working directory,
 environment and arguments, then runs `dskit.train` as `python -m` would. The shim stays what torchrun
 sees: it relays every signal torchrun or a test sends it to the rank, and leaves with the rank's exit
 status (killed by a signal where the rank was), so torchrun's teardown, exit codes and watchdog paths
@@ -41,6 +41,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -72,27 +73,6 @@ MODULE = "dskit.train"
 def _frame(sock: socket.socket, obj: dict) -> None:
     data = json.dumps(obj).encode()
     sock.sendall(struct.pack("!I", len(data)) + data)
-
-
-def _read_frame(sock: socket.socket) -> dict | None:
-    head = _recv_exactly(sock, 4)
-    if head is None:
-        return None
-    body = _recv_exactly(sock, struct.unpack("!I", head)[0])
-    return None if body is None else json.loads(body)
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = b""
-    while len(buf) < n:
-        try:
-            chunk = sock.recv(n - len(buf))
-        except InterruptedError:
-            continue
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
 
 
 # ------------------------------------------------------------------------------------------- the shim
@@ -219,7 +199,7 @@ def _session() -> Path | None:
 
 
 class Zygote:
-    """Forks ranks from one preloaded interpreter; its environment is the first request's."""
+    """Forks ranks from one preloaded interpreter, imported under `base` (a rank's environment)."""
 
     def __init__(self, path: Path, base: dict[str, str]):
         self.path = path
@@ -405,19 +385,13 @@ FORK_SAFE_THREADS = {"jemalloc_bg_thd"}
 
 
 def _other_threads() -> list[str]:
-    me = str(threading_native_id())
+    me = str(threading.get_native_id())
     names = []
     for tid in os.listdir("/proc/self/task"):
         if tid != me:
             with contextlib.suppress(OSError):
                 names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
     return [n for n in names if n not in FORK_SAFE_THREADS]
-
-
-def threading_native_id() -> int:
-    import threading
-
-    return threading.get_native_id()
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
