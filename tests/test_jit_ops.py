@@ -54,6 +54,41 @@ def test_the_interpreters_own_ninja_goes_first_whatever_path_the_launcher_gave(m
     assert os.environ["PATH"] == f"{scripts}:/usr/bin:/bin"
 
 
+ASK_CPU = """
+import subprocess, torch
+from dskit.host.jit_ops import use_own_builds
+started = []
+popen = subprocess.Popen.__init__
+def counting(self, args, *a, **k):
+    started.extend(a for a in args if str(a).endswith("cpuinfo.py"))
+    popen(self, args, *a, **k)
+subprocess.Popen.__init__ = counting
+use_own_builds()
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.ops.op_builder.all_ops import ALL_OPS
+b = ALL_OPS["cpu_adam"]
+flags = [b.cpu_arch(), b.simd_width(), b.cpu_arch()]
+DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(4))])
+import cpuinfo
+cpuinfo.get_cpu_info()["flags"].clear()  # a caller's copy: the next caller's answer is whole
+print(len(started), flags[0] == flags[2], bool(cpuinfo.get_cpu_info()["flags"]))
+"""
+
+
+def test_a_rank_starts_py_cpuinfos_interpreter_once_whoever_asks():
+    """DeepSpeed asks py-cpuinfo at each op load and in CPU Adam's constructor, and py-cpuinfo starts an
+    interpreter at each call: once the trainer pinned its builds, the first answer serves the rest."""
+    r = subprocess.run(
+        [sys.executable, "-c", ASK_CPU],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["1", "True", "True"], r.stdout
+
+
 def test_cpu_ranks_load_their_collectives_and_every_rank_cpu_adam():
     assert wanted(gpu=False) == ["cpu_adam", "deepspeed_shm_comm"]
     assert wanted(gpu=True) == ["cpu_adam", "fused_adam"]

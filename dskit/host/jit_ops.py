@@ -17,6 +17,8 @@ instructions may die on it (illegal instruction). Build it where the ranks run, 
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import sys
 import sysconfig
@@ -53,8 +55,11 @@ def use_own_builds() -> None:
       so each switch rebuilds every op (seen here between Debian's 1.11 and pip's 1.13: cpu_adam 160 s
       and shm_comm 92 s again on a busy 2-core host); without a system ninja the load fails ("Ninja is
       required to load C++ extensions").
-    Both go into os.environ, so the processes this one starts inherit them."""
+    Both go into os.environ, so the processes this one starts inherit them. And py-cpuinfo answers once
+    (`cpu_info_once`)."""
     from dskit.host.build_locks import extensions_root
+
+    cpu_info_once()
 
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_root())
     scripts = sysconfig.get_path("scripts")
@@ -63,6 +68,29 @@ def use_own_builds() -> None:
     path = env_vars.read("PATH") or ""
     if path.split(os.pathsep)[0] != scripts:
         os.environ["PATH"] = scripts + (os.pathsep + path if path else "")
+
+
+def cpu_info_once() -> None:
+    """py-cpuinfo's `get_cpu_info` starts a fresh interpreter at every call (`cpuinfo.py --json`, which
+    runs CPUID in a process of its own, so that a crash there cannot take the caller along), and
+    DeepSpeed asks it at every op load (`cpu_arch` and `simd_width`, for the compile flags torch compares
+    with the cached build's) and in DeepSpeedCPUAdam's constructor: two interpreters a CPU rank, three
+    where it steps CPU Adam, about 0.6 CPU-seconds and a second of its start each on 2 cores (measured
+    2026-12-06). The answer describes this machine's CPU for the life of the process, so the first is
+    kept and each caller gets its own copy; py-cpuinfo still computes it, isolated as it chooses."""
+    try:
+        import cpuinfo
+    except ImportError:  # DeepSpeed falls back to lscpu without it
+        return
+    if getattr(cpuinfo.get_cpu_info, "dskit_once", False):
+        return
+    first = functools.cache(cpuinfo.get_cpu_info)
+
+    def get_cpu_info() -> dict:
+        return copy.deepcopy(first())
+
+    get_cpu_info.dskit_once = True  # type: ignore[attr-defined]
+    cpuinfo.get_cpu_info = get_cpu_info
 
 
 def wanted(gpu: bool) -> list[str]:

@@ -219,6 +219,12 @@ class Zygote:
         os.environ.update(self.base)
         for module in PRELOAD:  # requests wait in the backlog meanwhile
             __import__(module)
+        # py-cpuinfo's answer, which a rank asks once (dskit/host/jit_ops.py `cpu_info_once`): the same
+        # machine's CPU, an interpreter's start less per rank
+        from dskit.host.jit_ops import cpu_info_once
+
+        cpu_info_once()
+        __import__("cpuinfo").get_cpu_info()
         # what the imports set themselves (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK, with setdefault): a
         # rank without it is a rank that has not imported yet, and gets it as a cold one would
         self.set_by_imports = {k: v for k, v in os.environ.items() if k not in self.base}
