@@ -212,7 +212,7 @@ _TRAINS = ("train", "slow")
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Local trainings' ranks fork from preloaded interpreters (tests/support/warm_ranks.py says how,
     and where they start cold instead). Started as collection ends, so their imports overlap the first
-    tests; not for a run without trainings (the fast tier), nor with DSKIT_TEST_COLD_RANKS=1."""
+    tests (never an `alone` one); not for a run without trainings (the fast tier), nor with DSKIT_TEST_COLD_RANKS=1."""
     if os.environ.get("DSKIT_TEST_COLD_RANKS") == "1" or not any(
         item.get_closest_marker(m) for item in session.items for m in _TRAINS
     ):
@@ -223,6 +223,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     import yaml
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+    from tests.support.scheduling import busy_until
     from tests.support.warm_ranks import Session
 
     cache_dir()  # puts its default into os.environ, as any compile in this process would mid-run
@@ -231,6 +232,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     warm = Session(root / "ranks")
     warm.start({**os.environ, **{k: str(v) for k, v in plan_env.items()}})
     os.environ["PYTHON_EXEC"] = str(warm.shim)
+    # their imports (two interpreters, both cores for seconds) must not run under an `alone` test's
+    # measurements: a calibration taken meanwhile predicted 0.35x the tokens/s its trainings then ran at
+    busy_until(session.config, warm.wait_ready)
 
     def stop() -> None:
         os.environ.pop("PYTHON_EXEC", None)

@@ -31,7 +31,9 @@ import platform
 import resource
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,27 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
         _MACHINE = _Machine(item.config._tmp_path_factory.getbasetemp().parent)  # noqa: SLF001
     with _MACHINE.held(item.get_closest_marker("alone") is not None):
         return (yield)
+
+
+def busy_until(config: pytest.Config, done: Callable[[], object]) -> None:
+    """Hold the machine as a test does until `done()` returns (in a thread): work this worker started
+    in the background, such as the warm ranks' imports (tests/conftest.py), keeps an `alone` test from
+    starting under it. Taken before returning, so before xdist hands out the first test (it waits for
+    every worker's collection); on a lock of its own, since a test's unlock would drop a shared one.
+    Without xdist there is no lock: the wait is here."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        done()
+        return
+    held = _Machine(config._tmp_path_factory.getbasetemp().parent).held(alone=False)  # noqa: SLF001
+    held.__enter__()
+
+    def wait() -> None:
+        try:
+            done()
+        finally:
+            held.__exit__(None, None, None)
+
+    threading.Thread(target=wait, name="dskit-busy-until", daemon=True).start()
 
 
 def _cpu_s() -> float:

@@ -225,6 +225,7 @@ class Zygote:
 
         cpu_info_once()
         __import__("cpuinfo").get_cpu_info()
+        self.path.with_suffix(".ready").touch()  # Session.wait_ready
         # what the imports set themselves (DeepSpeed: PYTORCH_NVML_BASED_CUDA_CHECK, with setdefault): a
         # rank without it is a rank that has not imported yet, and gets it as a cold one would
         self.set_by_imports = {k: v for k, v in os.environ.items() if k not in self.base}
@@ -468,6 +469,16 @@ class Session:
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
                 raise RuntimeError(f"the rank zygotes did not start under {self.root}")
             time.sleep(0.05)
+
+    def wait_ready(self, timeout_s: float = 900) -> bool:
+        """Whether both zygotes finished their imports within `timeout_s` (False: one ended first, or the
+        time ran out; their ranks then start cold, as without zygotes)."""
+        deadline = time.monotonic() + timeout_s
+        while not all((self.root / f"zygote{i}.ready").exists() for i in (0, 1)):
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                return False
+            time.sleep(0.2)
+        return True
 
     @property
     def shim(self) -> Path:
