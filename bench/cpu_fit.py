@@ -6,8 +6,8 @@ the runs, each probe taken at its median: `typical`), trains every candidate of 
 2 CPU ranks for a few steps (tiny-v2 and tiny-v2-experts; ZeRO-2 and ZeRO-3; EP 1 and 2; micro-batch 1
 and 4 of a per-rank batch of 4; a checkpointed pair), and fits the constants by least squares on the
 relative step-time error, the calibrated terms (collectives, AutoEP's exchange, the optimizer) held as
-the plan predicts them. The model is linear in what it fits: compute time at the GEMM probe's rate over
-CPU_COMPUTE_EFFICIENCY, and host seconds per layer pass (ZeRO-3; ZeRO-1/2), per MoE
+the plan predicts them. The model is linear in what it fits: compute time at CPU_COMPUTE_TFLOPS (over the
+host probe's ratio to the reference), and host seconds per layer pass (ZeRO-3; ZeRO-1/2), per MoE
 layer pass at EP > 1 and per optimizer step (ZeRO-3; ZeRO-1/2).
 
     python bench/cpu_fit.py --out bench/results/cpu/cpu-fit-2026-12-05b.json    # measure (minutes), fit
@@ -39,7 +39,7 @@ from dskit.plan import speed  # noqa: E402
 
 #: what is fitted, and the step each is kept at in speed.py
 ROUND = {
-    "CPU_COMPUTE_EFFICIENCY": 0.005,
+    "CPU_COMPUTE_TFLOPS": 0.0005,
     "CPU_HOST_LAYER_PASS_S": 0.0005,
     "CPU_HOST_LAYER_PASS_UNHOOKED_S": 0.0005,
     "CPU_EP_LAYER_PASS_S": 0.0005,
@@ -143,12 +143,12 @@ def terms(row: dict, cal_file: Path) -> tuple[float, list[float]]:
             _, found = build_plan_searched(spec)
             return found.chosen.speed.step_s
 
-    # the compute term is linear in 1 / efficiency: 1.0 gives the unit; host terms in seconds each
-    zero = {k: 0.0 for k in ROUND if k != "CPU_COMPUTE_EFFICIENCY"}
-    base = step(**zero, CPU_COMPUTE_EFFICIENCY=1e12)
-    units = [step(**zero, CPU_COMPUTE_EFFICIENCY=1.0) - base]
+    # the compute term is linear in 1 / rate: 1 TFLOP/s gives the unit; host terms in seconds each
+    zero = {k: 0.0 for k in ROUND if k != "CPU_COMPUTE_TFLOPS"}
+    base = step(**zero, CPU_COMPUTE_TFLOPS=1e12)
+    units = [step(**zero, CPU_COMPUTE_TFLOPS=1.0) - base]
     for k in zero:
-        units.append(step(**{**zero, k: 1.0}, CPU_COMPUTE_EFFICIENCY=1e12) - base)
+        units.append(step(**{**zero, k: 1.0}, CPU_COMPUTE_TFLOPS=1e12) - base)
     return base, units
 
 
@@ -172,14 +172,14 @@ def fit(data: dict) -> tuple[dict[str, float], list[dict]]:
             break
         free = [i for i in free if i not in neg]
     names = list(ROUND)
-    if x[0] <= 0:  # compute explained nothing: no efficiency to write, and the runs say why
+    if x[0] <= 0:  # compute explained nothing: no rate to write, and the runs say why
         raise SystemExit(
             "cpu_fit: the runs fit no compute term (its coefficient came out <= 0): measure again"
         )
-    values = {"CPU_COMPUTE_EFFICIENCY": 1 / x[0]}
+    values = {"CPU_COMPUTE_TFLOPS": 1 / x[0]}
     values.update({n: float(v) for n, v in zip(names[1:], x[1:], strict=True)})
     fitted = {n: round(round(v / ROUND[n]) * ROUND[n], 6) for n, v in values.items()}
-    units = np.array([1 / fitted["CPU_COMPUTE_EFFICIENCY"], *(fitted[n] for n in names[1:])])
+    units = np.array([1 / fitted["CPU_COMPUTE_TFLOPS"], *(fitted[n] for n in names[1:])])
     predicted = base + a @ units
     out = [
         {**r, "predicted_step_s": round(float(p), 4), "error": round(float(p / r["measured_step_s"] - 1), 3)}

@@ -126,7 +126,7 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     ),
     (
         "x__cpu_step",
-        "T, w.flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY",
+        "T, w.flops_per_token, frac, CPU_COMPUTE_TFLOPS * 1e12 / scales.compute, False, fwd, efficiency=1.0",
         r"1e12, None, fwd",
         "`compiled` None is false as False is",
     ),

@@ -11,9 +11,9 @@ bench/results/calibration/h200-calibrate-2026-12-04*.json), and this project's 2
 machine for CPU ranks (the cpu profile, whose constants were fitted there: dskit/plan/speed.py "CPU
 ranks"). `REFERENCES` holds their probes' readings.
 
-Terms and their probes: compute by the GEMM probe (GPUs: as shares of each GPU's bf16 peak, since the
-probe runs bf16; CPU ranks, which have no catalog peak, take the measured rate itself as their compute
-rate), attention by the attention probe (GPUs; as shares of peak likewise), the host timeline by the
+Terms and their probes: compute by the GEMM probe on GPUs (as shares of each GPU's bf16 peak, since the
+probe runs bf16) and by the host probe on CPU ranks (the tiny models' small kernels are bound by
+per-operation overhead, not GEMM throughput: dskit/plan/speed.py "CPU ranks"), attention by the attention probe (GPUs; as shares of peak likewise), the host timeline by the
 host probe, CPU Adam (optimizer offload, a CPU rank's optimizer) by its own.
 
 A probe's reading moves between runs on one machine: over the four H200 runs the GEMM rate stayed
@@ -61,12 +61,13 @@ FITTED, SCALED = fitted("gpu"), scaled("gpu")
 class Scales:
     """Factors on the fitted terms: 1.0 where nothing was measured."""
 
-    compute: float = 1.0  # the compute term (the reference's achieved GEMM share of peak / this one's)
+    compute: float = 1.0  # the compute term (GPUs: the reference's achieved GEMM share of peak / this
+    # one's; CPU ranks: the host probe's ratio, dskit/plan/speed.py "CPU ranks")
     attention: float = 1.0  # the attention FLOPs of it, likewise by the attention probe
     host: float = 1.0  # the host timeline (this host's probe / the reference's)
     cpu_adam: float = 1.0  # CPU Adam's core-seconds per parameter (this node's / the reference's)
     sources: dict[str, str] = field(default_factory=dict)
-    #: the GEMM rate measured here, TFLOP/s: a CPU rank's compute rate (it has no catalog peak)
+    #: the GEMM rate measured here, TFLOP/s: a CPU rank's peak for its MFU (it has no catalog peak)
     gemm_tflops: float | None = None
 
 
@@ -93,14 +94,16 @@ def factors(cal: Calibration | None, kind: str = "gpu") -> Scales:
     peak, reference_peak = (catalog.gpu(c.hardware.gpu).peak_tflops_bf16 for c in (cal, ref))
     for term, probe in (("compute", "gemm_tflops"), ("attention", "attention_tflops")):
         rate, rate_there = getattr(here, probe), getattr(there, probe)
-        if rate and rate_there:  # shares of each GPU's peak; a CPU's rates compare as they are
+        if rate and rate_there and kind == "gpu":  # shares of each GPU's peak
             found[term] = (rate_there / (reference_peak or 1.0)) / (rate / (peak or 1.0))
     if here.host_layer_pass_s and there.host_layer_pass_s:
         found["host"] = here.host_layer_pass_s / there.host_layer_pass_s
+        if kind == "cpu":  # a CPU rank's compute: per-operation overhead, as the host probe times it
+            found["compute"] = found["host"]
     if cal.cpu_adam is not None and ref.cpu_adam is not None:
         found["cpu_adam"] = cal.cpu_adam.core_s_per_bparam / ref.cpu_adam.core_s_per_bparam
     measured = {
-        "compute": here.gemm_tflops,
+        "compute": here.host_layer_pass_s if kind == "cpu" else here.gemm_tflops,
         "attention": here.attention_tflops,
         "host": here.host_layer_pass_s,
         "cpu_adam": cal.cpu_adam,
@@ -108,8 +111,8 @@ def factors(cal: Calibration | None, kind: str = "gpu") -> Scales:
     for term, ratio in found.items():
         if measured[term] is not None:
             src[term] = f"{scaled(kind)} (x{ratio:.2f})"
-    if kind == "cpu" and here.gemm_tflops:
-        src["compute"] = f"measured on this cluster ({here.gemm_tflops * 1e3:.0f} GFLOP/s, the GEMM probe)"
+    if kind == "cpu" and here.host_layer_pass_s:
+        src["compute"] = f"{fitted(kind)}, scaled by this cluster's host probe (x{found['compute']:.2f})"
     return Scales(
         found["compute"],
         found["attention"],

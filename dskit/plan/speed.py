@@ -206,13 +206,15 @@ WIRE_BYTES = 2
 
 # ---- CPU ranks (the cpu profile: DeepSpeed's CPU accelerator, gloo), `_cpu_step` ----
 # A CPU rank runs its kernels on its own thread, so the host's timeline and the device's add rather than
-# overlap, and nothing hides a collective. Its compute rate is the GEMM probe's measured rate (no catalog
-# peak), so a CPU plan predicts only with a calibration. These constants were fitted on this project's
-# 2-core development machine (the CPU reference machine of dskit/calibrate/scales.py), 2 ranks of the
-# tiny models over loopback, by bench/cpu_fit.py (its runs and errors: docs/planner.md "CPU ranks"),
-# and another host's probes scale them.
-#: achieved share of the GEMM probe's rate on the model's FLOPs (the kernels of a tiny layer are small)
-CPU_COMPUTE_EFFICIENCY = 0.015
+# overlap, and nothing hides a collective. A CPU has no catalog peak, so a CPU plan predicts only with a
+# calibration. These constants were fitted on this project's 2-core development machine (the CPU
+# reference machine of dskit/calibrate/scales.py), 2 ranks of the tiny models over loopback, by
+# bench/cpu_fit.py (its runs and errors: docs/planner.md "CPU ranks"), and another host's probes scale
+# them: the compute too by the host probe, not the GEMM probe (whose rate is the plan's MFU peak), since
+# the tiny models' small kernels are bound by per-operation overhead: an AMD host whose GEMM probe read
+# 0.2x the Intel reference's (no AMX) trained them as fast, its host probe reading 0.96x.
+#: the model's FLOPs per second on the CPU reference machine, TFLOP/s
+CPU_COMPUTE_TFLOPS = 0.014
 #: host time per layer pass under ZeRO-3 (its module hooks and partitioned-parameter bookkeeping), s
 CPU_HOST_LAYER_PASS_S = 0.008
 #: host time per layer pass under ZeRO-1/2, s
@@ -440,7 +442,7 @@ def _cpu_step(
     unknown: list[str] = []
     fwd = None if tuning is None else tuning.forward_share(c)
     compute = _compute_s(
-        T, w.flops_per_token, frac, scales.gemm_tflops * 1e12, False, fwd, efficiency=CPU_COMPUTE_EFFICIENCY
+        T, w.flops_per_token, frac, CPU_COMPUTE_TFLOPS * 1e12 / scales.compute, False, fwd, efficiency=1.0
     )
     shapes = links_.groups(layout.world, layout.per_node, layout.ep_size)
     per_micro, per_step = _collectives_s(

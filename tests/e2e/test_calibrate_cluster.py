@@ -7,12 +7,10 @@ The cluster is 2 nodes x 1 CPU rank (gloo over eth0), the model `tiny-v2-experts
 big enough that where they live decides the step: EP 2 sends tokens across the link, EP 1 moves the
 experts' gradients (and under ZeRO-3 their weights) across it instead. On the bare bridge the link is
 fast and EP 1 at ZeRO-2 wins; shaped to SHAPED_RATE the expert traffic of EP 1 costs more than the
-tokens of EP 2, and the measured ranking flips. Measured on this machine's Intel host (2026-12-05,
-tokens/s/GPU, predicted / measured): bare ZeRO-2 EP 1 (the pick) 5,962 / 5,344, ZeRO-2 EP 2 5,431 /
-4,621, ZeRO-3 EP 1 3,779 / 3,236; shaped to 40 Mbit/s ZeRO-2 EP 2 (the pick) 1,238 / 1,196, ZeRO-2 EP 1
-610 / 567, ZeRO-3 EP 1 470 / 580. On its AMD host (2026-12-06), shaped to 100 Mbit/s: bare ZeRO-2 EP 1 (the
-pick) 1,348 / 5,259, ZeRO-2 EP 2 1,299 / 5,222, ZeRO-3 EP 1 1,088 / 3,371; shaped ZeRO-2 EP 2 (the pick) 1,114 / 2,271, ZeRO-2 EP 1 841 /
-1,302, ZeRO-3 EP 1 696 / 1,224: the same ranking, the predictions 0.26-0.5x (PREDICTION_BAND says why).
+tokens of EP 2, and the measured ranking flips. Measured on this machine (an AMD host, 2026-12-06,
+tokens/s/GPU, predicted / measured): bare ZeRO-2 EP 1 (the pick) 4,905 / 4,920, ZeRO-2 EP 2 4,440 /
+4,525, ZeRO-3 EP 1 3,169 / 2,744; shaped to 100 Mbit/s ZeRO-2 EP 2 (the pick) 1,882 / 2,294, ZeRO-2 EP 1
+1,178 / 1,282, ZeRO-3 EP 1 864 / 1,266.
 
 Every job waits on its own progress (a log that stops growing for STALL_S fails), not on a clock; the
 module runs alone (marker `alone`): it compares times it measures.
@@ -47,16 +45,15 @@ NET = ["network.interface=eth0", "slurm.partition=debug"]
 #: the slow link: tc's token bucket on each node's veth, its burst small (a bucket of 64 KiB lets the
 #: first 64 KiB of every call through at once, a link faster than the rate for small messages)
 SHAPED_RATE, SHAPED_BURST, SHAPED_BYTES_S = "100mbit", "4kb", 100e6 / 8
-#: each candidate's predicted tokens/s against the measured. The issue's goal is 20%: measured within
-#: it on a quiet machine (2026-12-05: +12..+18% bare, -19..+8% shaped), with the CPU constants fitted to
-#: the probes' median (bench/cpu_fit.py) on the Intel host this VM then ran on. This VM's speed moves
-#: between a calibration and the runs after it (its GEMM probe read 0.52-0.97 TFLOP/s within four
-#: minutes), and it has since moved to an AMD host whose GEMM probe reads 0.18-0.20 TFLOP/s (no AMX) while
-#: the tiny models train as fast as before (the host probe reads 47-48 us against the reference's 50): a
-#: CPU rank's compute term, scaled by the GEMM probe, predicts 0.26-0.35x there. So only the plan's
-#: ranking is the loop's check (the tests below), and this bound is the loose upper one: no candidate
-#: predicted more than twice as fast as it ran
-PREDICTION_BAND = 1.0
+#: each candidate's predicted tokens/s against the measured, as a factor either way. The issue's goal is
+#: 20%: 5 of the 6 trained candidates were within it on a quiet machine (2026-12-06: -2..+15% bare,
+#: -18..-8% shaped; ZeRO-3 EP 1 shaped -32%, its gathers over the slow link counted slower than they
+#: run), with the CPU constants fitted on another host (bench/cpu_fit.py) and scaled by this one's
+#: probes. This VM's speed moves between a calibration and the runs after it (a fresh-clone run once
+#: measured the bare candidates 42-89% slower than predicted while their ranking held), so the bound
+#: asserted is a factor of 2 either way (the compute term scaled by the GEMM probe, as before 2026-12-06,
+#: predicted 0.26-0.35x on this host); the ranking tests below are the loop's check
+PREDICTION_BAND = 2.0
 #: how far apart two candidates' measured medians must be to count as ranked, not tied: a run's 20 timed
 #: steps spread over an interquartile range of 4-17% of their median (2026-12-05), so the median holds
 #: to a few percent; the rest allows for this VM's speed drifting between one run and the next
@@ -309,8 +306,10 @@ def test_the_pick_is_the_fastest_measured(loop, regime):
 @pytest.mark.parametrize("regime", REGIMES)
 def test_every_trained_candidates_prediction_is_within_the_band(loop, regime):
     r = loop[regime]
-    errors = {describe(k): predicted(r, k) / tps - 1 for k, tps in r.measured.items()}
-    assert all(e <= PREDICTION_BAND for e in errors.values()), {k: f"{e:+.0%}" for k, e in errors.items()}
+    ratios = {describe(k): predicted(r, k) / tps for k, tps in r.measured.items()}
+    assert all(1 / PREDICTION_BAND <= x <= PREDICTION_BAND for x in ratios.values()), {
+        k: f"{x - 1:+.0%}" for k, x in ratios.items()
+    }
 
 
 def test_the_pick_moves_where_the_measured_ranking_moves_and_stays_where_it_does_not(loop):
