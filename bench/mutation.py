@@ -127,7 +127,7 @@ EQUIVALENT: list[tuple[str, str, str, str]] = [
     (
         "x__cpu_step",
         "T, w.flops_per_token, frac, CPU_COMPUTE_TFLOPS * 1e12 / scales.compute, False, fwd, efficiency=1.0",
-        r"1e12, None, fwd",
+        r"scales\.compute, None, fwd",
         "`compiled` None is false as False is",
     ),
     (

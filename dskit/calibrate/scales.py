@@ -92,10 +92,12 @@ def factors(cal: Calibration | None, kind: str = "gpu") -> Scales:
     here, there = cal.compute, ref.compute
     found = dict.fromkeys(TERMS, 1.0)
     peak, reference_peak = (catalog.gpu(c.hardware.gpu).peak_tflops_bf16 for c in (cal, ref))
+    # GPUs' rates compare as shares of each GPU's bf16 peak: not where the catalog has none (V100)
+    shares = kind == "gpu" and bool(peak) and bool(reference_peak)
     for term, probe in (("compute", "gemm_tflops"), ("attention", "attention_tflops")):
         rate, rate_there = getattr(here, probe), getattr(there, probe)
-        if rate and rate_there and kind == "gpu":  # shares of each GPU's peak
-            found[term] = (rate_there / (reference_peak or 1.0)) / (rate / (peak or 1.0))
+        if rate and rate_there and shares:
+            found[term] = (rate_there / reference_peak) / (rate / peak)
     if here.host_layer_pass_s and there.host_layer_pass_s:
         found["host"] = here.host_layer_pass_s / there.host_layer_pass_s
         if kind == "cpu":  # a CPU rank's compute: per-operation overhead, as the host probe times it
@@ -103,16 +105,14 @@ def factors(cal: Calibration | None, kind: str = "gpu") -> Scales:
     if cal.cpu_adam is not None and ref.cpu_adam is not None:
         found["cpu_adam"] = cal.cpu_adam.core_s_per_bparam / ref.cpu_adam.core_s_per_bparam
     measured = {
-        "compute": here.host_layer_pass_s if kind == "cpu" else here.gemm_tflops,
-        "attention": here.attention_tflops,
+        "compute": here.host_layer_pass_s if kind == "cpu" else here.gemm_tflops if shares else None,
+        "attention": here.attention_tflops if shares else None,
         "host": here.host_layer_pass_s,
         "cpu_adam": cal.cpu_adam,
     }
     for term, ratio in found.items():
         if measured[term] is not None:
             src[term] = f"{scaled(kind)} (x{ratio:.2f})"
-    if kind == "cpu" and here.host_layer_pass_s:
-        src["compute"] = f"{fitted(kind)}, scaled by this cluster's host probe (x{found['compute']:.2f})"
     return Scales(
         found["compute"],
         found["attention"],

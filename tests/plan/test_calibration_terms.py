@@ -738,11 +738,27 @@ def test_a_cpu_calibration_is_compared_with_the_cpu_reference_whatever_kind_is_a
     assert (s.compute, s.attention, s.host, s.cpu_adam) == (approx(1.5), 1.0, approx(1.5), approx(3.0))
     assert s.gemm_tflops == 1.0
     assert s.sources == {
-        "compute": f"{fitted('cpu')}, scaled by this cluster's host probe (x1.50)",
+        "compute": f"{scaled('cpu')} (x1.50)",  # by the host probe
         "attention": fitted("cpu"),
         "host": f"{scaled('cpu')} (x1.50)",
         "cpu_adam": f"{scaled('cpu')} (x3.00)",
     }
+
+
+def test_a_cpu_calibration_without_a_host_probe_leaves_the_compute_as_fitted():
+    """The GEMM probe does not scale a CPU rank's compute: without the host probe it stays the fitted rate."""
+    s = factors(_cal(gpu="cpu", fabric="tcp", nodes=1, per_node=2, compute={"gemm_tflops": 1.0}))
+    assert (s.compute, s.host, s.gemm_tflops) == (1.0, 1.0, 1.0)
+    assert s.sources["compute"] == s.sources["host"] == fitted("cpu")
+
+
+def test_a_gpu_without_a_bf16_peak_is_not_scaled_by_its_gemm_or_attention_probe():
+    """The GPU probes compare as shares of each GPU's bf16 peak, which the catalog does not give a V100:
+    its readings scale nothing, and the sources say the terms are fitted."""
+    cal = _cal(gpu="v100-32gb", compute={"gemm_tflops": 100.0, "attention_tflops": 50.0})
+    s = factors(cal)
+    assert (s.compute, s.attention) == (1.0, 1.0)
+    assert s.sources["compute"] == s.sources["attention"] == FITTED
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1073,7 +1089,7 @@ def test_a_cpu_steps_sources_name_the_file_for_every_term():
     assert step.sources == (
         ("dense group (2 ranks inside a node)", MEASURED),
         ("ep group (2 ranks inside a node)", f"{MEASURED}: AutoEP's dispatch and combine"),
-        ("compute", f"{fitted('cpu')}, scaled by this cluster's host probe (x1.50)"),
+        ("compute", f"{scaled('cpu')} (x1.50)"),
         ("attention", fitted("cpu")),
         ("host", f"{scaled('cpu')} (x1.50)"),
         ("cpu_adam", f"{scaled('cpu')} (x2.00)"),
