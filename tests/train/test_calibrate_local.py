@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dskit.calibrate import calibration, candidates
+from dskit.calibrate import calibration, candidates, scales
 from dskit.calibrate.measures import calibration_name
 from dskit.plan import links
 from tests.conftest import TINY_SETS, dskit
@@ -79,7 +79,8 @@ def test_calibrate_writes_what_the_plan_reads(tmp_path):
     plan = cli("plan", *SPEC, "--calibration", str(out), "--explain", check=True)
     # what this calibration measured, and the step's terms that took it (tests/plan/test_explain.py)
     assert "what the calibration measured (1x2 cpu, cpu, gloo" in plan.stdout, plan.stdout
-    assert f"compute: measured on this cluster ({cal.compute.gemm_tflops * 1e3:.0f} GFLOP/s" in plan.stdout
+    host = cal.compute.host_layer_pass_s / scales.reference("cpu").compute.host_layer_pass_s
+    assert f"compute: {scales.scaled('cpu')} (x{host:.2f})" in plan.stdout  # by the host probe
     # the run.yaml the job ran: a training run's, plus the calibrate section
     run_yaml = (tmp_path / "cal" / "run.yaml").read_text()
     assert "calibrate:" in run_yaml and str(out) in run_yaml
