@@ -471,8 +471,8 @@ class Session:
             time.sleep(0.05)
 
     def wait_ready(self, timeout_s: float = 900) -> bool:
-        """Whether both zygotes finished their imports within `timeout_s` (False: one ended first, or the
-        time ran out; their ranks then start cold, as without zygotes)."""
+        """Whether both zygotes finished their imports within `timeout_s` (False: one ended first, whose
+        ranks then start cold, or the time ran out, and requests keep waiting in the backlog)."""
         deadline = time.monotonic() + timeout_s
         while not all((self.root / f"zygote{i}.ready").exists() for i in (0, 1)):
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
