@@ -104,15 +104,22 @@ def convert_linears(
     """Route the forward of every bias-free `nn.Linear` of `model` whose role is in `roles` through the FP8
     product. Before `deepspeed.initialize` (ZeRO hooks the same modules either way) and before LoRA attaches,
     so an adapter's base layer is the FP8 one. A role the model lacks converts nothing (the plan names
-    roles from the model's config; the record says what was converted)."""
+    roles from the model's config; the record says what was converted). Nothing to convert builds no product:
+    torch.compile's limits stay as the run's other compiled regions set them."""
     roles = set(roles)
-    product = fp8_product(recipe, emulate=emulate, compiled=compiled)
     done = Converted(recipe)
-    for name, mod in model.named_modules():
-        if type(mod) is nn.Linear and mod.bias is None and role(name) in roles:
-            mod._dskit_fp8 = product
-            mod.forward = types.MethodType(_fp8_forward, mod)
-            done.linears.append(name)
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if type(mod) is nn.Linear and mod.bias is None and role(name) in roles
+    ]
+    if not targets:
+        return done
+    product = fp8_product(recipe, emulate=emulate, compiled=compiled)
+    for name, mod in targets:
+        mod._dskit_fp8 = product
+        mod.forward = types.MethodType(_fp8_forward, mod)
+        done.linears.append(name)
     return done
 
 
