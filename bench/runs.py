@@ -169,6 +169,10 @@ def ran_otherwise(run_dir: Path) -> str | None:
         wrong.append(f"optimizer step {ran['optimizer_step']} (planned {p.optimizer_step})")
     if p.zero_stage < 3 and ran.get("gradients", "buckets") != p.gradients:
         wrong.append(f"gradients {ran.get('gradients', 'buckets')} (planned {p.gradients})")
+    if p.gradients == "flat" and ran.get("grad_first_write", "add") != p.grad_first_write:
+        wrong.append(
+            f"gradients landing by {ran.get('grad_first_write', 'add')} (planned {p.grad_first_write})"
+        )
     combine = plan.deepspeed["expert_parallel"].get("combine_impl", "weighted_sum")
     if ran.get("moe_combine", ["weighted_sum"]) not in ([combine], []):
         wrong.append(f"MoE combine {ran.get('moe_combine')} (planned {combine})")

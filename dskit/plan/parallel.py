@@ -94,6 +94,8 @@ def plan_parallel(
     _warn_over_the_margin_only(found, warnings)
     step = optimizer_step(spec.overrides.optimizer_step, c.zero_stage, c.offload, warnings)
     compile_attention = attention and c.zero_stage < 3
+    flat = memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
+    # grad_first_write stays "add": "copy" did not win on one H100 (bench/JOURNAL.md, "Host syncs by line")
     parallel = ParallelPlan(
         zero_stage=c.zero_stage,
         ep_size=c.ep_size,
@@ -111,9 +113,7 @@ def plan_parallel(
         compile_attention=compile_attention,
         cuda_graphs=cuda_graphs(spec, gpu, compile_attention, c.ckpt_every),
         optimizer_step=step,
-        gradients="flat"
-        if memory.flat_gradients(world, c.zero_stage, c.offload, step == "fused", precision)
-        else "buckets",
+        gradients="flat" if flat else "buckets",
         **fp8,
     )
     return parallel, found

@@ -100,6 +100,10 @@ class ParallelPlan(_Frozen):
     # ZeRO-1/2's gradients on one rank in bf16 with the fused step: straight into flat buffers
     # (dskit/train/flat_grads.py, dskit/plan/memory.py `flat_gradients`); run.yaml files from before: buckets
     gradients: Literal["buckets", "flat"] = "buckets"
+    # how a flat gradient lands in its buffer (dskit/train/flat_grads.py): "add" (AccumulateGrad adds into a
+    # zeroed buffer; the plan's choice) or "copy" (a post-accumulate hook copies it, nothing zeroed: a lever
+    # the benches measure with `--variant parallel.grad_first_write=copy`, bench/JOURNAL.md)
+    grad_first_write: Literal["add", "copy"] = "add"
     # FP8 matrix products (training.fp8; dskit/plan/fp8_training.py): the linears' recipe (None: bf16, as every
     # run.yaml from before), the linears in FP8 by role (`self_attn.o_proj`), and the routed experts (rowwise)
     fp8: Literal["rowwise", "tensorwise"] | None = None

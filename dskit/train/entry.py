@@ -334,6 +334,7 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
         "compiled": compiled,
         "optimizer_step": "fused" if fused_step.installed(engine) else "deepspeed",  # installed, not asked
         "gradients": fused_step.gradients(engine),
+        "grad_first_write": fused_step.grad_first_write(engine),
         # AutoEP's top-k combine in its layers (resolved: "weighted_sum" or "fused_weighted_sum")
         "fp8": fp8.as_record() if fp8 is not None else None,
         "moe_combine": sorted(
@@ -377,7 +378,11 @@ def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool
             config={k: v for k, v in ds_config.items() if k != "optimizer"},
         )
         try:
-            fused_step.install(engine.optimizer, flat=plan.parallel.gradients == "flat")
+            fused_step.install(
+                engine.optimizer,
+                flat=plan.parallel.gradients == "flat",
+                first_write=plan.parallel.grad_first_write,
+            )
         except fused_step.Refused as e:  # bad input (run.yaml edited by hand): one line, exit 2
             raise SpecError(e.field, str(e)) from None
         return engine

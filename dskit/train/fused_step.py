@@ -50,12 +50,13 @@ class Refused(TypeError):
         self.field = field
 
 
-def install(zero_optimizer, *, flat: bool = False) -> None:
+def install(zero_optimizer, *, flat: bool = False, first_write: str = "add") -> None:
     """Replace the passes on this DeepSpeedZeroOptimizer instance (stage 1 or 2 on the device, torch fused
     AdamW). `flat`: the plan's gradients go flat on the one rank (dskit/plan/memory.py `flat_gradients`,
-    dskit/train/flat_grads.py); an engine that cannot take them is an error, not a fallback."""
+    dskit/train/flat_grads.py), landing there by `first_write` ("add" or "copy"); an engine that cannot
+    take them is an error, not a fallback."""
     from deepspeed import comm as dist
-    from deepspeed.runtime.utils import is_model_parallel_parameter, mask_nan_or_inf_with_val_inplace
+    from deepspeed.runtime.utils import is_model_parallel_parameter
 
     from dskit.train import flat_grads
 
@@ -97,9 +98,7 @@ def install(zero_optimizer, *, flat: bool = False) -> None:
         )
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=z.dp_process_group)
         z._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
-        total = total.sqrt().float()
-        mask_nan_or_inf_with_val_inplace(total, device=z.device)
-        return total
+        return flat_grads.non_finite_as_minus_one(total.sqrt().float())
 
     def unscale_and_clip_grads(grad_groups_flat, total_norm):
         inner.found_inf = None  # no norm (clip 0): nothing to skip by, whatever the last step was
@@ -109,7 +108,7 @@ def install(zero_optimizer, *, flat: bool = False) -> None:
                 if torch.is_tensor(total_norm)
                 else torch.tensor(float(total_norm), device=z.device)
             ).float()
-            # DeepSpeed's norm helpers report a non-finite norm as -1 (mask_nan_or_inf_with_val_inplace)
+            # DeepSpeed's norm helpers report a non-finite norm as -1 (flat_grads.non_finite_as_minus_one)
             bad = (norm < 0) | ~torch.isfinite(norm)
             inner.found_inf = bad.float().reshape(())
             inner.dskit_skipped = inner.dskit_skipped + inner.found_inf
@@ -133,7 +132,7 @@ def install(zero_optimizer, *, flat: bool = False) -> None:
         why = flat_grads.refused(z)
         if why:
             raise Refused("parallel.gradients", f"the plan's flat gradients do not run here: {why}")
-        flat_grads.attach(z)
+        flat_grads.attach(z, first_write=first_write)
 
 
 def _step(z) -> None:
@@ -235,6 +234,15 @@ def gradients(engine) -> str:
     """Where this engine's ZeRO-1/2 gradients went: "flat" (dskit/train/flat_grads.py) or DeepSpeed's
     "buckets"."""
     return "flat" if hasattr(getattr(engine, "optimizer", None), "dskit_flat_grads") else "buckets"
+
+
+def grad_first_write(engine) -> str | None:
+    """How flat gradients landed in their buffers ("add" or "copy", dskit/train/flat_grads.py); None where
+    they did not go flat."""
+    z = getattr(engine, "optimizer", None)
+    if not hasattr(z, "dskit_flat_grads"):
+        return None
+    return "copy" if hasattr(z, "dskit_landing") else "add"
 
 
 def installed(engine) -> bool:

@@ -1,5 +1,5 @@
-"""One rank's ZeRO-1/2 gradients straight into flat buffers (dskit/train/flat_grads.py): the same training
-as DeepSpeed's hooks and buckets, with none of them. Real DeepSpeed engines on one CPU rank (gloo), each in a
+"""One rank's ZeRO-1/2 gradients straight into flat buffers (dskit/train/flat_grads.py), added into a zeroed
+buffer by autograd or copied there by a hook: the same training as DeepSpeed's hooks and buckets. Real DeepSpeed engines on one CPU rank (gloo), each in a
 subprocess: a process group must not outlive the test."""
 
 import pytest
@@ -13,7 +13,8 @@ import json, os, sys, torch, deepspeed
 from dskit.train import fused_step
 
 deepspeed.init_distributed(dist_backend="gloo")
-flat, stage, overflow_check = sys.argv[1] == "flat", int(sys.argv[2]), sys.argv[3] == "check"
+path, stage, overflow_check = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "check"
+flat, first_write = path != "buckets", path.removeprefix("flat-") if path != "buckets" else "add"
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)).to(torch.bfloat16)
 opt = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -28,7 +29,7 @@ def two_groups(ps):  # as the dense and expert groups of a MoE model
     return torch.optim.AdamW([{"params": ps[:2]}, {"params": ps[2:]}], fused=True, **opt)
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=two_groups, config=cfg)
 try:
-    fused_step.install(engine.optimizer, flat=flat)
+    fused_step.install(engine.optimizer, flat=flat, first_write=first_write)
 except TypeError as e:
     print("REFUSED " + str(e))
     sys.exit(0)
@@ -45,15 +46,18 @@ for micro in range(16):
 z = engine.optimizer
 out = {
     "gradients": fused_step.gradients(engine),
+    "first_write": fused_step.grad_first_write(engine),
+    "dskit_hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in engine.module.parameters()),
     "losses": losses, "norms": norms,
     "weights": [p.detach().float().flatten().tolist() for p in engine.module.parameters()],
     "hooks": len(z._grad_acc_hooks),
     "bucket_buffers": sum(len(b.buffer) for b in z.ipg_buckets.values()),
 }
 # a .grad replaced behind the optimizer's back must stop the step, not train without that gradient
-next(engine.module.parameters()).grad = None
 for _ in range(2):
     engine.backward((engine(x).float() ** 2).mean())
+    first = next(engine.module.parameters())
+    first.grad = torch.zeros_like(first)
     try:
         engine.step()
     except RuntimeError as e:
@@ -68,13 +72,20 @@ def _run(tmp_path, *args: str) -> dict | str:
     return refused if refused is not None else one_rank.result(proc)
 
 
+@pytest.mark.parametrize("first_write", ["add", "copy"])
 @pytest.mark.parametrize("stage", [2, 1])
-def test_flat_gradients_train_as_deepspeeds_buckets_without_hooks_or_buckets(tmp_path, stage):
-    flat, buckets = (_run(tmp_path, path, str(stage), "nocheck") for path in ("flat", "buckets"))
+def test_flat_gradients_train_as_deepspeeds_buckets_without_hooks_or_buckets(tmp_path, stage, first_write):
+    flat, buckets = (
+        _run(tmp_path, path, str(stage), "nocheck") for path in (f"flat-{first_write}", "buckets")
+    )
     assert (flat["gradients"], buckets["gradients"]) == ("flat", "buckets")
+    assert flat["first_write"] == first_write and buckets["first_write"] is None
     assert flat["hooks"] == 0 and flat["bucket_buffers"] == 0
+    # copy: one post-accumulate hook per parameter (the 4 of the two Linears), add: none
+    assert flat["dskit_hooks"] == {"add": 0, "copy": 4}[first_write]
     assert buckets["hooks"] > 0  # the path measured against really ran DeepSpeed's hooks
-    # bf16 weights and losses the same to the bit; the norm's sum in fp64 instead of fp32 rounds apart
+    # bf16 weights and losses the same to the bit (0 + g is g: a copy lands what an add into zeros does);
+    # the norm's sum in fp64 instead of fp32 rounds apart
     assert flat["losses"] == buckets["losses"] and flat["weights"] == buckets["weights"]
     assert flat["norms"] == pytest.approx(buckets["norms"], rel=1e-6)
     assert min(flat["norms"]) > 0.1  # the clip bound on every step
@@ -82,8 +93,28 @@ def test_flat_gradients_train_as_deepspeeds_buckets_without_hooks_or_buckets(tmp
 
 
 def test_flat_gradients_refuse_deepspeeds_overflow_check_with_its_name(tmp_path):
-    why = _run(tmp_path, "flat", "2", "check")
+    why = _run(tmp_path, "flat-copy", "2", "check")
     assert why == (
         "the plan's flat gradients do not run here: DeepSpeed's overflow check (fp16, or bf16 with "
         "check_grad_overflow)"
     )
+
+
+def test_a_copied_gradient_that_did_not_come_this_step_reads_zero_not_last_steps():
+    """`copy` zeroes nothing after a step: a parameter no gradient reached (an unused branch) must not keep
+    the last step's in its view. A second backward within the step adds, as AccumulateGrad would."""
+    import torch
+
+    from dskit.train.flat_grads import _Landing
+
+    a, b = (torch.nn.Parameter(torch.ones(3)) for _ in range(2))
+    buffer = torch.zeros(6)
+    landing = _Landing({a: buffer[:3], b: buffer[3:]})
+    ((a * 2).sum() + (b * 3).sum()).backward()
+    landing.settle()
+    assert buffer.tolist() == [2.0] * 3 + [3.0] * 3 and a.grad is None and b.grad is None
+    landing.written.clear()  # the step's zero_grad
+    (a * 5).sum().backward()  # b unused this step
+    (a * 1).sum().backward()  # a second backward of the same step
+    landing.settle()
+    assert buffer.tolist() == [6.0] * 3 + [0.0] * 3
