@@ -72,24 +72,25 @@ def _run(tmp_path, *args: str) -> dict | str:
     return refused if refused is not None else one_rank.result(proc)
 
 
-@pytest.mark.parametrize("first_write", ["add", "copy"])
-@pytest.mark.parametrize("stage", [2, 1])
-def test_flat_gradients_train_as_deepspeeds_buckets_without_hooks_or_buckets(tmp_path, stage, first_write):
-    flat, buckets = (
-        _run(tmp_path, path, str(stage), "nocheck") for path in (f"flat-{first_write}", "buckets")
-    )
-    assert (flat["gradients"], buckets["gradients"]) == ("flat", "buckets")
-    assert flat["first_write"] == first_write and buckets["first_write"] is None
-    assert flat["hooks"] == 0 and flat["bucket_buffers"] == 0
-    # copy: one post-accumulate hook per parameter (the 4 of the two Linears), add: none
-    assert flat["dskit_hooks"] == {"add": 0, "copy": 4}[first_write]
+@pytest.mark.parametrize("stage, landings", [(2, ["add", "copy"]), (1, ["add"])])
+def test_flat_gradients_train_as_deepspeeds_buckets_without_hooks_or_buckets(tmp_path, stage, landings):
+    """Each landing (added into a zeroed buffer, copied in by a hook) against DeepSpeed's buckets; the copy
+    once, at stage 2 (on one rank stage 1 lays the partition out the same)."""
+    buckets = _run(tmp_path, "buckets", str(stage), "nocheck")
+    assert buckets["gradients"] == "buckets" and buckets["first_write"] is None
     assert buckets["hooks"] > 0  # the path measured against really ran DeepSpeed's hooks
-    # bf16 weights and losses the same to the bit (0 + g is g: a copy lands what an add into zeros does);
-    # the norm's sum in fp64 instead of fp32 rounds apart
-    assert flat["losses"] == buckets["losses"] and flat["weights"] == buckets["weights"]
-    assert flat["norms"] == pytest.approx(buckets["norms"], rel=1e-6)
-    assert min(flat["norms"]) > 0.1  # the clip bound on every step
-    assert "the flat gradient buffers of one rank" in flat["replaced"]
+    for first_write in landings:
+        flat = _run(tmp_path, f"flat-{first_write}", str(stage), "nocheck")
+        assert (flat["gradients"], flat["first_write"]) == ("flat", first_write)
+        assert flat["hooks"] == 0 and flat["bucket_buffers"] == 0
+        # copy: one post-accumulate hook per parameter (the 4 of the two Linears), add: none
+        assert flat["dskit_hooks"] == {"add": 0, "copy": 4}[first_write]
+        # bf16 weights and losses the same to the bit (0 + g is g: a copy lands what an add into zeros
+        # does); the norm's sum in fp64 instead of fp32 rounds apart
+        assert flat["losses"] == buckets["losses"] and flat["weights"] == buckets["weights"]
+        assert flat["norms"] == pytest.approx(buckets["norms"], rel=1e-6)
+        assert min(flat["norms"]) > 0.1  # the clip bound on every step
+        assert "the flat gradient buffers of one rank" in flat["replaced"]
 
 
 def test_flat_gradients_refuse_deepspeeds_overflow_check_with_its_name(tmp_path):
