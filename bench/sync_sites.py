@@ -4,7 +4,11 @@ that made it, per training step.
 torch's sync debug mode (`torch.cuda.set_sync_debug_mode("warn")`) warns at every call that waits for the
 device (`.item()`, `.tolist()`, a blocking copy, `torch.cuda.synchronize`); bench/sync_hook/sitecustomize.py
 counts those warnings by stack in every process of the run. A profile (peer_bench.py --profile) says how
-many syncs a step makes and how long they block; this says which lines make them. Run on the GPU machine:
+many syncs a step makes and how long they block; this says which lines make them. Two limits: a sync made
+by a C++ autograd kernel in the backward is counted at the `backward()` call, not at the op; and `per_step`
+divides the whole run's count (start-up and the compiler's warm-up included) by its steps, so read the
+per-step sites from their stacks, and the run's tokens/s, slowed by the hook, is no throughput figure.
+Run on the GPU machine:
 
     python3 bench/sync_sites.py --shape "L3 s4096 mb1" --gpu h100-80gb --out $OUT/h100-sync-sites-DATE.json --work /tmp/ss
 """

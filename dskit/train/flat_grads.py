@@ -123,22 +123,24 @@ def check_attached(z) -> None:
         lo = z.dskit_flat_grads[i].data_ptr()
         hi = lo + z.dskit_flat_grads[i].numel() * z.dskit_flat_grads[i].element_size()
         for p in params:
-            if landing is None:
-                replaced = p.grad is None or not lo <= p.grad.data_ptr() < hi
+            if landing is None and (p.grad is None or not lo <= p.grad.data_ptr() < hi):
+                how = "set to None or reassigned"
+            elif landing is not None and p.grad is not None:
+                how = "assigned after its gradient was copied in"
             else:
-                replaced = p.grad is not None
-            if replaced:
-                raise RuntimeError(
-                    "a parameter's .grad was replaced outside the optimizer (set to None or reassigned): "
-                    "the flat gradient buffers of one rank (dskit/train/flat_grads.py) no longer hold it"
-                )
+                continue
+            raise RuntimeError(
+                f"a parameter's .grad was replaced outside the optimizer ({how}): "
+                "the flat gradient buffers of one rank (dskit/train/flat_grads.py) no longer hold it"
+            )
     if landing is not None:
         landing.settle()
 
 
 def _norm(z, flats: list[torch.Tensor], norm_type) -> torch.Tensor:
-    """The global L2 norm of the gradients, as DeepSpeed's scaled_global_norm reports it (-1 when not
-    finite); the groups' padding is zeros. One rank, no model parallelism: no all-reduce."""
+    """The global L2 norm of the gradients in place of DeepSpeed's scaled_global_norm, -1 when not finite
+    (as its per-group helpers mark it; scaled_global_norm itself returns +inf there, and the fused step
+    skips on either); the groups' padding is zeros. One rank, no model parallelism: no all-reduce."""
     if float(norm_type) != 2.0:
         raise ValueError(f"the flat gradient norm is L2, got norm_type={norm_type}")
     sq = torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in flats]).double().pow(2)
@@ -147,7 +149,7 @@ def _norm(z, flats: list[torch.Tensor], norm_type) -> torch.Tensor:
 
 
 def non_finite_as_minus_one(norm: torch.Tensor) -> torch.Tensor:
-    """A norm as DeepSpeed's helpers report it, -1 where not finite (`mask_nan_or_inf_with_val_inplace`),
+    """A norm as DeepSpeed's per-group helpers report it, -1 where not finite (`mask_nan_or_inf_with_val_inplace`),
     without that helper's two host syncs a step (a tensor made on the device from a Python float, and
     masked_fill_ reading it back; bench/results/training/h100-sync-sites-2026-12-06.json)."""
     return torch.where(norm.isfinite(), norm, torch.full_like(norm, -1.0))

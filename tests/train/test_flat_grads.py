@@ -53,15 +53,23 @@ out = {
     "hooks": len(z._grad_acc_hooks),
     "bucket_buffers": sum(len(b.buffer) for b in z.ipg_buckets.values()),
 }
-# a .grad replaced behind the optimizer's back must stop the step, not train without that gradient
-for _ in range(2):
-    engine.backward((engine(x).float() ** 2).mean())
-    first = next(engine.module.parameters())
-    first.grad = torch.zeros_like(first)
-    try:
-        engine.step()
-    except RuntimeError as e:
-        out["replaced"] = str(e)
+# a .grad replaced behind the optimizer's back must stop the step, not train without that gradient:
+# reassigned after the backward (either landing), or set to None before it (add: autograd then makes a
+# new tensor beside the buffer; copy: None is its normal state, so nothing to catch)
+first = next(engine.module.parameters())
+for tamper in ("reassigned", "none"):
+    if tamper == "none" and first_write == "copy":
+        continue
+    for _ in range(2):
+        if tamper == "none":
+            first.grad = None
+        engine.backward((engine(x).float() ** 2).mean())
+        if tamper == "reassigned":
+            first.grad = torch.zeros_like(first)
+        try:
+            engine.step()
+        except RuntimeError as e:
+            out[f"replaced, {tamper}"] = str(e)
 print("RESULT " + json.dumps(out))
 """
 
@@ -90,7 +98,9 @@ def test_flat_gradients_train_as_deepspeeds_buckets_without_hooks_or_buckets(tmp
         assert flat["losses"] == buckets["losses"] and flat["weights"] == buckets["weights"]
         assert flat["norms"] == pytest.approx(buckets["norms"], rel=1e-6)
         assert min(flat["norms"]) > 0.1  # the clip bound on every step
-        assert "the flat gradient buffers of one rank" in flat["replaced"]
+        assert "the flat gradient buffers of one rank" in flat["replaced, reassigned"]
+        if first_write == "add":
+            assert "set to None or reassigned" in flat["replaced, none"]
 
 
 def test_flat_gradients_refuse_deepspeeds_overflow_check_with_its_name(tmp_path):
