@@ -10,7 +10,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -24,10 +25,42 @@ from dskit.plan.schema import load_plan
 from dskit.status.run_status import read_jobs
 from dskit.train.entry import LAUNCH_ENV_FILE
 from tests.conftest import dskit, dskit_status, render_tiny
+from tests.support.progress_wait import run_while_progressing, wait_while_progressing
 
 pytestmark = pytest.mark.ray
 BIN = Path(sys.executable).parent
 DASHBOARD = 8265
+#: a job whose driver log and run have not changed for this long has hung (waits fail on a stall, not on a
+#: clock: tests/support/progress_wait.py); a quiet start prints within about 30 s
+START_STALL_S = 300
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def ray_temp() -> Path:
+    return Path("/tmp") / f"ray-dskit-{os.getpid()}"  # Ray's socket paths must stay short
+
+
+def activity(run_dir: Path) -> tuple[int, ...]:
+    """What the cluster's jobs have done so far, as this machine's files show it: the drivers' logs (Ray
+    forwards the workers' output there) and the run's metrics."""
+    logs = ray_temp() / "session_latest" / "logs"
+    out = Path(load_plan(run_dir / "run.yaml").run.output_dir) / "metrics.jsonl"
+    files = [*sorted(logs.glob("job-driver-*.log")), out]
+    return tuple(f.stat().st_size if f.exists() else -1 for f in files)
+
+
+def job_status(job_id: str) -> str:
+    """The job's status from the dashboard's REST API (what `ray job status` asks, without starting the
+    CLI's interpreter at every poll)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{DASHBOARD}/api/jobs/{job_id}", timeout=60) as r:
+        return json.loads(r.read())["status"]
+
+
+def submit(run_dir: Path, env: dict, *flags: str) -> subprocess.CompletedProcess:
+    """The run's submit.sh (blocking: it tails the job to its end), for as long as the job progresses."""
+    cmd = ["bash", str(run_dir / "submit.sh"), *flags]
+    what = f"submit.sh {' '.join(flags)}".strip()
+    return run_while_progressing(cmd, lambda: activity(run_dir), stall_s=START_STALL_S, what=what, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +75,7 @@ def ray_cluster():
         # without it Ray replaces 127.0.0.1 with the machine's external address
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     }
-    temp_dir = Path("/tmp") / f"ray-dskit-{os.getpid()}"  # Ray's socket paths must stay short
+    temp_dir = ray_temp()
     start = [
         "ray",
         "start",
@@ -82,9 +115,7 @@ def metrics(run_dir: Path) -> dict[int, float]:
 
 def test_ray_job_submit_trains_and_checkpoints(ray_cluster, tmp_path):
     rd = render(tmp_path, "rayjob", steps=24, every=8)
-    r = subprocess.run(
-        ["bash", str(rd / "submit.sh")], env=ray_cluster, capture_output=True, text=True, timeout=600
-    )
+    r = submit(rd, ray_cluster)
     assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
     ls = metrics(rd)
     assert sorted(ls) == list(range(1, 25)) and sum(ls[s] for s in range(20, 25)) < 0.85 * sum(
@@ -105,25 +136,23 @@ def test_ray_job_submit_trains_and_checkpoints(ray_cluster, tmp_path):
     assert st["last checkpoint"].split()[0].endswith("/step00000024"), st
 
 
+@pytest.mark.timeout(3600)  # a backstop: every wait below fails on a stall first
 def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path):
     """SIGKILL one Ray Train worker mid-run: Ray fails the group, the driver starts a new one (one
     failure of ray.max_failures), and it resumes from the last checkpoint in the plan's checkpoint dir."""
     rd = render(tmp_path, "rayfault", steps=40, every=4)
     address = ["--address", f"http://127.0.0.1:{DASHBOARD}"]
-    r = subprocess.run(
-        ["bash", str(rd / "submit.sh"), "--no-wait"],
-        env=ray_cluster,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = submit(rd, ray_cluster, "--no-wait")
     assert r.returncode == 0, r.stderr
     ((job_id, _),) = read_jobs(rd)
     assert job_id in r.stdout + r.stderr
-    deadline = time.time() + 400
-    while max(metrics(rd), default=0) < 9:
-        assert time.time() < deadline, "no progress"
-        time.sleep(0.3)
+
+    def stepped(n: int) -> Callable[[], bool]:
+        return lambda: max(metrics(rd), default=0) >= n
+
+    # the first worker group's start-up, measured: the new group after the kill repeats it
+    start_s = wait_while_progressing(stepped(1), lambda: activity(rd), stall_s=START_STALL_S, what="step 1")
+    wait_while_progressing(stepped(9), lambda: activity(rd), stall_s=START_STALL_S, what="step 9")
     st = dskit_status(rd, ray_cluster)
     assert st["state"].startswith(f"RUNNING: job {job_id}") and int(st["step"].split()[0]) >= 9, st
     assert st["step"].split()[1:3] == ["/", "40,"] and st["ETA"][0].isdigit(), st
@@ -133,18 +162,19 @@ def test_a_killed_worker_is_replaced_and_training_resumes(ray_cluster, tmp_path)
     ]
     assert len(workers) == 2, [w.info for w in workers]
     workers[-1].send_signal(signal.SIGKILL)
-    deadline, status = time.time() + 600, ""
-    while time.time() < deadline and not any(s in status.upper() for s in ("SUCCEEDED", "FAILED", "STOPPED")):
-        time.sleep(2)
-        status = subprocess.run(
-            ["ray", "job", "status", *address, job_id], env=ray_cluster, capture_output=True, text=True
-        )
-        status = status.stdout + status.stderr  # e.g. "Job 'raysubmit_...' succeeded"
+    wait_while_progressing(
+        lambda: job_status(job_id) in ENDED,
+        lambda: activity(rd),
+        stall_s=max(START_STALL_S, 3 * start_s),
+        what="the job's end after the kill",
+        poll_s=2,
+    )
+    status = job_status(job_id)
     logs = subprocess.run(
         ["ray", "job", "logs", *address, job_id], env=ray_cluster, capture_output=True, text=True
     )
     logs = logs.stdout + logs.stderr
-    assert "SUCCEEDED" in status.upper(), (status, logs[-4000:])
+    assert status == "SUCCEEDED", (status, logs[-4000:])
     # the driver, not Ray's FailurePolicy, starts the new worker group (dskit/launch/ray_train.py)
     assert "dskit: attempt 1 ended (" in logs and "failure 1, starting a new worker group" in logs, logs[
         -4000:
@@ -177,9 +207,7 @@ def test_bad_input_in_a_worker_fails_the_job_once_with_its_line(ray_cluster, tmp
         "meta": {"step": 5},
     }
     (tag / "dskit.json").write_text(json.dumps(done))
-    r = subprocess.run(
-        ["bash", str(rd / "submit.sh")], env=ray_cluster, capture_output=True, text=True, timeout=600
-    )
+    r = submit(rd, ray_cluster)
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "failed" in out.lower(), out[-4000:]
     ((job_id, _),) = read_jobs(rd)
@@ -218,9 +246,7 @@ def test_ray_runs_the_calibration_job(ray_cluster, tmp_path):
     """`dskit calibrate ray` + `ray job submit`: the Ray Train workers measure instead of training, and
     rank 0 writes the calibration the plan takes."""
     rd = render_tiny(tmp_path, name="raycal", target="ray", command="calibrate")
-    r = subprocess.run(
-        ["bash", str(rd / "submit.sh")], env=ray_cluster, capture_output=True, text=True, timeout=600
-    )
+    r = submit(rd, ray_cluster)
     assert r.returncode == 0 and "succeeded" in r.stdout + r.stderr, (r.stdout + r.stderr)[-4000:]
     plan = load_plan(rd / "run.yaml")
     cal = calibration.load(
