@@ -74,6 +74,9 @@ def ray_cluster():
         "PATH": f"{BIN}:{os.environ['PATH']}",
         # without it Ray replaces 127.0.0.1 with the machine's external address
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        # Ray starts its workers (the training ranks) at nice 15: beside any other job at normal priority
+        # they got a few percent of the CPU, and the module took 1,849 s instead of 190 (docs/targets.md)
+        "RAY_worker_niceness": "0",
     }
     temp_dir = ray_temp()
     start = [
