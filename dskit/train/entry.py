@@ -346,14 +346,25 @@ def build_engine(plan, device, *, rank: int, deepspeed_config: dict | None = Non
     return engine
 
 
+def check_gradients(parallel) -> None:
+    """What a hand-edited run.yaml may not combine (the plan never writes these): flat gradients without
+    the fused step, or a `copy` landing for gradients that do not go flat (it would be ignored)."""
+    if parallel.gradients == "flat" and parallel.optimizer_step != "fused":
+        raise SpecError("parallel.gradients", "flat runs only with the fused step under ZeRO-1/2; re-render")
+    if parallel.grad_first_write == "copy" and parallel.gradients != "flat":
+        raise SpecError(
+            "parallel.grad_first_write",
+            "copy lands flat gradients only (parallel.gradients: flat); re-render",
+        )
+
+
 def _initialize(plan, model, params, ds_config: dict, stage: int, *, fused: bool):
     """deepspeed.initialize, with the plan's optimizer step (torch's fused AdamW inside ZeRO-1/2:
     dskit/train/fused_step.py) and, for LoRA, the routed experts' adapters attached right after AutoEP's
     replacement (dskit/train/lora/routed.py) and, under ZeRO-1/2, DeepSpeed's MoE-group check relaxed."""
     import deepspeed
 
-    if plan.parallel.gradients == "flat" and plan.parallel.optimizer_step != "fused":  # a hand edit
-        raise SpecError("parallel.gradients", "flat runs only with the fused step under ZeRO-1/2; re-render")
+    check_gradients(plan.parallel)
 
     with contextlib.ExitStack() as stack:
         if plan.finetune is not None and stage != 3:

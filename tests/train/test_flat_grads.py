@@ -129,3 +129,22 @@ def test_a_copied_gradient_that_did_not_come_this_step_reads_zero_not_last_steps
     (a * 1).sum().backward()  # a second backward of the same step
     landing.settle()
     assert buffer.tolist() == [6.0] * 3 + [0.0] * 3
+
+
+def test_a_hand_edited_landing_that_would_be_ignored_is_refused_by_name():
+    """run.yaml edited to `grad_first_write: copy` where the gradients go to DeepSpeed's buckets: refused in
+    one line naming the field, not silently run as buckets."""
+    from dskit.errors import SpecError
+    from dskit.plan.schema import load_plan
+    from dskit.train.entry import check_gradients
+    from tests.conftest import REPO
+
+    parallel = load_plan(REPO / "slurm/tiny-v2-cpu-venv/run.yaml").parallel
+    check_gradients(parallel)  # as rendered
+    for edit, field in (
+        ({"gradients": "buckets", "grad_first_write": "copy"}, "parallel.grad_first_write"),
+        ({"gradients": "flat", "optimizer_step": "deepspeed"}, "parallel.gradients"),
+    ):
+        with pytest.raises(SpecError) as e:
+            check_gradients(parallel.model_copy(update=edit))
+        assert e.value.field == field
