@@ -368,11 +368,13 @@ def estimate(w: Workload, cand: Candidate, cluster: Cluster) -> MemoryEstimate:
     L, dense_layers = s.layers, c.dense_layers
     # ACTIVATION_SLACK scales what the eager layers keep (fitted on eager runs); the compiled saving is
     # bytes that are no longer allocated at all
-    per_layer = [
-        ACTIVATION_SLACK * _activation_bytes_per_token_layer(s, dense=i < dense_layers)
-        - (compiled_saving_per_token_layer(s, dense=i < dense_layers) if w.compiled else 0)
-        for i in range(L)
-    ]
+    # two kinds of layer, dense and MoE: each kind's bytes once (the search calls this per candidate)
+    dense_a, moe_a = (
+        ACTIVATION_SLACK * _activation_bytes_per_token_layer(s, dense=dense)
+        - (compiled_saving_per_token_layer(s, dense=dense) if w.compiled else 0)
+        for dense in (True, False)
+    )
+    per_layer = [dense_a if i < dense_layers else moe_a for i in range(L)]
     unkept = [0.0] * L
     if tuning is not None:  # what the adapters keep, scaled like the eager layers' own activations
         per_layer = [
