@@ -570,7 +570,8 @@ def test_status_against_a_server_answering_garbage_is_one_line(tmp_path, body):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Garbage)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits for the loop's next poll: 0.05 s, not the default half-second
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
     try:
         kc = tmp_path / "kc"
         kc.write_text(UNREACHABLE.replace("https://127.0.0.1:1", f"http://127.0.0.1:{server.server_port}"))

@@ -6,6 +6,7 @@ its pytest timeout."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import tempfile
@@ -20,8 +21,10 @@ def wait_while_progressing(
     stall_s: float,
     what: str,
     poll_s: float = 1.0,
+    pause: Callable[[float], object] = time.sleep,
 ) -> float:
     """Until `done()`; raises TimeoutError after `stall_s` seconds in which `progress()` did not change.
+    Between checks, `pause(poll_s)` (one that returns early, once done, saves the rest of the poll).
     Returns the seconds waited."""
     start = last = time.monotonic()
     seen = progress()
@@ -31,7 +34,7 @@ def wait_while_progressing(
             seen, last = state, now
         if now - last > stall_s:
             raise TimeoutError(f"{what}: no progress for {now - last:.0f} s (after {now - start:.0f} s)")
-        time.sleep(poll_s)
+        pause(poll_s)
     return time.monotonic() - start
 
 
@@ -46,8 +49,14 @@ def run_while_progressing(
             def state() -> Hashable:
                 return progress(), os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size
 
+            def pause(s: float) -> None:  # back as soon as the command ends, not at the next poll
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=s)
+
             try:
-                wait_while_progressing(lambda: proc.poll() is not None, state, stall_s=stall_s, what=what)
+                wait_while_progressing(
+                    lambda: proc.poll() is not None, state, stall_s=stall_s, what=what, pause=pause
+                )
             except TimeoutError as e:
                 proc.kill()
                 proc.wait()
