@@ -47,6 +47,8 @@ sys.path.insert(0, str(REPO))
 from bench import runs, train_bench  # noqa: E402
 
 GPU = "h200-141gb"
+#: bench/log_hook: the trainer's log records written at their own step (--at-step-logs)
+LOG_HOOK = Path(__file__).resolve().parent / "log_hook"
 TT_STEPS = 12
 TT_WARMUP = 4  # torchtitan's first steps compile; medians of the rest
 #: (row name, layers, seq, global batch, micro-batch pinned or None for the plan's pick)
@@ -224,6 +226,12 @@ def main() -> None:
         help="one more dskit row per shape with this DeepSpeed config value patched into run.yaml (a lever "
         "against the plan's, in the same call; VALUE as YAML), e.g. bf16.check_grad_overflow=true",
     )
+    ap.add_argument(
+        "--at-step-logs",
+        action="store_true",
+        help="one more dskit row per shape whose log records are written at their own step, the GPU's "
+        "figures read at once (bench/log_hook), against the plan's records a log step late",
+    )
     a = ap.parse_args()
     if a.rows:
         print(json.dumps(derived(a.rows, a.predict)))
@@ -289,6 +297,24 @@ def main() -> None:
                     "attention": d.get("attention"),
                     "plan": d.get("plan"),
                     "sets": [*a.set, lever],
+                    **{k: d[k] for k in ("losses", "profile", "gpu_busy", "host", "error") if k in d},
+                }
+            )
+        if a.at_step_logs:
+            hook = os.pathsep.join(x for x in (str(LOG_HOOK), os.environ.get("PYTHONPATH")) if x)
+            env = {"PYTHONPATH": hook, "DSKIT_BENCH_LOGS_AT_STEP": "1"}
+            d = train_bench.run_dskit(
+                f"{name} at-step logs", [*sets, *a.set], {}, a.work / "dskit", 1, env=env
+            )
+            record(
+                {
+                    "system": "dskit, logs at their step",
+                    **base,
+                    "micro_batch": mb,
+                    "tok_s_gpu": d.get("tok_s_gpu"),
+                    "step_s": d.get("step_s"),
+                    "peak_gib": d.get("peak_reserved_gb"),
+                    "sets": a.set,
                     **{k: d[k] for k in ("losses", "profile", "gpu_busy", "host", "error") if k in d},
                 }
             )

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dskit.train.checkpoints.routing_bias import rank_max_diff
+from dskit.train.checkpoints.routing_bias import rank_max_diff_tensor
 
 BIAS = "e_score_correction_bias"
 
@@ -132,18 +132,27 @@ class RouterTap:
             bias.add_(d.to(bias.device) * (taken * self.speed))
 
     @torch.no_grad()
-    def bias_stats(self) -> dict[str, object]:
-        """Collective (at log steps): each layer's bias spread (max - min), and the largest difference
-        between any rank's bias and rank 0's (0.0: identical everywhere). Empty without a routing bias."""
+    def bias_tensors(self) -> torch.Tensor | None:
+        """Collective (at log steps): each layer's bias spread (max - min), then the largest difference
+        between any rank's bias and rank 0's, as one tensor on the device, unread (`bias_stats` reads
+        it). None without a routing bias."""
         if not self.biases:
-            return {}
+            return None
         stacked = torch.stack([b.float() for b in self.biases])
-        spread = (stacked.max(-1).values - stacked.min(-1).values).tolist()
-        return {
-            "expert_bias_spread": max(spread),
-            "expert_bias_spread_per_layer": [round(x, 6) for x in spread],
-            "expert_bias_rank_max_diff": rank_max_diff(self.named_biases),
-        }
+        spread = stacked.max(-1).values - stacked.min(-1).values
+        return torch.cat([spread, rank_max_diff_tensor(self.named_biases).to(spread.device)])
+
+
+def bias_stats(values: torch.Tensor | None) -> dict[str, object]:
+    """The record's routing-bias figures from `RouterTap.bias_tensors` on the host (empty without one)."""
+    if values is None:
+        return {}
+    *spread, diff = values.tolist()
+    return {
+        "expert_bias_spread": max(spread),
+        "expert_bias_spread_per_layer": [round(x, 6) for x in spread],
+        "expert_bias_rank_max_diff": diff,
+    }
 
 
 def routing_biases(routers: list[nn.Module], *, updated: bool) -> list[torch.Tensor]:

@@ -13,7 +13,7 @@ is 1. At micro-batch 2 on one H200 those passes are work proportional to the par
   torch's GradScaler uses it: parameters, moments and step count left as they were), so DeepSpeed's
   bf16 overflow check, a max and a min over every gradient and a host synchronisation each step, is
   switched off for this step (dskit/plan/deepspeed.py). The skipped steps are counted on the GPU
-  (`skipped_steps`), read only when metrics are logged;
+  (`skipped_counter`), read with the rest of a metrics record;
 - the cast of the gradient partition to fp32, AdamW and the copy of the master back into the 16-bit
   weights are one pass (dskit/train/adamw_cast.py), where DeepSpeed's step makes three.
 Only ZeRO-1/2 without offload: ZeRO-3's and the CPU optimizer's steps are left as DeepSpeed has them.
@@ -250,10 +250,10 @@ def installed(engine) -> bool:
     return hasattr(_inner(engine), "dskit_skipped")
 
 
-def skipped_steps(engine) -> int | None:
-    """Steps the fused step skipped for a non-finite gradient norm so far (a host sync: call it when
-    logging); None where the engine does not run the fused step."""
-    return int(_inner(engine).dskit_skipped.item()) if installed(engine) else None
+def skipped_counter(engine) -> torch.Tensor | None:
+    """Steps the fused step skipped for a non-finite gradient norm so far, as the counter on the device
+    (the log window reads it with the rest of a record); None where the engine does not run the fused step."""
+    return _inner(engine).dskit_skipped if installed(engine) else None
 
 
 def step_taken(engine) -> torch.Tensor | float:

@@ -22,7 +22,7 @@ from dskit.plan.schema import Plan
 from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoints.store import Checkpointer
-from dskit.train.fused_step import step_taken
+from dskit.train.fused_step import skipped_counter, step_taken
 from dskit.train.lora.adapter_state import AdapterStates
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
@@ -123,7 +123,6 @@ def train(
         return 0
     log.info("training steps %d..%d", start + 1, opt.steps)
     window = LogWindow(plan, rank=rank, world=world, device=device, start=start)
-    skipped = _SkippedSteps(rank)
     evals = _evaluator(plan, eval_sampler, window, watchdog, rank=rank, world=world, device=device)
     save = _Saver(plan, engine, ckpt, watchdog, window, reporter, position=position)
 
@@ -138,15 +137,14 @@ def train(
         profiler.after_step(done)
 
         # ------------------------------------------------------------ log
-        window.step_done(done, lr, tap)
-        if window.last.get("step") == done:  # a log step: the skipped count costs one sync
-            skipped.check(engine, done)
+        window.step_done(done, lr, tap, skipped_counter(engine))
         warning = watch.observe(done, held_gib(device)) if done in watch.marks else None
         if warning and rank == 0:
             log.warning(warning)
 
         # ------------------------------------------------------------ eval
         if evals and (done % run.eval_every == 0 or done == opt.steps):
+            window.flush()  # the step's record first: the eval loss joins it
             window.last["eval_loss"] = evals.run(engine, done)
             watchdog.beat(done)
 
@@ -157,33 +155,13 @@ def train(
             return EXIT_REQUEUE
 
     # ---------------------------------------------------------------- finish
+    window.flush()  # the last step's record before the run is marked complete
     if run.checkpoint_final:
         save(opt.steps, extra={"probe.pt": _probe(plan, engine, sampler, device)})
     _mark_complete(run.output_dir, rank)
     stop.clear_file()
     window.close()
     return 0
-
-
-class _SkippedSteps:
-    """Steps the fused optimizer step skipped for a non-finite gradient norm (dskit/train/fused_step.py):
-    counted on the GPU, said once per log step where the count grew."""
-
-    def __init__(self, rank: int):
-        self.rank, self.seen = rank, 0
-
-    def check(self, engine, done: int) -> None:
-        from dskit.train.fused_step import skipped_steps
-
-        n = skipped_steps(engine)
-        if n and n > self.seen and self.rank == 0:
-            log.warning(
-                "%d optimizer step(s) skipped by step %d: the gradient norm was not finite (inf or NaN); "
-                "the weights and optimizer states were left as they were",
-                n,
-                done,
-            )
-        self.seen = n or 0
 
 
 def _layout(plan: Plan) -> dict[str, int | str]:
@@ -256,6 +234,7 @@ class _Saver:
         self.window, self.reporter, self.position = window, reporter, position
 
     def __call__(self, step: int, extra: dict | None = None) -> None:
+        self.window.flush()  # the records up to the checkpoint are written before it
         info = {"step": step, "samples": self.position.first(step), "plan": self.plan.name}
         self.watchdog.beat(step, "checkpoint save")
         path = self.ckpt.save(self.engine, step, info, extra=extra)

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from dskit.launch.contract import METRICS_FILE
 from dskit.plan.schema import Plan
-from dskit.train.balance import RouterTap, load_stats
+from dskit.train.balance import RouterTap, bias_stats, load_stats
 from dskit.train.progress import Progress, format_eta
 from dskit.train.trackers import Trackers
 
@@ -143,7 +144,14 @@ class MetricsLog:
 class LogWindow:
     """Loss and aux loss summed over the steps since the last log line, reported every
     `run.log_every` steps (and at the last): averaged over ranks, with throughput, MFU, memory and
-    expert load, as one metrics.jsonl record (the trackers get the same record) and one log line on rank 0."""
+    expert load, as one metrics.jsonl record (the trackers get the same record) and one log line on rank 0.
+
+    On a GPU a log step's figures are reduced and copied to the host behind its work, and the record is
+    written when the next step has been queued (or at `flush`, which the loop calls before an eval, a
+    checkpoint and the end): reading them at once would make the host wait for the GPU to drain, and the
+    GPU then wait for the host to log and launch the next step (a bubble every log step; every step in
+    the benches, which log each one). The window's time is the GPU's own, between CUDA events. On CPU ranks the device is
+    the host: the record is written at its step, timed by the host's clock."""
 
     def __init__(self, plan: Plan, *, rank: int, world: int, device: torch.device, start: int = 0):
         self.plan, self.rank, self.world, self.device = plan, rank, world, device
@@ -160,9 +168,13 @@ class LogWindow:
         self.progress = Progress(start, plan.optim.steps, enabled=rank == 0)
         self.loss_sum = torch.zeros((), device=device)
         self.aux_sum = torch.zeros((), device=device)
-        self.last: dict = {}  # the latest record (Ray Train reports it with each checkpoint)
+        self.last: dict = {}  # the latest record written (Ray Train reports it with each checkpoint)
         self.retries_seen = alloc_retries(device)
         self.retries_warned = False
+        self.skipped_seen = 0
+        self.deferred = device.type == "cuda"  # records written a log step late (see the class)
+        self.pending: _Pending | None = None
+        self.started: torch.cuda.Event | None = None
         self._reset()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -172,6 +184,9 @@ class LogWindow:
         self.aux_sum.zero_()
         self.steps, self.t0 = 0, time.perf_counter()
         self.real_tokens = self.row_tokens = 0
+        if self.device.type == "cuda" and self.started is None:
+            self.started = torch.cuda.Event(enable_timing=True)
+            self.started.record()
 
     def add(self, ce: torch.Tensor, aux: torch.Tensor, *, real_tokens: int, row_tokens: int) -> None:
         """One micro-batch: its losses (detached here; the sums never hold the graph), the tokens that
@@ -182,12 +197,22 @@ class LogWindow:
         self.real_tokens += real_tokens
         self.row_tokens += row_tokens
 
-    def step_done(self, done: int, lr: float, tap: RouterTap) -> None:
-        """Close step `done`; at a log step, reduce over ranks and write the record (collective)."""
+    def step_done(self, done: int, lr: float, tap: RouterTap, skipped: torch.Tensor | None = None) -> None:
+        """Close step `done`; at a log step, reduce over ranks (collective) and write the record (on a GPU
+        at the next step: see the class). `skipped`: the fused step's count of skipped
+        steps on the device (dskit/train/fused_step.py `skipped_counter`), warned about when it grows."""
         self.steps += 1
         self.progress.step(done)
-        if done % self.plan.run.log_every and done != self.plan.optim.steps:
-            return
+        logs = not (done % self.plan.run.log_every) or done == self.plan.optim.steps
+        taken = self._reduce(done, lr, tap, skipped) if logs else None
+        self.flush()  # the last log step's, a step late: its work is done, this step's is queued behind it
+        self.pending = taken
+        if not self.deferred:
+            self.flush()
+
+    def _reduce(self, done: int, lr: float, tap: RouterTap, skipped: torch.Tensor | None) -> _Pending:
+        """The log step's figures over all ranks, on their way to the host (collective); the window
+        starts again."""
         stats = torch.stack([self.loss_sum, self.aux_sum]) / self.steps
         dist.all_reduce(stats)
         stats /= self.world
@@ -197,51 +222,87 @@ class LogWindow:
         # float64: exact token counts far beyond what one window holds
         counts = torch.tensor([self.real_tokens, self.row_tokens], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
-        real, rows = (counts / self.world).tolist()
+        counts /= self.world
+        values = {"stats": stats, "counts": counts, "load": load, "bias": tap.bias_tensors()}
+        if skipped is not None:
+            values["skipped"] = skipped
+        retries = alloc_retries(self.device)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self.t0
-        real_s = real / elapsed
-        efficiency = real / (self.capacity_per_step_rank * self.steps)
+            worst = torch.tensor([retries - self.retries_seen], device=self.device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            values["retries"] = worst
+        self.retries_seen = retries
+        host = {k: _to_host(v) for k, v in values.items() if v is not None}
+        if self.device.type == "cuda":
+            ended = torch.cuda.Event(enable_timing=True)
+            ended.record()
+            timing: float | tuple = (self.started, ended)
+            self.started = ended  # the next window starts where this one ends, on the GPU's clock
+        else:
+            timing = time.perf_counter() - self.t0
         alloc, reserved = memory_gib(self.device)
+        taken = _Pending(done, lr, self.steps, time.time(), timing, host, alloc, reserved)
+        if self.plan.parallel.cuda_graphs:  # what ran: graphs planned but not captured are counted here
+            from dskit.train.compile import cuda_graph_skips
+
+            taken.graph_skips = cuda_graph_skips()
+        if self.resumed_from is not None:
+            taken.resumed_from, self.resumed_from = self.resumed_from, None
+        self._reset()
+        return taken
+
+    def flush(self) -> None:
+        """Write the record still on its way from the GPU, if any (waits for that step's work only)."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        if isinstance(p.timing, tuple):
+            started, ended = p.timing
+            ended.synchronize()  # after the copies to the host: they have landed
+            elapsed = started.elapsed_time(ended) / 1e3
+        else:
+            elapsed = p.timing
+        v = p.host
+        loss, aux = v["stats"].tolist()
+        real, rows = v["counts"].tolist()
+        real_s = real / elapsed
         rec = {
-            "step": done,
-            "loss": stats[0].item(),
-            "aux_loss": stats[1].item(),
-            "lr": lr,
+            "step": p.done,
+            "loss": loss,
+            "aux_loss": aux,
+            "lr": p.lr,
             # what the GPU computed, padding included (the figure benches have always compared) ...
             "tokens_per_s_per_gpu": round(rows / elapsed, 1),
             # ... and the tokens of real samples, which MFU counts: padding is no useful work
             "real_tokens_per_s_per_gpu": round(real_s, 1),
-            "packing_efficiency": round(efficiency, 4),
+            "packing_efficiency": round(real / (self.capacity_per_step_rank * p.steps), 4),
             "mfu": _round(mfu(real_s, self.plan.model.flops_per_token, self.plan.hardware.peak_tflops)),
-            "peak_alloc_gib": round(alloc, 3),
-            "peak_reserved_gib": round(reserved, 3),
-            "step_time_s": round(elapsed / self.steps, 4),
-            "time": time.time(),
+            "peak_alloc_gib": round(p.alloc, 3),
+            "peak_reserved_gib": round(p.reserved, 3),
+            "step_time_s": round(elapsed / p.steps, 4),
+            "time": p.time,
         }
-        if load is not None:
-            rec.update(load_stats(load))
-        rec.update(tap.bias_stats())
-        if self.device.type == "cuda":
-            rec["alloc_retries"] = self._retries_since_last(rec)
-        if self.plan.parallel.cuda_graphs:  # what ran: graphs planned but not captured are counted here
-            from dskit.train.compile import cuda_graph_skips
-
-            rec["cuda_graph_skips"] = cuda_graph_skips()
-        if self.resumed_from is not None:
-            rec["resumed_from"] = self.resumed_from
-            self.resumed_from = None
-        self._warn_padding(rows, real)
+        if "load" in v:
+            rec.update(load_stats(v["load"]))
+        rec.update(bias_stats(v.get("bias")))
+        if "retries" in v:
+            rec["alloc_retries"] = self._warn_retries(int(v["retries"].item()), p.steps, rec)
+        if p.graph_skips is not None:
+            rec["cuda_graph_skips"] = p.graph_skips
+        if p.resumed_from is not None:
+            rec["resumed_from"] = p.resumed_from
+        self._warn_padding(rows, real, p.steps)
         self.metrics.write(rec)
         self.trackers.write(rec)
         self.progress.logged(rec)
         self.last = rec
         if self.rank == 0:
-            log.info("%s", log_line(rec, self.plan.optim.steps, alloc, reserved, self.progress.eta_s(done)))
-        self._reset()
+            eta = self.progress.eta_s(p.done)
+            log.info("%s", log_line(rec, self.plan.optim.steps, p.alloc, p.reserved, eta))
+        if "skipped" in v:
+            self._warn_skipped(int(v["skipped"].item()), p.done)
 
-    def _warn_padding(self, rows: float, real: float) -> None:
+    def _warn_padding(self, rows: float, real: float, steps: int) -> None:
         """Once per process: more than a third of what the GPU computed was padding."""
         if self.padding_warned or self.rank != 0 or rows <= 0 or (rows - real) / rows <= PADDING_WARN:
             return
@@ -252,28 +313,58 @@ class LogWindow:
         log.warning(
             "%.0f%% of the tokens computed over the last %d step(s) were padding (rows %.0f%% full): %s",
             100 * (rows - real) / rows,
-            self.steps,
-            100 * real / (self.capacity_per_step_rank * self.steps),
+            steps,
+            100 * real / (self.capacity_per_step_rank * steps),
             hint,
         )
 
-    def _retries_since_last(self, rec: dict) -> int:
-        """The most allocator retries any rank had since the last record (collective); warns once."""
-        now = alloc_retries(self.device)
-        worst = torch.tensor([now - self.retries_seen], device=self.device)
-        self.retries_seen = now
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        n = int(worst.item())
+    def _warn_retries(self, n: int, steps: int, rec: dict) -> int:
+        """The most allocator retries any rank had over the record's window; warns once."""
         if n and not self.retries_warned and self.rank == 0:
             self.retries_warned = True
             capacity = self.plan.memory.get("capacity_gib")
-            log.warning(alloc_retry_warning(n, self.steps, rec["peak_reserved_gib"], capacity))
+            log.warning(alloc_retry_warning(n, steps, rec["peak_reserved_gib"], capacity))
         return n
 
+    def _warn_skipped(self, n: int, done: int) -> None:
+        """Each log step where the fused step's skipped count grew."""
+        if n > self.skipped_seen and self.rank == 0:
+            log.warning(
+                "%d optimizer step(s) skipped by step %d: the gradient norm was not finite (inf or NaN); "
+                "the weights and optimizer states were left as they were",
+                n,
+                done,
+            )
+        self.skipped_seen = n
+
     def close(self) -> None:
-        """Flush the loggers: the process is about to exit (finished, or stopped for a requeue)."""
+        """Write the last record and flush the loggers: the process is about to exit (finished, or
+        stopped for a requeue)."""
+        self.flush()
         self.trackers.close()
         self.progress.close()
+
+
+@dataclass
+class _Pending:
+    """A log step's record on its way from the GPU: what `LogWindow.flush` needs to write it."""
+
+    done: int
+    lr: float
+    steps: int
+    time: float
+    timing: float | tuple  # seconds (CPU ranks), or the window's two CUDA events
+    host: dict[str, torch.Tensor]  # the reduced figures, copied (or being copied) to the host
+    alloc: float
+    reserved: float
+    graph_skips: int | None = None
+    resumed_from: int | None = None
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A GPU tensor's copy in page-locked host memory, queued behind the work that computes it (read it
+    after an event recorded later has completed); a CPU tensor's copy, safe from later in-place updates."""
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t.clone()
 
 
 def log_line(rec: dict, total: int, alloc_gib: float, reserved_gib: float, eta_s: float | None) -> str:

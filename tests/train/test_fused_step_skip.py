@@ -48,7 +48,7 @@ for name, poison in (("finite", 1.0), ("nan", math.nan), ("inf", math.inf), ("af
     out[name] = {
         "moved": max((a - b).abs().max().item() for a, b in zip(weights(), before)),
         "adam_steps_before": steps, "adam_steps_after": adam_steps(),
-        "skipped": fused_step.skipped_steps(engine),
+        "skipped": int(fused_step.skipped_counter(engine)),
         "taken": float(fused_step.step_taken(engine)),  # what the routing bias's update is gated by
     }
 print("RESULT " + json.dumps(out))

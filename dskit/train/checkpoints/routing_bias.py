@@ -39,14 +39,20 @@ def hf_name(autoep_name: str) -> str:
 
 
 @torch.no_grad()
-def rank_max_diff(biases: dict[str, torch.Tensor]) -> float:
-    """Collective: the largest difference between any rank's bias and rank 0's (0.0: identical)."""
+def rank_max_diff_tensor(biases: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Collective: the largest difference between any rank's bias and rank 0's (0.0: identical), as a
+    one-element tensor on the biases' device (read it when it is needed: reading syncs a GPU)."""
     stacked = torch.cat([b.detach().float().reshape(-1) for b in biases.values()])
     first = stacked.clone()
     dist.broadcast(first, src=0)
     diff = (stacked - first).abs().max().reshape(1)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-    return diff.item()
+    return diff
+
+
+def rank_max_diff(biases: dict[str, torch.Tensor]) -> float:
+    """`rank_max_diff_tensor`, read."""
+    return rank_max_diff_tensor(biases).item()
 
 
 def _check_identical(biases: dict[str, torch.Tensor], when: str) -> None:
