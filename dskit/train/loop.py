@@ -23,6 +23,7 @@ from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoints.store import Checkpointer
 from dskit.train.fused_step import skipped_counter, step_taken
+from dskit.train.host_copy import HostCopy
 from dskit.train.lora.adapter_state import AdapterStates
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
@@ -40,6 +41,9 @@ class StopRequest:
     def __init__(self, checkpoint_dir: str, rank: int, device: torch.device):
         self.flag = False
         self.rank, self.device = rank, device
+        # GPU ranks agree a step late (see `requested`); the agreement on its way to the host
+        self.late = device.type == "cuda"
+        self.in_flight: HostCopy | None = None
         self.file = Path(checkpoint_dir) / STOP_FILE
         # Ray Train runs the loop in a worker thread, where Python cannot install handlers: there the STOP
         # file and Ray's own worker-group restarts cover stop requests.
@@ -69,14 +73,20 @@ class StopRequest:
         return True
 
     def requested(self) -> bool:
-        """Collective: every rank must call it at the same step. (`.item()` syncs the GPU once a step,
-        where there are ranks to agree with: one rank decides alone, without a device round trip.)"""
+        """Collective: every rank must call it at the same step. One rank decides alone. GPU ranks agree a
+        step late: the all-reduce of this step's requests and its copy to the host are queued behind the
+        step's work and read at the next call, when that work is done and the next step is queued, so
+        the host never drains the GPU to ask (every rank reads the same agreement at the same step).
+        CPU ranks agree at the step itself."""
         local = self.flag or (self.rank == 0 and self._file_requested())
         if dist.get_world_size() == 1:
             return local
         t = torch.tensor([1 if local else 0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        if not self.late:
+            return bool(t.item())
+        previous, self.in_flight = self.in_flight, HostCopy({"asked": t})
+        return previous is not None and bool(previous.wait()["asked"].item())
 
     def clear_file(self) -> None:
         if self.rank == 0:

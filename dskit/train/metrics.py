@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dskit.launch.contract import METRICS_FILE
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap, bias_stats, load_stats
+from dskit.train.host_copy import HostCopy
 from dskit.train.progress import Progress, format_eta
 from dskit.train.trackers import Trackers
 
@@ -232,12 +233,10 @@ class LogWindow:
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             values["retries"] = worst
         self.retries_seen = retries
-        host = {k: _to_host(v) for k, v in values.items() if v is not None}
-        if self.device.type == "cuda":
-            ended = torch.cuda.Event(enable_timing=True)
-            ended.record()
-            timing: float | tuple = (self.started, ended)
-            self.started = ended  # the next window starts where this one ends, on the GPU's clock
+        host = HostCopy({k: v for k, v in values.items() if v is not None}, timed=True)
+        if host.event is not None:
+            timing: float | tuple = (self.started, host.event)
+            self.started = host.event  # the next window starts where this one ends, on the GPU's clock
         else:
             timing = time.perf_counter() - self.t0
         alloc, reserved = memory_gib(self.device)
@@ -256,13 +255,12 @@ class LogWindow:
         p, self.pending = self.pending, None
         if p is None:
             return
+        v = p.host.wait()
         if isinstance(p.timing, tuple):
             started, ended = p.timing
-            ended.synchronize()  # after the copies to the host: they have landed
             elapsed = started.elapsed_time(ended) / 1e3
         else:
             elapsed = p.timing
-        v = p.host
         loss, aux = v["stats"].tolist()
         real, rows = v["counts"].tolist()
         real_s = real / elapsed
@@ -354,17 +352,11 @@ class _Pending:
     steps: int
     time: float
     timing: float | tuple  # seconds (CPU ranks), or the window's two CUDA events
-    host: dict[str, torch.Tensor]  # the reduced figures, copied (or being copied) to the host
+    host: HostCopy  # the reduced figures, on their way to the host
     alloc: float
     reserved: float
     graph_skips: int | None = None
     resumed_from: int | None = None
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A GPU tensor's copy in page-locked host memory, queued behind the work that computes it (read it
-    after an event recorded later has completed); a CPU tensor's copy, safe from later in-place updates."""
-    return t.to("cpu", non_blocking=True) if t.is_cuda else t.clone()
 
 
 def log_line(rec: dict, total: int, alloc_gib: float, reserved_gib: float, eta_s: float | None) -> str:
