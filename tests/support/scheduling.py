@@ -150,7 +150,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
         return (yield)
     if _MACHINE is None:  # in this run's temporary root, which both workers share and pytest cleans
         _MACHINE = _Machine(item.config._tmp_path_factory.getbasetemp().parent)  # noqa: SLF001
+    asked = time.monotonic()
     with _MACHINE.held(item.get_closest_marker("alone") is not None):
+        item.stash[_WAITED_S] = time.monotonic() - asked  # for the machine: an `alone` test on either side
         return (yield)
 
 
@@ -194,10 +196,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa
     report = yield
     if call.when == "teardown" and _CPU_AT_START in item.stash:
         report.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_START], 2)))
+    if call.when == "teardown" and item.stash.get(_WAITED_S, 0.0) > 0.05:
+        report.user_properties.append(("waited_s", round(item.stash[_WAITED_S], 2)))
     return report
 
 
 _CPU_AT_START = pytest.StashKey[float]()
+_WAITED_S = pytest.StashKey[float]()
 
 
 class _Cost:
@@ -208,12 +213,21 @@ class _Cost:
         self.seconds: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.outcomes: dict[str, str] = {}
+        # per xdist worker: seconds in tests, and seconds waiting for the machine (an `alone` test)
+        self.busy: dict[str, float] = {}
+        self.waited: dict[str, float] = {}
         self.t0 = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         nodeid = report.nodeid
         self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + report.duration
         self.cpu.update((nodeid, v) for k, v in report.user_properties if k == "cpu_s")
+        worker = getattr(getattr(report, "node", None), "gateway", None)
+        wid = worker.id if worker is not None else "main"
+        self.busy[wid] = self.busy.get(wid, 0.0) + report.duration
+        for k, v in report.user_properties:
+            if k == "waited_s":
+                self.waited[wid] = self.waited.get(wid, 0.0) + v
         if report.when == "call" or report.outcome != "passed" or nodeid not in self.outcomes:
             self.outcomes[nodeid] = _outcome(report, self.outcomes.get(nodeid))
         if report.when == "teardown" and self.seconds[nodeid] > LOUD_S:
@@ -245,6 +259,12 @@ class _Cost:
             "wall_s": round(time.monotonic() - self.t0, 1),
             "test_s": round(sum(self.seconds.values()), 1),
             "cpu_s": round(sum(self.cpu.values()), 1),
+            # what each worker did with the wall time: the rest of it is collection, start-up and
+            # the end, where one worker has finished and the other has not
+            "workers": {
+                w: {"busy_s": round(self.busy[w], 1), "waited_s": round(self.waited.get(w, 0.0), 1)}
+                for w in sorted(self.busy)
+            },
             "count": len(self.outcomes),
             "outcomes": dict(sorted(counts.items())),
             "slowest": [
