@@ -27,3 +27,11 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.host
+
+
+def on_device(values: list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of host values on `device` without waiting for the GPU: `torch.tensor(values, device=...)`
+    copies from pageable memory and synchronises the stream; from page-locked memory the copy is queued."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ from dskit.train.attention import packed_rows, rows_of
 from dskit.train.balance import RouterTap
 from dskit.train.checkpoints.store import Checkpointer
 from dskit.train.fused_step import skipped_counter, step_taken
-from dskit.train.host_copy import HostCopy
+from dskit.train.host_copy import HostCopy, on_device
 from dskit.train.lora.adapter_state import AdapterStates
 from dskit.train.metrics import LogWindow, MemoryWatch, MetricsLog, held_gib
 from dskit.train.profile import StepProfiler
@@ -81,7 +82,7 @@ class StopRequest:
         local = self.flag or (self.rank == 0 and self._file_requested())
         if dist.get_world_size() == 1:
             return local
-        t = torch.tensor([1 if local else 0], device=self.device)
+        t = on_device([1 if local else 0], torch.int64, self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if not self.late:
             return bool(t.item())
@@ -137,32 +138,39 @@ def train(
     save = _Saver(plan, engine, ckpt, watchdog, window, reporter, position=position)
 
     # ---------------------------------------------------------------- loop
-    for step in range(start, opt.steps):
-        lr = _set_lr(engine, plan, step)
-        _micro_steps(
-            plan, engine, tap, sampler, window, step, position, rank=rank, world=world, device=device
-        )
-        done = step + 1
-        watchdog.beat(done)
-        profiler.after_step(done)
-
-        # ------------------------------------------------------------ log
-        window.step_done(done, lr, tap, skipped_counter(engine))
-        warning = watch.observe(done, held_gib(device)) if done in watch.marks else None
-        if warning and rank == 0:
-            log.warning(warning)
-
-        # ------------------------------------------------------------ eval
-        if evals and (done % run.eval_every == 0 or done == opt.steps):
-            window.flush()  # the step's record first: the eval loss joins it
-            window.last["eval_loss"] = evals.run(engine, done)
+    try:
+        for step in range(start, opt.steps):
+            lr = _set_lr(engine, plan, step)
+            _micro_steps(
+                plan, engine, tap, sampler, window, step, position, rank=rank, world=world, device=device
+            )
+            done = step + 1
             watchdog.beat(done)
+            profiler.after_step(done)
 
-        # ------------------------------------------------------------ checkpoint / stop
-        if done == opt.steps:
-            break
-        if _checkpoint_or_stop(done, run.checkpoint_every, stop, save, window):
-            return EXIT_REQUEUE
+            # ------------------------------------------------------------ log
+            window.step_done(done, lr, tap, skipped_counter(engine))
+            warning = watch.observe(done, held_gib(device)) if done in watch.marks else None
+            if warning and rank == 0:
+                log.warning(warning)
+
+            # ------------------------------------------------------------ eval
+            if evals and (done % run.eval_every == 0 or done == opt.steps):
+                window.flush()  # the step's record first: the eval loss joins it
+                window.last["eval_loss"] = evals.run(engine, done)
+                watchdog.beat(done)
+
+            # ------------------------------------------------------------ checkpoint / stop
+            if done == opt.steps:
+                break
+            if _checkpoint_or_stop(done, run.checkpoint_every, stop, save, window):
+                return EXIT_REQUEUE
+    except BaseException:
+        # a step that failed (out of memory, a collective's timeout) still leaves the record of the
+        # step before it, written a step late on a GPU; its work is done, so the wait is short
+        with contextlib.suppress(Exception):
+            window.flush()
+        raise
 
     # ---------------------------------------------------------------- finish
     window.flush()  # the last step's record before the run is marked complete
@@ -382,7 +390,12 @@ def _to_device(b, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dic
     mask for SDPA and eager, `rows_of`'s cu_seqlens for FlashAttention)."""
     inputs = torch.from_numpy(b.input_ids).to(device, non_blocking=True)
     labels = torch.from_numpy(b.labels).to(device, non_blocking=True)
-    extra = {} if b.position_ids is None else {"position_ids": torch.from_numpy(b.position_ids).to(device)}
+    positions = b.position_ids
+    extra = (
+        {}
+        if positions is None
+        else {"position_ids": torch.from_numpy(positions).to(device, non_blocking=True)}
+    )
     return inputs, labels, extra
 
 

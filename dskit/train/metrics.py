@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dskit.launch.contract import METRICS_FILE
 from dskit.plan.schema import Plan
 from dskit.train.balance import RouterTap, bias_stats, load_stats
-from dskit.train.host_copy import HostCopy
+from dskit.train.host_copy import HostCopy, on_device
 from dskit.train.progress import Progress, format_eta
 from dskit.train.trackers import Trackers
 
@@ -221,7 +221,7 @@ class LogWindow:
         if load is not None:
             dist.all_reduce(load)
         # float64: exact token counts far beyond what one window holds
-        counts = torch.tensor([self.real_tokens, self.row_tokens], dtype=torch.float64, device=self.device)
+        counts = on_device([self.real_tokens, self.row_tokens], torch.float64, self.device)
         dist.all_reduce(counts)
         counts /= self.world
         values = {"stats": stats, "counts": counts, "load": load, "bias": tap.bias_tensors()}
@@ -229,7 +229,7 @@ class LogWindow:
             values["skipped"] = skipped
         retries = alloc_retries(self.device)
         if self.device.type == "cuda":
-            worst = torch.tensor([retries - self.retries_seen], device=self.device)
+            worst = on_device([retries - self.retries_seen], torch.int64, self.device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
             values["retries"] = worst
         self.retries_seen = retries
