@@ -153,8 +153,9 @@ def run_torchtitan(tt: Path, name: str, layers: int, seq: int, flags: list[str],
 
 
 def repredict(row: dict, date: str) -> dict:
-    """Today's plan for a measured dskit row's shape, at the micro-batch it ran (the model of the trainer
-    that ran it: runs.as_measured): memory GiB and tokens/s/GPU."""
+    """Today's plan for a measured dskit row's shape, at the micro-batch it ran, on the GPU profile its
+    call planned on (`_gpu`; the model of the trainer that ran it: runs.as_measured): memory GiB and
+    tokens/s/GPU."""
     from dskit.plan.build import build_plan
 
     sets = [
@@ -164,7 +165,7 @@ def repredict(row: dict, date: str) -> dict:
         f"overrides.micro_batch={row['micro_batch']}",
         *row.get("sets", []),
     ]
-    with runs.as_measured(date):
+    with runs.as_measured(date), runs.patched(train_bench, GPU=row.get("_gpu", GPU)):
         plan = build_plan(train_bench.spec_for(row["shape"], sets, Path("/nonexistent"), 1))
     return {
         "memory_gib": plan.memory["total_gib"],
@@ -172,9 +173,15 @@ def repredict(row: dict, date: str) -> dict:
     }
 
 
+def planned_on(command: str) -> str:
+    """The GPU profile a call's dskit rows were planned on: its `--gpu`, else the default."""
+    m = re.search(r"--gpu[ =](\S+)", command)
+    return m.group(1) if m else GPU
+
+
 def derived(files: list[Path], predict: bool) -> list[dict]:
     """`--rows`: the measured dskit rows at the plan's own config (no variant, no error) as the
-    calibration tests read them, with `_source`, `_index`, `_date` and `_trainer` (runs.trainer_at);
+    calibration tests read them, with `_source`, `_index`, `_date`, `_trainer` (runs.trainer_at) and `_gpu`;
     `predict`: also `_predicted`."""
     out = []
     for f in files:
@@ -187,9 +194,10 @@ def derived(files: list[Path], predict: bool) -> list[dict]:
                 "_index": i,
                 "_date": d["date"],
                 "_trainer": runs.trainer_at(d["date"]),  # which one-rank path ran it
+                "_gpu": planned_on(d["command"]),
             }
             if predict:
-                row["_predicted"] = repredict(r, d["date"])
+                row["_predicted"] = repredict(row, d["date"])
             out.append(row)
     return out
 

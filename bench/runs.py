@@ -220,6 +220,13 @@ HOST_MICRO_STEP_BUCKETS_S = 0.015
 #: when the plan turned on AutoEP's fused combine for large micro-steps (dskit/plan/memory.py
 #: `fused_combine`); runs before it combined eagerly at every size
 FUSED_COMBINE_SINCE = "2026-12-04T15:00"
+#: when a GPU's log records went a step late (dskit/train/metrics.py `LogWindow`): runs measured before it
+#: waited for the GPU at each log step (every step in the benches), so one rank's optimizer did not overlap
+#: the next step (speed.OPTIMIZER_OVERLAPS_NEXT_STEP), and their flat gradients' GPU time per layer pass
+#: was fitted then at GPU_LAYER_PASS_FLAT_SYNCED_S (the waits' idle GPU included; docs/planner.md
+#: "Small micro-steps")
+DEFERRED_LOGS_SINCE = "2026-12-06T12:30"
+GPU_LAYER_PASS_FLAT_SYNCED_S = 0.004
 
 
 @contextmanager
@@ -247,7 +254,8 @@ def trainer_at(measured_at: str) -> str:
 @contextmanager
 def as_measured(measured_at: str):
     """Today's step-time and memory model for a run measured at `measured_at` (its result file's date),
-    or the model of the trainer that ran it: before FUSED_COMBINE_SINCE, AutoEP's eager combine; before
+    or the model of the trainer that ran it: before DEFERRED_LOGS_SINCE, a step that waited for the GPU
+    at each log step; before FUSED_COMBINE_SINCE, AutoEP's eager combine; before
     FLAT_SINCE, one rank's gradients through DeepSpeed's hooks and buckets, at the micro-step host time
     fitted then; before ONE_PASS_SINCE also its step without the one pass's saving, DeepSpeed's
     micro-step host time (HOST_MICRO_STEP_S) and two reduce buckets on one rank."""
@@ -257,6 +265,11 @@ def as_measured(measured_at: str):
     in_memory: dict = {}
     if measured_at < FUSED_COMBINE_SINCE:
         in_memory["FUSED_COMBINE"] = False
+    if measured_at < DEFERRED_LOGS_SINCE:
+        in_speed |= {
+            "OPTIMIZER_OVERLAPS_NEXT_STEP": False,
+            "GPU_LAYER_PASS_FLAT_S": GPU_LAYER_PASS_FLAT_SYNCED_S,
+        }
     if trainer_at(measured_at) != "flat":
         in_speed["HOST_MICRO_STEP_FUSED_S"] = HOST_MICRO_STEP_BUCKETS_S
         in_memory["FLAT_GRADIENTS"] = False

@@ -193,7 +193,8 @@ def step_breakdown(s) -> str:
         ("once-per-step collectives and copies", s.boundary_s),
     ]
     gpu = ", ".join(f"{n} {v:.3f} s" for n, v in terms if v)
-    return f"{gpu}; host {s.host_s:.3f} s beside the GPU's {s.gpu_s:.3f} s ({s.bound}-bound); step {s.step_s:.3f} s"
+    beside = f"the GPU's {s.gpu_s:.3f} s" + (", its optimizer in it" if s.optimizer_overlapped else "")
+    return f"{gpu}; host {s.host_s:.3f} s beside {beside} ({s.bound}-bound); step {s.step_s:.3f} s"
 
 
 #: the calibration file's names of what it times, as the step-time model's terms call them

@@ -10,6 +10,7 @@ side by side, because the host enqueues kernels ahead of the GPU:
     GPU  = grad_accum x (compute + layer_gpu + collectives + all_to_all + ZeRO-2's grad_copy)
     host = grad_accum x (HOST_LAYER_PASS_S x layer passes + HOST_MICRO_STEP_S)
     step = max(GPU, host) + optimizer + boundary
+           (one rank's fused step, which nothing waits for: max(GPU + optimizer, host) + boundary)
 
 - compute: T x FLOPs/token (6 x active parameters + causal attention; `model_math.py`), plus the forward
   pass again for every checkpointed layer (a third of a layer's training FLOPs), at GEMM_EFFICIENCY of
@@ -138,21 +139,31 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 #: overlap_comm and its synchronisations, and no run there has measured this: they keep HOST_MICRO_STEP_S
 #: (docs/planner.md "Small micro-steps")
 HOST_MICRO_STEP_FUSED_S = 0.015
-#: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
-#: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
-#: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
-#: none. Fitted by bench/optimizer_refit.py on the 4-layer runs beside torchtitan measured since
-#: (nine runs: micro-batch 1-16, seq 2048 and 4096): the GPU's as the grid's smallest worst error, the host's as
-#: the same kind of upper bound as the other host constants, with attention compiled (the GPU default;
-#: no flat run had it eager, which keeps HOST_LAYER_PASS_UNHOOKED_S) (docs/planner.md "Small micro-steps")
 #: what AutoEP's fused top-k combine saves against the eager weighted sum (dskit/plan/memory.py
 #: `fused_combine`), bytes at the GPU's memory rate per (token, routed copy, hidden element) and MoE layer,
 #: forward and backward together: the eager sum's scatter into a zeroed buffer, its fp32 product and sum
 #: and their casts, both ways. Measured, not fitted: 43.8 ms a step at 65,536 tokens over 3 MoE layers of
 #: V2-Lite on one H200, in one call (bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json)
 FUSED_COMBINE_SAVED_BYTES = 87.0
-GPU_LAYER_PASS_FLAT_S = 0.004
+#: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
+#: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
+#: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
+#: none. The GPU's: the grid's smallest worst error over the runs beside torchtitan since the log records
+#: went a step late (four H100 runs: 3-6 layers, micro-batch 1 and 2, seq 1024-4096; worst 1.7%); the runs
+#: before it, which waited for the GPU at every log step, were fitted at 4 ms (bench/runs.py
+#: GPU_LAYER_PASS_FLAT_SYNCED_S: the waits' idle GPU in it). The host's: the same kind of upper bound as
+#: the other host constants, over both, with attention compiled (the GPU default; no flat run had it
+#: eager, which keeps HOST_LAYER_PASS_UNHOOKED_S). Both by bench/optimizer_refit.py (docs/planner.md
+#: "Small micro-steps")
+GPU_LAYER_PASS_FLAT_S = 0.00275
 HOST_LAYER_PASS_FLAT_S = 0.0035
+#: one rank's fused bf16 step (`one_rank_fused`) reads nothing back from the GPU, and since the trainer
+#: writes a GPU's log record a step late (dskit/train/metrics.py `LogWindow`) nothing else in a step does
+#: (bench/sync_sites.py: 0.15 synchronising calls a step, all before the first): the host queues the next
+#: step's forward while the GPU still runs this step's optimizer, so the optimizer is on the GPU timeline,
+#: step = max(GPU + optimizer, host). Runs measured before it waited for the GPU at every log step (the
+#: benches log every step) and are re-predicted as such (bench/runs.py `as_measured`)
+OPTIMIZER_OVERLAPS_NEXT_STEP = True
 
 #: LoRA on a frozen base (finetune.method lora): the step's FLOPs (4 per active frozen weight, 6 per
 #: trainable one: dskit/plan/adapters.py) take this much longer than GEMM_EFFICIENCY says (each adapted
@@ -253,10 +264,15 @@ class StepTime:
     sources: tuple[tuple[str, str], ...] = ()
     #: a device that runs its kernels on the host's thread (CPU ranks): the two timelines add
     synchronous: bool = False
+    #: nothing waits for the optimizer's kernels: they run on the GPU timeline while the host queues the
+    #: next step (OPTIMIZER_OVERLAPS_NEXT_STEP)
+    optimizer_overlapped: bool = False
 
     @property
     def gpu_s(self) -> float:
-        return self.compute_s + self.layer_gpu_s + self.collectives_s + self.grad_copy_s + self.all_to_all_s
+        """The GPU timeline the host runs beside: the micro-steps, and the optimizer where it overlaps."""
+        micro = self.compute_s + self.layer_gpu_s + self.collectives_s + self.grad_copy_s + self.all_to_all_s
+        return micro + (self.optimizer_s if self.optimizer_overlapped else 0.0)
 
     @property
     def bound(self) -> str:
@@ -267,8 +283,8 @@ class StepTime:
 
     @property
     def step_s(self) -> float:
-        micro = self.gpu_s + self.host_s if self.synchronous else max(self.gpu_s, self.host_s)
-        return micro + self.optimizer_s + self.boundary_s
+        both = self.gpu_s + self.host_s if self.synchronous else max(self.gpu_s, self.host_s)
+        return both + (0.0 if self.optimizer_overlapped else self.optimizer_s) + self.boundary_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -423,6 +439,7 @@ def predict(
         unknown=tuple(dict.fromkeys(unknown)),
         boundary_s=per_step,
         sources=(*_link_sources(shapes, links), *scales.sources.items()),
+        optimizer_overlapped=unsynced and OPTIMIZER_OVERLAPS_NEXT_STEP,
     )
 
 

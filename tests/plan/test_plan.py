@@ -89,6 +89,34 @@ def test_one_rank_gradients_go_flat_in_bf16_with_the_fused_step():
     assert one.speed["grad_copy_s"] == 0 < plain.speed["grad_copy_s"]
 
 
+def test_a_step_nothing_waits_for_overlaps_its_optimizer_with_the_next_step():
+    """One rank's fused bf16 step reads nothing back, and a GPU's log record is written a step late
+    (dskit/train/metrics.py): the host queues the next step while the GPU runs the optimizer, so the
+    optimizer is on the GPU's timeline. DeepSpeed's step reads its overflow flag back: the host waits."""
+    # 512 tokens a step: the host's timeline is the longer, where overlapping the optimizer counts
+    small = (
+        "model.num_layers=4",
+        "training.seq_len=512",
+        "training.global_batch=1",
+        "overrides.zero_stage=2",
+    )
+    h200 = {"hardware__gpu": "h200-141gb", "hardware__gpus_per_node": 1}
+    fused = plan_for(*small, **h200).speed
+    plain = plan_for(*small, "overrides.optimizer_step=deepspeed", **h200).speed
+    gpu_terms = ("compute_s", "layer_gpu_s", "collectives_s", "grad_copy_s", "all_to_all_s")
+
+    def gpu(s: dict) -> float:
+        return sum(s[k] for k in gpu_terms)
+
+    assert fused["bound"] == plain["bound"] == "host" and fused["optimizer_s"] > 0 < plain["optimizer_s"]
+    assert fused["step_s"] == pytest.approx(
+        max(gpu(fused) + fused["optimizer_s"], fused["host_s"]) + fused["boundary_s"], abs=3e-4
+    )
+    assert plain["step_s"] == pytest.approx(
+        max(gpu(plain), plain["host_s"]) + plain["optimizer_s"] + plain["boundary_s"], abs=3e-4
+    )
+
+
 def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
     """AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`): on a GPU, one rank, from
     FUSED_COMBINE_MIN_TOKENS tokens per micro-step; less memory and time than the eager weighted sum."""

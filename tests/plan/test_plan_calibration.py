@@ -401,3 +401,29 @@ def test_small_shape_speed_matches_measurement(row):
 def test_small_shape_memory_matches_measurement(row):
     predicted = calibration.predicted(PEER_BENCH, row)["_predicted"]
     assert predicted["memory_gib"] == pytest.approx(row["peak_gib"], rel=0.10), predicted
+
+
+# ---------------------------------------------------------------------------------------------------
+#: V2-Lite at 3-6 layers, micro-batch 1 and 2, seq 1024-4096, one micro-batch a step, beside torchtitan,
+#: since a GPU's log records went a step late (bench/runs.py DEFERRED_LOGS_SINCE): one rank's step waits
+#: for nothing, and its optimizer overlaps the next step (speed.OPTIMIZER_OVERLAPS_NEXT_STEP). Measured on
+#: an H100 80GB and re-predicted on that GPU's profile (`_gpu`). Held to the issue's 10%, not 15%.
+LATE_ROWS = calibration.rows(PEER_BENCH, "host-bound-late")
+
+
+def test_the_late_record_runs_cover_micro_batch_1_and_2_and_three_lengths():
+    assert {r["micro_batch"] for r in LATE_ROWS} == {1, 2}
+    assert {r["seq_len"] for r in LATE_ROWS} == {1024, 2048, 4096}
+    assert all(r["_gpu"] == "h100-80gb" for r in LATE_ROWS)
+
+
+@pytest.mark.parametrize("row", LATE_ROWS, ids=_small_id)
+def test_late_record_speed_matches_measurement(row):
+    predicted = calibration.predicted(PEER_BENCH, row)["_predicted"]
+    assert predicted["tokens_per_s_per_gpu"] == pytest.approx(row["tok_s_gpu"], rel=0.10), predicted
+
+
+@pytest.mark.parametrize("row", LATE_ROWS, ids=_small_id)
+def test_late_record_memory_matches_measurement(row):
+    predicted = calibration.predicted(PEER_BENCH, row)["_predicted"]
+    assert predicted["memory_gib"] == pytest.approx(row["peak_gib"], rel=0.10), predicted
