@@ -310,7 +310,7 @@ def main() -> None:
             )
         if a.at_step_logs:
             hook = os.pathsep.join(x for x in (str(LOG_HOOK), os.environ.get("PYTHONPATH")) if x)
-            env = {"PYTHONPATH": hook, "DSKIT_BENCH_LOGS_AT_STEP": "1"}
+            env = {"PYTHONPATH": hook, "DSKIT_BENCH_LOG_RECORDS": "at-step"}
             d = train_bench.run_dskit(
                 f"{name} at-step logs", [*sets, *a.set], {}, a.work / "dskit", 1, env=env
             )

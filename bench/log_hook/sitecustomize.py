@@ -1,20 +1,30 @@
-"""Loaded by every Python process whose path starts with this folder (bench/peer_bench.py --at-step-logs
-puts it on PYTHONPATH): with DSKIT_BENCH_LOGS_AT_STEP set, the trainer's log window writes each record at
-its own step, reading the GPU's figures at once, as it did before records went a log step late
-(dskit/train/metrics.py `LogWindow`): the other side of that lever's A/B, measured in the same call."""
+"""Loaded by every Python process whose path starts with this folder: with DSKIT_BENCH_LOG_RECORDS set,
+the trainer's log window writes its records as that value says, whatever the device, and says so once
+on stderr as it does:
+- `at-step`: each record at its own step, the GPU's figures read at once, as before records went a log
+  step late (dskit/train/metrics.py `LogWindow`): the other side of that lever's A/B, measured in the same
+  call (bench/peer_bench.py --at-step-logs);
+- `late`: a step late on CPU ranks too, which otherwise write at their step: the GPU's path, run by the
+  CPU tests (tests/train/test_train.py) against a reference run written at its steps."""
 
 import os
 
-if os.environ.get("DSKIT_BENCH_LOGS_AT_STEP"):
+WHEN = os.environ.get("DSKIT_BENCH_LOG_RECORDS")
+
+if WHEN:
     import importlib.abc
     import sys
 
-    def _at_step(module) -> None:
+    if WHEN not in ("at-step", "late"):
+        sys.exit(f"DSKIT_BENCH_LOG_RECORDS: {WHEN!r}; allowed: at-step, late")
+
+    def _patch(module) -> None:
         init = module.LogWindow.__init__
 
         def __init__(self, *a, **kw) -> None:
             init(self, *a, **kw)
-            self.deferred = False
+            self.deferred = WHEN == "late"
+            print(f"bench/log_hook: log records {WHEN}", file=sys.stderr, flush=True)
 
         module.LogWindow.__init__ = __init__
 
@@ -32,7 +42,7 @@ if os.environ.get("DSKIT_BENCH_LOGS_AT_STEP"):
 
             def exec_module(module) -> None:
                 load(module)
-                _at_step(module)
+                _patch(module)
 
             spec.loader.exec_module = exec_module
             return spec
