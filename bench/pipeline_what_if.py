@@ -134,7 +134,8 @@ def what_if(model: str, gpu_name: str, nodes: int, per_node: int, sets: list[str
                     total = one.total_gib - one.activations_gib + held.activations_gib
                     build = memory.construction(sc, world=dp, ep_size=ep, on_gpu=True, zero_stage=1)
                     t = speed.predict(timed, c, cluster, Links(gpu.interconnect_gbs, fabric.gbs_per_gpu))
-                    slot = max(t.gpu_s, t.host_s) / m
+                    # the pipeline engine's step after the last micro-step: nothing overlaps it
+                    slot = max(t.micro_gpu_s, t.host_s) / m
                     spans = dp >= per_node  # a stage of a node or more: its neighbour is on another node
                     bw = fabric.gbs_per_gpu if spans else gpu.interconnect_gbs
                     p2p = 2 * mb * seq * cfg["hidden_size"] * speed.WIRE_BYTES / (bw * speed.GB)

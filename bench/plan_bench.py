@@ -670,6 +670,8 @@ def fit_constants(files: list[Path]) -> None:
     F, P, M = (
         np.array([r["inputs"][k] for r in rows]) for k in ("flop_s_at_peak", "layer_passes", "micro_steps")
     )
+    # the optimizer after the micro-steps: true of these eager runs, measured before one rank's fused step
+    # overlapped it (speed.OPTIMIZER_OVERLAPS_NEXT_STEP; bench/optimizer_refit.py fits the runs since)
     y = np.array([r["measured"]["step_s"] - r["predicted"]["optimizer_s"] for r in rows])
     best = None
     for eff in np.arange(0.30, 0.80, 0.01):

@@ -220,12 +220,13 @@ HOST_MICRO_STEP_BUCKETS_S = 0.015
 #: when the plan turned on AutoEP's fused combine for large micro-steps (dskit/plan/memory.py
 #: `fused_combine`); runs before it combined eagerly at every size
 FUSED_COMBINE_SINCE = "2026-12-04T15:00"
-#: when a GPU's log records went a step late (dskit/train/metrics.py `LogWindow`): runs measured before it
+#: when a GPU's log records went a step late (dskit/train/metrics.py `LogWindow`) and the figures sent with
+#: them reached the device from pinned memory (7a283b7, the first tree without a wait in the step): runs measured before it
 #: waited for the GPU at each log step (every step in the benches), so one rank's optimizer did not overlap
 #: the next step (speed.OPTIMIZER_OVERLAPS_NEXT_STEP), and their flat gradients' GPU time per layer pass
 #: was fitted then at GPU_LAYER_PASS_FLAT_SYNCED_S (the waits' idle GPU included; docs/planner.md
 #: "Small micro-steps")
-DEFERRED_LOGS_SINCE = "2026-12-06T12:30"
+DEFERRED_LOGS_SINCE = "2026-12-06T13:30"
 GPU_LAYER_PASS_FLAT_SYNCED_S = 0.004
 
 

@@ -15,8 +15,9 @@ if WHEN:
     import importlib.abc
     import sys
 
-    if WHEN not in ("at-step", "late"):
-        sys.exit(f"DSKIT_BENCH_LOG_RECORDS: {WHEN!r}; allowed: at-step, late")
+    if WHEN not in ("at-step", "late"):  # one line, not site's traceback around a SystemExit
+        print(f"DSKIT_BENCH_LOG_RECORDS: {WHEN!r}; allowed: at-step, late", file=sys.stderr, flush=True)
+        os._exit(2)
 
     def _patch(module) -> None:
         init = module.LogWindow.__init__

@@ -269,10 +269,14 @@ class StepTime:
     optimizer_overlapped: bool = False
 
     @property
+    def micro_gpu_s(self) -> float:
+        """The micro-steps' GPU timeline, without the optimizer."""
+        return self.compute_s + self.layer_gpu_s + self.collectives_s + self.grad_copy_s + self.all_to_all_s
+
+    @property
     def gpu_s(self) -> float:
         """The GPU timeline the host runs beside: the micro-steps, and the optimizer where it overlaps."""
-        micro = self.compute_s + self.layer_gpu_s + self.collectives_s + self.grad_copy_s + self.all_to_all_s
-        return micro + (self.optimizer_s if self.optimizer_overlapped else 0.0)
+        return self.micro_gpu_s + (self.optimizer_s if self.optimizer_overlapped else 0.0)
 
     @property
     def bound(self) -> str:
@@ -300,6 +304,8 @@ class StepTime:
         }
         d["step_s"] = round(self.step_s, 4)
         d["bound"] = self.bound
+        if self.optimizer_overlapped:  # step_s is max(GPU + optimizer, host) + boundary
+            d["optimizer_overlapped"] = True
         d["tokens_per_s_per_gpu"] = round(self.tokens_per_s)
         d["mfu"] = round(self.mfu, 4)
         if self.unknown:

@@ -117,6 +117,27 @@ def test_a_step_nothing_waits_for_overlaps_its_optimizer_with_the_next_step():
     )
 
 
+def test_an_overlapped_optimizer_lengthens_the_gpu_timeline_it_joins():
+    """GPU + optimizer longer than the host: the step is their sum, GPU-bound, where the optimizer after
+    the micro-steps would have added the same; shorter than the host, the host's alone."""
+    from dskit.plan.speed import StepTime
+
+    def step(host_s: float, overlapped: bool) -> StepTime:
+        return StepTime(
+            compute_s=0.03, layer_gpu_s=0.01, collectives_s=0.0, grad_copy_s=0.0, all_to_all_s=0.0,
+            host_s=host_s, optimizer_s=0.02, tokens_per_step=4096, flops_per_token=1e9, peak_tflops=989.0,
+            unknown=(), boundary_s=0.001, optimizer_overlapped=overlapped,
+        )  # fmt: skip
+
+    gpu_bound = step(0.05, True)
+    assert gpu_bound.step_s == pytest.approx(0.061) and gpu_bound.bound == "GPU"
+    assert step(0.05, False).step_s == pytest.approx(0.071) and step(0.05, False).bound == "host"
+    host_bound = step(0.07, True)
+    assert host_bound.step_s == pytest.approx(0.071) and host_bound.bound == "host"
+    assert host_bound.as_dict()["optimizer_overlapped"] is True
+    assert "optimizer_overlapped" not in step(0.07, False).as_dict()
+
+
 def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
     """AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`): on a GPU, one rank, from
     FUSED_COMBINE_MIN_TOKENS tokens per micro-step; less memory and time than the eager weighted sum."""

@@ -427,3 +427,28 @@ def test_late_record_speed_matches_measurement(row):
 def test_late_record_memory_matches_measurement(row):
     predicted = calibration.predicted(PEER_BENCH, row)["_predicted"]
     assert predicted["memory_gib"] == pytest.approx(row["peak_gib"], rel=0.10), predicted
+
+
+def _at_step_rows() -> list[dict]:
+    """The same calls' rows with the records written at their step (`--at-step-logs`), on their GPU."""
+    from bench import peer_bench
+
+    out = []
+    for f in calibration.results("host-bound-late"):
+        d = json.loads(f.read_text())
+        for r in d["rows"]:
+            if r["system"] == "dskit, logs at their step":
+                out.append({**r, "_gpu": peer_bench.planned_on(d["command"]), "_source": f.name})
+    return out
+
+
+@pytest.mark.parametrize("row", _at_step_rows(), ids=lambda r: r["_source"].removesuffix(".json"))
+def test_a_step_that_waits_at_each_record_is_the_model_before_the_late_records(row):
+    """Why runs measured before DEFERRED_LOGS_SINCE are re-predicted with the model of then (bench/runs.py
+    `as_measured`): the trainer writing each record at its step, in the same calls, is that model's step."""
+    from bench import peer_bench, runs
+
+    before = "2026-12-06T00:00"
+    assert before < runs.DEFERRED_LOGS_SINCE
+    predicted = peer_bench.repredict(row, before)
+    assert predicted["tokens_per_s_per_gpu"] == pytest.approx(row["tok_s_gpu"], rel=0.10), predicted

@@ -414,6 +414,7 @@ def test_sigterm_then_resume_continues_the_uninterrupted_run(reference, tmp_path
 
     assert run(rd, tmp_path / "b.log", env=LATE_RECORDS) == 0, (tmp_path / "b.log").read_text()[-3000:]
     assert f"resumed from {saved}" in (tmp_path / "b.log").read_text()
+    assert (tmp_path / "b.log").read_text().count("bench/log_hook: log records late") == 2
     assert_same_run(losses(rd), losses(ref), exact_until=stopped)
     assert [r["step"] for r in records(rd)] == list(range(1, STEPS + 1))  # each once, in order
 
