@@ -45,16 +45,19 @@ def test_the_planned_roles_and_only_they_compute_in_fp8(tiny):
     assert done.as_record()["roles"] == sorted(ROLES)
 
 
-def test_a_role_the_model_lacks_converts_nothing(tiny, monkeypatch):
+def test_a_role_the_model_lacks_converts_nothing(tiny):
     model, _ = tiny
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    compute.fp8_product.cache_clear()  # a product built earlier in this process would skip its body
-    done = compute.convert_linears(model, "tensorwise", ["self_attn.q_b_proj"], emulate=True)
-    assert done.linears == []  # tiny-v2 has no q LoRA
-    # and builds no FP8 product: the compiled one would raise dynamo's recompile limit for the whole run
+    # dynamo's own patch, not monkeypatch: undoing a module attribute deletes this config's entry (its
+    # __delattr__ hides it), and a later compile in this process fails reading it
+    with torch._dynamo.config.patch(recompile_limit=8):
+        compute.fp8_product.cache_clear()  # a product built earlier in this process would skip its body
+        done = compute.convert_linears(model, "tensorwise", ["self_attn.q_b_proj"], emulate=True)
+        assert done.linears == []  # tiny-v2 has no q LoRA
+        # and builds no FP8 product: the compiled one would raise dynamo's recompile limit for the whole run
+        assert torch._dynamo.config.recompile_limit == 8
+        assert compute.convert_linears(model, "tensorwise", ROLES, emulate=True).linears
+        assert torch._dynamo.config.recompile_limit == 256
     assert torch._dynamo.config.recompile_limit == 8
-    assert compute.convert_linears(model, "tensorwise", ROLES, emulate=True).linears
-    assert torch._dynamo.config.recompile_limit == 256
 
 
 def test_a_converted_linear_computes_through_fp8_and_trains(tiny):
