@@ -179,14 +179,14 @@ def planned_on(command: str) -> str:
     return m.group(1) if m else GPU
 
 
-def derived(files: list[Path], predict: bool) -> list[dict]:
+def derived(files: list[Path], predict: bool, system: str = "dskit") -> list[dict]:
     """`--rows`: the measured dskit rows at the plan's own config (no variant, no error) as the
     calibration tests read them, with `_source`, `_index`, `_date`, `_trainer` (runs.trainer_at) and `_gpu`;
-    `predict`: also `_predicted`."""
+    `predict`: also `_predicted`. `system`: another row of the same calls (`dskit, logs at their step`)."""
     out = []
     for f in files:
         d = json.loads(f.read_text())
-        mine = [r for r in d["rows"] if r["system"] == "dskit" and r.get("tok_s_gpu")]
+        mine = [r for r in d["rows"] if r["system"] == system and r.get("tok_s_gpu")]
         for i, r in enumerate(mine):
             row = {
                 **r,

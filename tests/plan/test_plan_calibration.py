@@ -30,6 +30,7 @@ from collections import Counter
 
 import pytest
 
+from bench import peer_bench, runs
 from tests.support import calibration
 
 PLAN_BENCH = "plan_bench.py"
@@ -429,25 +430,16 @@ def test_late_record_memory_matches_measurement(row):
     assert predicted["memory_gib"] == pytest.approx(row["peak_gib"], rel=0.10), predicted
 
 
-def _at_step_rows() -> list[dict]:
-    """The same calls' rows with the records written at their step (`--at-step-logs`), on their GPU."""
-    from bench import peer_bench
-
-    out = []
-    for f in calibration.results("host-bound-late"):
-        d = json.loads(f.read_text())
-        for r in d["rows"]:
-            if r["system"] == "dskit, logs at their step":
-                out.append({**r, "_gpu": peer_bench.planned_on(d["command"]), "_source": f.name})
-    return out
+#: the same calls' rows with the records written at their step (`--at-step-logs`)
+AT_STEP_ROWS = peer_bench.derived(
+    calibration.results("host-bound-late"), predict=False, system="dskit, logs at their step"
+)
 
 
-@pytest.mark.parametrize("row", _at_step_rows(), ids=lambda r: r["_source"].removesuffix(".json"))
+@pytest.mark.parametrize("row", AT_STEP_ROWS, ids=_small_id)
 def test_a_step_that_waits_at_each_record_is_the_model_before_the_late_records(row):
     """Why runs measured before DEFERRED_LOGS_SINCE are re-predicted with the model of then (bench/runs.py
     `as_measured`): the trainer writing each record at its step, in the same calls, is that model's step."""
-    from bench import peer_bench, runs
-
     before = "2026-12-06T00:00"
     assert before < runs.DEFERRED_LOGS_SINCE
     predicted = peer_bench.repredict(row, before)
