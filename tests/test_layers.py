@@ -253,6 +253,7 @@ BENCH_FOR_TESTS = {
     "bench.cpu_fit",
     "bench.memsnap.sitecustomize",
     "bench.runs",  # when the trainer a result measured changed (runs.DEFERRED_LOGS_SINCE)
+    "bench.calibrate_loop",  # its measured candidates and the spec each ran with (`derived`)
 }
 
 

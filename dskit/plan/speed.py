@@ -57,7 +57,7 @@ from dskit.plan import model_math
 from dskit.plan.adapters import Tuning
 from dskit.plan.candidate import Candidate, Cluster, Layout, Workload
 from dskit.plan.links import Links
-from dskit.plan.memory import flat_gradients, fused_combine, one_rank_fused
+from dskit.plan.memory import FUSED_COMBINE_MIN_TOKENS, flat_gradients, fused_combine, one_rank_fused
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import PERSISTENCE_THRESHOLD, gathered_layer_params, max_live, prefetched_share
 from dskit.plan.shape import ModelShape
@@ -145,6 +145,12 @@ HOST_MICRO_STEP_FUSED_S = 0.015
 #: and their casts, both ways. Measured, not fitted: 43.8 ms a step at 65,536 tokens over 3 MoE layers of
 #: V2-Lite on one H200, in one call (bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json)
 FUSED_COMBINE_SAVED_BYTES = 87.0
+#: ... from how many tokens a micro-step that saving is all there. At the switch (memory.FUSED_COMBINE_MIN_TOKENS,
+#: 32,768) it measured none: one H100, two shapes, each step as fast as the model without the saving
+#: (+0.1%, +0.9%) and 13-14% slower than with it, where the five shapes of 1,024-16,384 tokens beside them were
+#: within -1..+5% (bench/results/calibration/h100-calibrate-loop-*-2026-12-06.json); at 65,536 it measured all of
+#: it (the H200 above). Between the two the share grows linearly: no run has measured it there
+FUSED_COMBINE_FULL_TOKENS = 65536
 #: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
 #: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
 #: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
@@ -419,7 +425,7 @@ def predict(
     combine = 0.0  # the fused combine's saving, forward and backward (a recomputed forward: half the pair's)
     if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world, w.precision):
         slots = T * w.shape.active_experts * w.shape.hidden * c.moe_layers * (1 + frac / 2)
-        combine = slots * FUSED_COMBINE_SAVED_BYTES / (gpu.memory_bw_gbs * GB)
+        combine = slots * FUSED_COMBINE_SAVED_BYTES / (gpu.memory_bw_gbs * GB) * fused_combine_share(T)
     return StepTime(
         # the eager combine's passes scale with the tokens, as the FLOPs do: GEMM_EFFICIENCY absorbed them
         compute_s=grad_accum * (compute - combine),
@@ -541,6 +547,13 @@ def _scaled_flops(c: ModelCounts, flops_per_token: float, scales: Scales) -> flo
     by the GEMM probe (dskit/calibrate/scales.py): each at this cluster's rate relative to the reference."""
     attention = min(c.attn_flops_per_token, flops_per_token)
     return (flops_per_token - attention) * scales.compute + attention * scales.attention
+
+
+def fused_combine_share(tokens: int) -> float:
+    """The share of FUSED_COMBINE_SAVED_BYTES' saving a micro-step of `tokens` gets once AutoEP's fused combine
+    is on: none at the switch, all from FUSED_COMBINE_FULL_TOKENS, linear between (as measured at each end)."""
+    start = FUSED_COMBINE_MIN_TOKENS
+    return min(1.0, max(0.0, (tokens - start) / (FUSED_COMBINE_FULL_TOKENS - start)))
 
 
 def _compute_s(

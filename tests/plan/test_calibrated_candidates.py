@@ -1,5 +1,6 @@
 """On the lent GPU, `dskit calibrate local --candidates N` measured the calibrated plan's first candidates
-beside its predictions (bench/results/calibration, series `h100-calibrate-candidates`). Today's plan,
+beside its predictions (bench/results/calibration, series `h100-calibrate-candidates`, and
+`h100-calibrate-loop`: bench/calibrate_loop.py at seven shapes, seq 1024-8192, micro-batch 1-32). Today's plan,
 given the committed calibration of each call, must still predict every measured candidate within 10% in
 tokens/s and memory (the calibrated plan's goal on one GPU): a change to the model that moves a prediction away from
 what the GPU measured fails here, not only on the next GPU session.
@@ -16,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from bench import calibrate_loop
 from dskit.plan.build import build_plan_searched
 from dskit.spec import load_spec
-from tests.support.calibration import RESULTS, manifest
+from tests.support.calibration import RESULTS, manifest, results
 
 SERIES = "h100-calibrate-candidates"
+LOOP_ROWS = calibrate_loop.derived(results("h100-calibrate-loop"))
 BAND = 0.10  # the issue's goal: tokens/s and memory within 10%
 
 
@@ -60,3 +63,26 @@ def test_every_measured_candidate_is_predicted_within_10_percent(entry, candidat
         speed = row.speed.tokens_per_s / m["measured_tokens_per_s"] - 1
         memory = row.fit.steady.total_gib / m["measured_peak_gib"] - 1
         assert abs(speed) <= BAND and abs(memory) <= BAND, (m["candidate"], f"{speed:+.1%}", f"{memory:+.1%}")
+
+
+def test_the_loop_covers_seq_1024_to_8192_and_micro_batch_1_to_32():
+    shapes = {(r["sets"][1], r["candidate"].split(", ")[2]) for r in LOOP_ROWS}
+    assert {s for s, _ in shapes} >= {f"training.seq_len={n}" for n in (1024, 2048, 4096, 8192)}
+    assert {m for _, m in shapes} >= {"micro-batch 1", "micro-batch 32"}
+
+
+@pytest.mark.parametrize(
+    "row",
+    LOOP_ROWS,
+    ids=lambda r: f"{Path(r['source']).stem[-12:]}:{r['sets'][1]}:{r['sets'][2]}:{r['candidate']}",
+)
+def test_every_candidate_of_the_loop_is_predicted_within_10_percent(row, tmp_path):
+    """bench/calibrate_loop.py's rows: the calibration each shape wrote, given to today's plan again."""
+    cal = tmp_path / "calibration.json"
+    cal.write_text(json.dumps(row["calibration"]))
+    flags = {"hardware.gpu": row["gpu"], "hardware.gpus_per_node": 1, "runtime.kind": "none"}
+    _, found = build_plan_searched(load_spec(None, [*row["sets"], f"hardware.calibration={cal}"], flags))
+    (plan_row,) = [r for r in found.rows if r.candidate.describe() == row["candidate"]]
+    speed = plan_row.speed.tokens_per_s / row["measured_tokens_per_s"] - 1
+    memory = plan_row.fit.steady.total_gib / row["measured_peak_gib"] - 1
+    assert abs(speed) <= BAND and abs(memory) <= BAND, (f"{speed:+.1%}", f"{memory:+.1%}")

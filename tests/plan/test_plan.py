@@ -175,6 +175,25 @@ def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
         slots * moe_layers * speed.FUSED_COMBINE_SAVED_BYTES / bw,
         abs=1.5e-4,  # both rounded to 0.1 ms
     )
+    # the time it saves grows from none at the switch (measured on an H100) to all of it at
+    # FUSED_COMBINE_FULL_TOKENS (the H200's measurement); its memory saving is there from the switch
+    assert speed.FUSED_COMBINE_FULL_TOKENS == 16 * 4096
+    monkeypatch.setattr(memory, "FUSED_COMBINE", True)
+    for micro_batch, share in ((8, 0.0), (12, 0.5)):
+        sets = (
+            "training.seq_len=4096",
+            f"training.global_batch={micro_batch}",
+            f"overrides.micro_batch={micro_batch}",
+        )
+        fused, tokens, impl = combine(*sets)
+        assert impl == "fused_weighted_sum" and speed.fused_combine_share(tokens) == share
+        monkeypatch.setattr(memory, "FUSED_COMBINE", False)
+        eager, *_ = combine(*sets)
+        monkeypatch.setattr(memory, "FUSED_COMBINE", True)
+        assert eager.memory["activations_gib"] > fused.memory["activations_gib"]
+        assert eager.speed["compute_s"] - fused.speed["compute_s"] == pytest.approx(
+            share * slots * micro_batch / 16 * moe_layers * speed.FUSED_COMBINE_SAVED_BYTES / bw, abs=1.5e-4
+        )
 
 
 def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
