@@ -1,8 +1,9 @@
 """GPU probe of where the routed experts' FP8 grouped GEMM spends its time (torchao 0.18's rowwise recipe,
 `_to_fp8_rowwise_then_scaled_grouped_mm`, which fp8_gemm_bench.py measured at 0.88x bf16 at V3's width):
-each of its nine pieces (three casts of activations/gradients, two of the weights, three scaled grouped
-GEMMs, the fused per-group cast for the weight gradient) timed alone beside the three bf16 grouped GEMMs
-they replace, for both of an expert's products (gate+up fused, down). Prints a table and writes JSON.
+each of its eight pieces (five cast kernels: the activations' and the output gradient's row casts, the
+weights' two, the per-group cast of both sides of the weight gradient; three scaled grouped GEMMs)
+timed alone beside the three bf16 grouped GEMMs they replace, for both of an expert's products (gate+up
+fused, down). Prints a table and writes JSON; its recipe and variants are sums of the pieces.
 
     python3 bench/fp8_experts_probe.py --width v3 --out $OUT/h100-fp8-experts-probe-DATE.json
 

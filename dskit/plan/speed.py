@@ -145,11 +145,13 @@ HOST_MICRO_STEP_FUSED_S = 0.015
 #: and their casts, both ways. Measured, not fitted: 43.8 ms a step at 65,536 tokens over 3 MoE layers of
 #: V2-Lite on one H200, in one call (bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json)
 FUSED_COMBINE_SAVED_BYTES = 87.0
-#: ... from how many tokens a micro-step that saving is all there. At the switch (memory.FUSED_COMBINE_MIN_TOKENS,
-#: 32,768) it measured none: one H100, two shapes, each step as fast as the model without the saving
-#: (+0.1%, +0.9%) and 13-14% slower than with it, where the five shapes of 1,024-16,384 tokens beside them were
-#: within -1..+5% (bench/results/calibration/h100-calibrate-loop-*-2026-12-06.json); at 65,536 it measured all of
-#: it (the H200 above). Between the two the share grows linearly: no run has measured it there
+#: ... from how many tokens a micro-step that saving is all there: at 65,536, measured (the H200 above). At the
+#: switch (memory.FUSED_COMBINE_MIN_TOKENS, 32,768) the share is set to none, fitted to residuals, not measured
+#: against the eager sum: on one H100 two shapes of 32,768 tokens ran as fast as the model without the saving
+#: (-0.1%, +0.7%) and 13-14% slower than with all of it, where five shapes of 1,024-16,384 tokens beside them were
+#: within -1..+5% (bench/results/calibration/h100-calibrate-loop-*-2026-12-06.json); the same H100 shape a day
+#: earlier, its GEMM probe 8% lower, is -5% with none and +8% with all of it (h100-calibrate-candidates-s1024-).
+#: Between the two ends the share grows linearly
 FUSED_COMBINE_FULL_TOKENS = 65536
 #: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
 #: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
