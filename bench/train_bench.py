@@ -160,6 +160,14 @@ HOST_SYNC: dict[str, tuple[list[str], dict]] = {
     for layers, seq, gb in ((6, 1024, 2), (3, 4096, 1), (8, 2048, 1), (4, 2048, 2))
     for side, patch in (("plan default", {}), ("ThroughputTimer synchronised (before)", TIMER_ON))
 }
+#: AutoEP's fused top-k combine, which the plan turns on from 32,768 tokens a micro-step (dskit/plan/memory.py
+#: `fused_combine`), against its eager weighted sum at that size (dskit/plan/speed.py says why the plan
+#: credits it no time). Seq 4096, micro-batch 8, one micro-step a step
+EAGER_COMBINE = {"expert_parallel": {"combine_impl": "weighted_sum"}}
+COMBINE: dict[str, tuple[list[str], dict]] = {
+    f"32768 tokens, {side}": (["training.global_batch=8", "overrides.micro_batch=8"], patch)
+    for side, patch in (("plan default (fused combine)", {}), ("eager weighted sum", EAGER_COMBINE))
+}
 S300 = ["training.steps=300", "training.log_every=1"]
 FP8_SHAPES = {"mb2": [], "gb16": GB16}
 FP8: dict[str, tuple[list[str], dict]] = {  # speed: bf16 and each recipe in one call, per shape
@@ -329,6 +337,9 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="run only ATTENTION (FA4 against cuDNN SDPA)")
     ap.add_argument("--host-sync", action="store_true", help="run only HOST_SYNC (the timer's syncs)")
     ap.add_argument("--fp8", action="store_true", help="run only FP8: bf16 and each FP8 recipe, per shape")
+    ap.add_argument(
+        "--combine", action="store_true", help="run only COMBINE (fused against eager at 32,768 tokens)"
+    )
     ap.add_argument("--fp8-curves", action="store_true", help="run only FP8_CURVES (300-step loss curves)")
     ap.add_argument("--model", default=MODEL, help=f"the model preset (default {MODEL}), cut to --layers")
     ap.add_argument(
@@ -378,6 +389,7 @@ def main() -> None:
         "host_sync": HOST_SYNC,
         "fp8": FP8,
         "fp8_curves": FP8_CURVES,
+        "combine": COMBINE,
     }
     chosen = [g for g in groups if getattr(a, g)]
     if len(chosen) > 1:

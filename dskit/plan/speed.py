@@ -57,7 +57,7 @@ from dskit.plan import model_math
 from dskit.plan.adapters import Tuning
 from dskit.plan.candidate import Candidate, Cluster, Layout, Workload
 from dskit.plan.links import Links
-from dskit.plan.memory import FUSED_COMBINE_MIN_TOKENS, flat_gradients, fused_combine, one_rank_fused
+from dskit.plan.memory import flat_gradients, one_rank_fused
 from dskit.plan.model_math import ModelCounts
 from dskit.plan.prefetch import PERSISTENCE_THRESHOLD, gathered_layer_params, max_live, prefetched_share
 from dskit.plan.shape import ModelShape
@@ -139,20 +139,13 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 #: overlap_comm and its synchronisations, and no run there has measured this: they keep HOST_MICRO_STEP_S
 #: (docs/planner.md "Small micro-steps")
 HOST_MICRO_STEP_FUSED_S = 0.015
-#: what AutoEP's fused top-k combine saves against the eager weighted sum (dskit/plan/memory.py
-#: `fused_combine`), bytes at the GPU's memory rate per (token, routed copy, hidden element) and MoE layer,
-#: forward and backward together: the eager sum's scatter into a zeroed buffer, its fp32 product and sum
-#: and their casts, both ways. Measured, not fitted: 43.8 ms a step at 65,536 tokens over 3 MoE layers of
-#: V2-Lite on one H200, in one call (bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json)
-FUSED_COMBINE_SAVED_BYTES = 87.0
-#: ... from how many tokens a micro-step that saving is all there: at 65,536, measured (the H200 above). At the
-#: switch (memory.FUSED_COMBINE_MIN_TOKENS, 32,768) the share is set to none, fitted to residuals, not measured
-#: against the eager sum: on one H100 two shapes of 32,768 tokens ran as fast as the model without the saving
-#: (-0.1%, +0.7%) and 13-14% slower than with all of it, where five shapes of 1,024-16,384 tokens beside them were
-#: within -1..+5% (bench/results/calibration/h100-calibrate-loop-*-2026-12-06.json); the same H100 shape a day
-#: earlier, its GEMM probe 8% lower, is -5% with none and +8% with all of it (h100-calibrate-candidates-s1024-).
-#: Between the two ends the share grows linearly
-FUSED_COMBINE_FULL_TOKENS = 65536
+#: AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`) is measured faster than its eager
+#: weighted sum, in one call each: 9% at 65,536 tokens a micro-step on an H200 (43.8 ms a step,
+#: bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json), 9% at 32,768 on an H100 (24 ms,
+#: bench/results/training/h100-combine-s4096mb8-2026-12-06.json). The step-time model credits none of it: its
+#: step, fitted on the eager sum at smaller micro-steps, predicts the fused runs at those sizes within 1% (five
+#: runs on two GPUs: those two, three of bench/calibrate_loop.py's on the H100) and the eager ones 9-10% fast;
+#: crediting the saving made the fused predictions 10-14% fast. Its memory saving is counted (memory.py)
 #: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
 #: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
 #: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
@@ -424,13 +417,9 @@ def predict(
         gpu_pass *= LORA_LAYER_PASS_FACTOR
         weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
         dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)
-    combine = 0.0  # the fused combine's saving, forward and backward (a recomputed forward: half the pair's)
-    if c.moe_layers and fused_combine(not gpu.is_cpu, T, layout.world, w.precision):
-        slots = T * w.shape.active_experts * w.shape.hidden * c.moe_layers * (1 + frac / 2)
-        combine = slots * FUSED_COMBINE_SAVED_BYTES / (gpu.memory_bw_gbs * GB) * fused_combine_share(T)
     return StepTime(
-        # the eager combine's passes scale with the tokens, as the FLOPs do: GEMM_EFFICIENCY absorbed them
-        compute_s=grad_accum * (compute - combine),
+        # the combine's passes scale with the tokens, as the FLOPs do: GEMM_EFFICIENCY absorbs them, fused or not
+        compute_s=grad_accum * compute,
         # the per-layer GPU work: launches and small kernels per layer pass, and an FP8 base's dequantising
         layer_gpu_s=grad_accum * (gpu_pass * passes.total + dequant),
         collectives_s=grad_accum * per_micro,
@@ -549,13 +538,6 @@ def _scaled_flops(c: ModelCounts, flops_per_token: float, scales: Scales) -> flo
     by the GEMM probe (dskit/calibrate/scales.py): each at this cluster's rate relative to the reference."""
     attention = min(c.attn_flops_per_token, flops_per_token)
     return (flops_per_token - attention) * scales.compute + attention * scales.attention
-
-
-def fused_combine_share(tokens: int) -> float:
-    """The share of FUSED_COMBINE_SAVED_BYTES' saving a micro-step of `tokens` gets once AutoEP's fused combine
-    is on: none at the switch, all from FUSED_COMBINE_FULL_TOKENS, linear between (as measured at each end)."""
-    start = FUSED_COMBINE_MIN_TOKENS
-    return min(1.0, max(0.0, (tokens - start) / (FUSED_COMBINE_FULL_TOKENS - start)))
 
 
 def _compute_s(

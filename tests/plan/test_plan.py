@@ -140,8 +140,9 @@ def test_an_overlapped_optimizer_lengthens_the_gpu_timeline_it_joins():
 
 def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
     """AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`): on a GPU, one rank, from
-    FUSED_COMBINE_MIN_TOKENS tokens per micro-step; less memory and time than the eager weighted sum."""
-    from dskit.plan import memory, speed
+    FUSED_COMBINE_MIN_TOKENS tokens per micro-step; less memory than the eager weighted sum, the same
+    predicted time (dskit/plan/speed.py: measured faster, but the fitted step already matches it)."""
+    from dskit.plan import memory
     from dskit.plan.memory import FUSED_COMBINE_MIN_TOKENS
 
     def combine(*sets: str, gpus: int = 1, gpu: str = "h200-141gb"):
@@ -164,36 +165,14 @@ def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
     # against the same plan combining eagerly: the transients it does not allocate, the bytes it does not move
     monkeypatch.setattr(memory, "FUSED_COMBINE", False)
     eager, *_ = combine("training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=16")
-    cfg, moe_layers = big.model.config, 3  # 4 layers, the first dense
-    slots = 16 * 4096 * cfg["num_experts_per_tok"] * cfg["hidden_size"]
+    cfg = big.model.config
     assert (eager.memory["activations_gib"] - big.memory["activations_gib"]) * 2**30 == pytest.approx(
         memory.combine_transient_bytes(ModelShape.from_config(cfg), 16 * 4096),
         abs=0.011 * 2**30,  # both rounded to 0.01 GiB
     )
-    bw = catalog.gpu("h200-141gb").memory_bw_gbs * 1e9
-    assert eager.speed["compute_s"] - big.speed["compute_s"] == pytest.approx(
-        slots * moe_layers * speed.FUSED_COMBINE_SAVED_BYTES / bw,
-        abs=1.5e-4,  # both rounded to 0.1 ms
-    )
-    # the time it saves grows from none at the switch (measured on an H100) to all of it at
-    # FUSED_COMBINE_FULL_TOKENS (the H200's measurement); its memory saving is there from the switch
-    assert speed.FUSED_COMBINE_FULL_TOKENS == 16 * 4096
-    monkeypatch.setattr(memory, "FUSED_COMBINE", True)
-    for micro_batch, share in ((8, 0.0), (12, 0.5)):
-        sets = (
-            "training.seq_len=4096",
-            f"training.global_batch={micro_batch}",
-            f"overrides.micro_batch={micro_batch}",
-        )
-        fused, tokens, impl = combine(*sets)
-        assert impl == "fused_weighted_sum" and speed.fused_combine_share(tokens) == share
-        monkeypatch.setattr(memory, "FUSED_COMBINE", False)
-        eager, *_ = combine(*sets)
-        monkeypatch.setattr(memory, "FUSED_COMBINE", True)
-        assert eager.memory["activations_gib"] > fused.memory["activations_gib"]
-        assert eager.speed["compute_s"] - fused.speed["compute_s"] == pytest.approx(
-            share * slots * micro_batch / 16 * moe_layers * speed.FUSED_COMBINE_SAVED_BYTES / bw, abs=1.5e-4
-        )
+    # and no time off: the model's step, fitted on the eager sum, already predicts the fused runs (speed.py)
+    assert eager.speed["compute_s"] == big.speed["compute_s"]
+    assert eager.speed["tokens_per_s_per_gpu"] == big.speed["tokens_per_s_per_gpu"]
 
 
 def test_gpu_without_bf16_gets_fp16_with_dynamic_loss_scaling():
