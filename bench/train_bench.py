@@ -363,7 +363,7 @@ def main() -> None:
     result = {
         **runs.header(),
         "gpus": torch.cuda.device_count(),
-        "shape": f"{f'slice {a.slice}' if a.slice else f'{a.model}, {a.layers or 4} layers'}, seq {a.seq_len or 4096}, micro-batch 2 per GPU, {a.gpus} "
+        "shape": f"{f'slice {a.slice}' if a.slice else f'{a.model}, {a.layers or 4} layers'}, seq {a.seq_len or 4096}, micro-batch 2 per GPU unless a row sets it, {a.gpus} "
         "GPU(s), EP = GPUs; each row's plan says its ZeRO stage and precision",
         "rows": [],
     }

@@ -223,7 +223,7 @@ def fused_combine(on_gpu: bool, tokens: int, world: int, precision: str) -> bool
     FUSED_COMBINE_MIN_TOKENS tokens per micro-step, on one rank in bf16, where it was measured (fp16 GPUs
     are older than the Triton kernels AutoEP ships were written for). Several ranks keep
     the eager combine until a run there measures it: under EP the kernel restores rows an all-to-all
-    brought back, a path no lent machine has run, and its saving alone would move multi-node picks (to
+    brought back, a path no lent machine has run, and its memory saving alone would move multi-node picks (to
     EP 1 and longer micro-steps) on the strength of one GPU."""
     return (
         FUSED_COMBINE and on_gpu and precision == "bf16" and world == 1 and tokens >= FUSED_COMBINE_MIN_TOKENS

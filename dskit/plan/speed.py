@@ -139,13 +139,15 @@ HOST_LAYER_PASS_COMPILED_ATTENTION_S = 0.0055
 #: overlap_comm and its synchronisations, and no run there has measured this: they keep HOST_MICRO_STEP_S
 #: (docs/planner.md "Small micro-steps")
 HOST_MICRO_STEP_FUSED_S = 0.015
-#: AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`) is measured faster than its eager
-#: weighted sum, in one call each: 9% at 65,536 tokens a micro-step on an H200 (43.8 ms a step,
-#: bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json), 9% at 32,768 on an H100 (24 ms,
-#: bench/results/training/h100-combine-s4096mb8-2026-12-06.json). The step-time model credits none of it: its
-#: step, fitted on the eager sum at smaller micro-steps, predicts the fused runs at those sizes within 1% (five
-#: runs on two GPUs: those two, three of bench/calibrate_loop.py's on the H100) and the eager ones 9-10% fast;
-#: crediting the saving made the fused predictions 10-14% fast. Its memory saving is counted (memory.py)
+# AutoEP's fused top-k combine (dskit/plan/memory.py `fused_combine`) is measured faster than its eager
+# weighted sum, in one call each: 9% at 65,536 tokens a micro-step on an H200 (43.8 ms a step,
+# bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json), 9% at 32,768 on an H100 (23.5 ms,
+# bench/results/training/h100-combine-s4096mb8-2026-12-06.json). The step-time model takes none of it off:
+# its step, fitted on the eager sum at smaller micro-steps, predicts the fused runs of 2026-12-06 at those
+# sizes within 1% (five runs on two GPUs: those two, three of bench/calibrate_loop.py's on the H100; an
+# H100 run of 2026-12-05 -5%, its GEMM probe 8% lower) and the eager ones 9-10% fast; taking the saving off
+# made the fused predictions 10-15% fast. Its memory saving is counted (memory.py).
+
 #: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer
 #: pass. The UNHOOKED constants were fitted on runs whose backward ran DeepSpeed's per-gradient hooks
 #: (a Python call, a bucket copy and a partition copy per parameter) and absorbed them; here there are
@@ -418,7 +420,8 @@ def predict(
         weights = tuning.fp8_weights_local(layout.ep_size)  # forward, backward, recomputed forwards
         dequant = (2 + frac) * weights * FP8_DEQUANT_BYTES_PER_WEIGHT / (gpu.memory_bw_gbs * GB)
     return StepTime(
-        # the combine's passes scale with the tokens, as the FLOPs do: GEMM_EFFICIENCY absorbs them, fused or not
+        # the combine's passes scale with the tokens, as the FLOPs do: the fitted step matches the fused
+        # combine's runs from 32,768 tokens; the eager one's there (several ranks) come out 9-10% fast
         compute_s=grad_accum * compute,
         # the per-layer GPU work: launches and small kernels per layer pass, and an FP8 base's dequantising
         layer_gpu_s=grad_accum * (gpu_pass * passes.total + dequant),

@@ -162,7 +162,7 @@ def test_autoeps_fused_combine_on_one_gpu_from_its_measured_size(monkeypatch):
     assert ranks[2] == "weighted_sum"  # several ranks: not measured there
     cpu = combine("training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=16", gpu="cpu")
     assert cpu[2] == "weighted_sum"  # a Triton kernel
-    # against the same plan combining eagerly: the transients it does not allocate, the bytes it does not move
+    # against the same plan combining eagerly: the transients it does not allocate
     monkeypatch.setattr(memory, "FUSED_COMBINE", False)
     eager, *_ = combine("training.seq_len=4096", "training.global_batch=16", "overrides.micro_batch=16")
     cfg = big.model.config
