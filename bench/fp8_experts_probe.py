@@ -41,9 +41,8 @@ def pieces(m: int, experts: int, k: int, n: int) -> dict[str, float]:
     offs = torch.arange(m // experts, m + 1, m // experts, device="cuda", dtype=torch.int32)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     go = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w_t = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16).transpose(
-        -2, -1
-    )  # (e, k, n) col-major
+    # (e, k, n), column-major per expert as the kernels require
+    w_t = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16).transpose(-2, -1)
     x8, xs = cast_rows(x, output_dtype=f8, round_scales_to_power_of_2=True)
     w8, ws = cast_w(w_t, output_dtype=f8, round_scales_to_power_of_2=True)
     go8, gos = cast_rows(go, output_dtype=f8, round_scales_to_power_of_2=True)

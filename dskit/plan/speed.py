@@ -143,9 +143,9 @@ HOST_MICRO_STEP_FUSED_S = 0.015
 # weighted sum, in one call each: 9% at 65,536 tokens a micro-step on an H200 (43.8 ms a step,
 # bench/results/peer/h200-vs-torchtitan-combine-2026-12-04.json), 9% at 32,768 on an H100 (23.5 ms,
 # bench/results/training/h100-combine-s4096mb8-2026-12-06.json). The step-time model takes none of it off:
-# its step, fitted on the eager sum at smaller micro-steps, predicts the fused runs of 2026-12-06 at those
-# sizes within 1% (five runs on two GPUs: those two, three of bench/calibrate_loop.py's on the H100; an
-# H100 run of 2026-12-05 -5%, its GEMM probe 8% lower) and the eager ones 9-10% fast; taking the saving off
+# its step, fitted on the eager sum at smaller micro-steps, predicts the fused runs at those sizes within
+# 1% (five runs on two GPUs: those two, three of bench/calibrate_loop.py's on the H100; an H100 run of
+# 2026-12-05 -5%, its GEMM probe 8% lower) and the eager ones 9-10% fast; taking the saving off
 # made the fused predictions 10-15% fast. Its memory saving is counted (memory.py).
 
 #: ZeRO-1/2 with its gradients flat on one rank (dskit/train/flat_grads.py): GPU and host time per layer

@@ -65,6 +65,12 @@ def test_every_measured_candidate_is_predicted_within_10_percent(entry, candidat
         assert abs(speed) <= BAND and abs(memory) <= BAND, (m["candidate"], f"{speed:+.1%}", f"{memory:+.1%}")
 
 
+def _one_gpu_plan(gpu: str, sets: list[str]):
+    """The plan and its searched candidates for one GPU of profile `gpu`, run without a container."""
+    flags = {"hardware.gpu": gpu, "hardware.gpus_per_node": 1, "runtime.kind": "none"}
+    return build_plan_searched(load_spec(None, sets, flags))
+
+
 def test_the_loop_covers_seq_1024_to_8192_and_micro_batch_1_to_32():
     files = results("h100-calibrate-loop")
     assert not [
@@ -84,8 +90,7 @@ def test_every_candidate_of_the_loop_is_predicted_within_10_percent(row, tmp_pat
     """bench/calibrate_loop.py's rows: the calibration each shape wrote, given to today's plan again."""
     cal = tmp_path / "calibration.json"
     cal.write_text(json.dumps(row["calibration"]))
-    flags = {"hardware.gpu": row["gpu"], "hardware.gpus_per_node": 1, "runtime.kind": "none"}
-    _, found = build_plan_searched(load_spec(None, [*row["sets"], f"hardware.calibration={cal}"], flags))
+    _, found = _one_gpu_plan(row["gpu"], [*row["sets"], f"hardware.calibration={cal}"])
     (plan_row,) = [r for r in found.rows if r.candidate.describe() == row["candidate"]]
     speed = plan_row.speed.tokens_per_s / row["measured_tokens_per_s"] - 1
     memory = plan_row.fit.steady.total_gib / row["measured_peak_gib"] - 1
@@ -109,8 +114,7 @@ def test_the_fused_combine_at_its_switch_is_predicted_within_10_percent():
         "training.global_batch=8",
         "overrides.micro_batch=8",
     ]
-    flags = {"hardware.gpu": "h100-80gb", "hardware.gpus_per_node": 1, "runtime.kind": "none"}
-    plan, _ = build_plan_searched(load_spec(None, sets, flags))
+    plan, _ = _one_gpu_plan("h100-80gb", sets)
     assert plan.deepspeed["expert_parallel"]["combine_impl"] == "fused_weighted_sum"
     speed = plan.speed["tokens_per_s_per_gpu"] / fused["tok_s_gpu"] - 1
     memory = plan.memory["total_gib"] / fused["peak_reserved_gb"] - 1
