@@ -114,8 +114,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", required=True, help='"SEQ GLOBAL_BATCH" (repeatable)')
     ap.add_argument("--gpu", required=True, help="the GPU's catalog profile (h100-80gb, h200-141gb)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--candidates", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4, choices=range(1, 61), metavar="1..60")
+    ap.add_argument("--candidates", type=int, default=2, choices=range(1, 33), metavar="1..32")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, required=True)
     a = ap.parse_args()
@@ -125,6 +125,8 @@ def main() -> None:
             seq, batch = (int(x) for x in s.split())
         except ValueError:
             ap.error(f"--shape {s!r}: expected two integers, SEQ GLOBAL_BATCH")
+        if seq < 1 or batch < 1:
+            ap.error(f"--shape {s!r}: SEQ and GLOBAL_BATCH must be positive")
         shapes.append((seq, batch))
     result = {**runs.header(), "band": BAND, "rows": []}
     print(
